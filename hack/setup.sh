@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# One-command set-up of a development/CI node: system deps, Python venv, native build.
+#
+#   sudo hack/setup.sh
+#
+# Runs hack/install-deps.sh, creates .venv (python3 -m venv) with the package installed
+# editable plus its test extras, then runs `make` when a top-level Makefile exists.
+# Idempotent: a second run only re-checks. Set REKINDLE_SKIP_DEPS=1 to skip the system part.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+step() { echo "==> $*"; }
+
+if [ "${REKINDLE_SKIP_DEPS:-0}" != 1 ]; then
+    step "system dependencies (hack/install-deps.sh)"
+    "$root/hack/install-deps.sh"
+fi
+
+venv=${REKINDLE_VENV:-$root/.venv}
+if [ ! -x "$venv/bin/python" ]; then
+    step "creating $venv"
+    python3 -m venv "$venv"
+fi
+step "installing the package into $venv (pip install -e '.[test]')"
+"$venv/bin/python" -m pip install -q --disable-pip-version-check -e '.[test]'
+
+if [ -f "$root/Makefile" ]; then
+    step "building native parts (make)"
+    make -C "$root" --no-print-directory
+fi
+step "done; activate with: . ${venv#"$root"/}/bin/activate"
