@@ -30,7 +30,7 @@ strip_gogo "$src/k8s.io/cri-api/pkg/apis/runtime/v1/api.proto" > runtime/contain
 strip_gogo "$src/github.com/containerd/containerd/api/services/containers/v1/containers.proto" \
   > runtime/containerd/proto/containers.proto
 
-"$PY" -m grpc_tools.protoc -I . --python_out=. "$nri"
+"$PY" -m grpc_tools.protoc -I . --python_out=. "$nri" nri_plugin/proto/ttrpc.proto
 "$PY" -m grpc_tools.protoc -I . --python_out=. --grpc_python_out=. \
     runtime/containerd/proto/cri_api.proto runtime/containerd/proto/containers.proto
 echo "generated: $(ls nri_plugin/proto/*_pb2.py runtime/containerd/proto/*_pb2*.py | tr '\n' ' ')"

@@ -1,0 +1,280 @@
+"""The NRI plugin stub: connection, registration, Configure/Synchronize, event dispatch.
+
+A plugin is a plain object implementing only the handlers it needs (as in containerd/nri's Go
+stub); the event mask is built from the handlers present and capped to what the runtime's NRI
+version accepts. Handler names and signatures:
+
+    configure(config: str, runtime: RuntimeInfo) -> None
+    synchronize(pods, containers) -> list[ContainerUpdate]
+    create_container(pod, container) -> CreateContainerResponse
+    update_container(pod, container, resources) -> list[ContainerUpdate]
+    stop_container(pod, container) -> list[ContainerUpdate]
+    run_pod_sandbox / stop_pod_sandbox / remove_pod_sandbox(pod) -> None
+    post_create_container / start_container / post_start_container /
+    post_update_container / remove_container(pod, container) -> None
+    on_disconnect(error) -> None
+
+Handlers may be plain functions (run in a worker thread) or coroutines. Every reply is sent
+within the runtime's request timeout minus a safety margin: a handler that overruns its budget
+is abandoned and the stub answers with an empty reply (no adjustment), so a slow plugin never
+gets itself disconnected and the container simply starts unadjusted.
+
+Lifecycle: ``run()`` connects (socket path, or the fd a runtime passes to a pre-launched plugin),
+registers, serves until the runtime closes the connection, then reconnects with capped
+exponential backoff (containerd restarts drop every plugin; NRI never reconnects on its own).
+The runtime re-sends Configure and Synchronize after each registration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .events import Event, RuntimeInfo, describe_mask, event_mask
+from .proto import nri_api_pb2 as api
+from .transport.errors import Code, ConnectionClosed, RpcError, TransportError
+from .transport.mux import PLUGIN_SERVICE_CONN, RUNTIME_SERVICE_CONN, MuxTrunk
+from .transport.ttrpc import Handler, TtrpcClient, TtrpcServer
+
+log = logging.getLogger(__name__)
+
+PLUGIN_SERVICE = "nri.pkg.api.v1alpha1.Plugin"
+RUNTIME_SERVICE = "nri.pkg.api.v1alpha1.Runtime"
+DEFAULT_SOCKET = "/var/run/nri/nri.sock"
+DEFAULT_REQUEST_TIMEOUT = 2.0
+# Time kept back from the runtime's deadline for serialisation, the socket and scheduling.
+REPLY_MARGIN = 0.4
+
+# StateChange events and the plugin method each one calls.
+STATE_HANDLERS: dict[Event, str] = {
+    Event.RUN_POD_SANDBOX: "run_pod_sandbox",
+    Event.STOP_POD_SANDBOX: "stop_pod_sandbox",
+    Event.REMOVE_POD_SANDBOX: "remove_pod_sandbox",
+    Event.POST_CREATE_CONTAINER: "post_create_container",
+    Event.START_CONTAINER: "start_container",
+    Event.POST_START_CONTAINER: "post_start_container",
+    Event.POST_UPDATE_CONTAINER: "post_update_container",
+    Event.REMOVE_CONTAINER: "remove_container",
+}
+REQUEST_HANDLERS: dict[Event, str] = {
+    Event.CREATE_CONTAINER: "create_container",
+    Event.UPDATE_CONTAINER: "update_container",
+    Event.STOP_CONTAINER: "stop_container",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    name: str
+    idx: str
+
+    def __post_init__(self) -> None:
+        if len(self.idx) != 2 or not self.idx.isdigit():
+            raise ValueError(f"plugin index must be two digits, got {self.idx!r}")
+        if not self.name or not all(c.isalnum() or c in "_.+-" for c in self.name):
+            raise ValueError(f"plugin name must match [a-zA-Z0-9_.+-]+, got {self.name!r}")
+
+
+def subscribed_events(plugin: object) -> set[Event]:
+    """Events for which the plugin has a handler."""
+    names = {**STATE_HANDLERS, **REQUEST_HANDLERS}
+    return {ev for ev, meth in names.items() if callable(getattr(plugin, meth, None))}
+
+
+class Stub:
+    def __init__(
+        self,
+        plugin: object,
+        identity: Identity,
+        *,
+        socket_path: str = DEFAULT_SOCKET,
+        preconnected_fd: int | None = None,
+        max_backoff: float = 10.0,
+    ) -> None:
+        self.plugin = plugin
+        self.identity = identity
+        self.socket_path = socket_path
+        self.preconnected_fd = preconnected_fd
+        self.max_backoff = max_backoff
+        self.runtime: RuntimeInfo | None = None
+        self.request_timeout = DEFAULT_REQUEST_TIMEOUT
+        self.synchronized = asyncio.Event()
+        self.connections = 0
+        self._client: TtrpcClient | None = None
+        self._sync_pods: list[Any] = []
+        self._sync_containers: list[Any] = []
+        self._stopping = False
+        self._trunk: MuxTrunk | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    async def run(self) -> None:
+        """Serve, reconnecting with backoff, until ``stop()``."""
+        backoff = 0.2
+        while not self._stopping:
+            try:
+                error = await self.serve_once()
+                log.warning("disconnected from the runtime: %s", error or "closed")
+                backoff = 0.2 if self.synchronized.is_set() else backoff
+            except (OSError, TransportError) as exc:
+                log.info("cannot reach NRI at %s: %s (retrying in %.1fs)", self.socket_path, exc, backoff)
+            if self.preconnected_fd is not None or self._stopping:
+                return  # a pre-launched plugin lives and dies with its socket
+            self.synchronized.clear()
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, self.max_backoff)
+
+    def stop(self) -> None:
+        self._stopping = True
+        if self._trunk is not None:
+            self._trunk.close(ConnectionClosed("plugin stopping"))
+
+    async def serve_once(self) -> BaseException | None:
+        """One connection: register, serve until it closes; returns why it closed."""
+        reader, writer = await self._connect()
+        trunk = MuxTrunk(reader, writer)
+        self._trunk = trunk
+        handlers = self._service_handlers()
+        server = TtrpcServer(lambda b: trunk.send(PLUGIN_SERVICE_CONN, b), handlers)
+        client = TtrpcClient(lambda b: trunk.send(RUNTIME_SERVICE_CONN, b))
+        trunk.route(PLUGIN_SERVICE_CONN, server.feed)
+        trunk.route(RUNTIME_SERVICE_CONN, client.feed)
+        reader_task = asyncio.create_task(trunk.run(), name="nri-mux-reader")
+        self._client = client
+        self.connections += 1
+        try:
+            # Serve conn 1 before registering: Configure may arrive before the reply.
+            req = api.RegisterPluginRequest(plugin_name=self.identity.name, plugin_idx=self.identity.idx)
+            await client.call(RUNTIME_SERVICE, "RegisterPlugin", req.SerializeToString(), timeout=2.0)
+            log.info("registered as %s-%s", self.identity.idx, self.identity.name)
+            return await trunk.wait_closed()
+        except RpcError as exc:
+            trunk.close(exc)
+            raise
+        finally:
+            client.close(trunk.error or ConnectionClosed("closed"))
+            server.cancel()
+            reader_task.cancel()
+            await asyncio.gather(reader_task, return_exceptions=True)
+            self._client = None
+            self._trunk = None
+            await self._call_plugin("on_disconnect", trunk.error, budget=None)
+
+    async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        if self.preconnected_fd is not None:
+            sock = socket.socket(fileno=self.preconnected_fd)
+            return await asyncio.open_unix_connection(sock=sock)
+        if not os.path.exists(self.socket_path):
+            raise ConnectionClosed(f"no socket at {self.socket_path}")
+        return await asyncio.open_unix_connection(self.socket_path)
+
+    # ------------------------------------------------------------------ outgoing
+    async def update_containers(self, updates: list[api.ContainerUpdate]) -> list[api.ContainerUpdate]:
+        """Unsolicited updates. Never call this from inside a handler: the runtime holds its
+        lock while waiting for the handler's reply, so the call would deadlock until timeout."""
+        if self._client is None:
+            raise ConnectionClosed("not connected")
+        req = api.UpdateContainersRequest(update=updates)
+        raw = await self._client.call(RUNTIME_SERVICE, "UpdateContainers", req.SerializeToString(), 2.0)
+        return list(api.UpdateContainersResponse.FromString(raw).failed)
+
+    # ------------------------------------------------------------------ incoming
+    def _service_handlers(self) -> dict[tuple[str, str], Handler]:
+        table: dict[str, Handler] = {
+            "Configure": self._configure,
+            "Synchronize": self._synchronize,
+            "Shutdown": self._shutdown,
+            "StateChange": self._state_change,
+            "CreateContainer": self._create_container,
+            "UpdateContainer": self._update_container,
+            "StopContainer": self._stop_container,
+        }
+        return {(PLUGIN_SERVICE, meth): h for meth, h in table.items()}
+
+    def _budget(self, deadline: float | None) -> float:
+        limit = min(deadline, self.request_timeout) if deadline else self.request_timeout
+        return max(limit - REPLY_MARGIN, 0.1)
+
+    async def _call_plugin(self, name: str, *args: Any, budget: float | None) -> Any:
+        """Run a plugin handler within ``budget`` seconds; None if absent or overrun."""
+        fn: Callable[..., Any] | None = getattr(self.plugin, name, None)
+        if not callable(fn):
+            return None
+        if inspect.iscoroutinefunction(fn):
+            coro = fn(*args)
+        else:
+            coro = asyncio.to_thread(fn, *args)
+        try:
+            return await asyncio.wait_for(coro, budget) if budget else await coro
+        except asyncio.TimeoutError:
+            log.error("handler %s overran its %.2fs budget; replying without changes", name, budget)
+            return None
+
+    async def _configure(self, payload: bytes, deadline: float | None) -> bytes:
+        req = api.ConfigureRequest.FromString(payload)
+        has_timeouts = bool(req.request_timeout or req.registration_timeout)
+        self.runtime = RuntimeInfo.from_configure(req.runtime_name, req.runtime_version, has_timeouts)
+        if req.request_timeout:
+            self.request_timeout = req.request_timeout / 1000.0
+        mask = event_mask(subscribed_events(self.plugin)) & self.runtime.valid_events
+        if not mask:
+            raise RpcError(Code.FAILED_PRECONDITION, "plugin subscribes to no event")
+        log.info("configured by %s; events %s", self.runtime, describe_mask(mask))
+        await self._call_plugin("configure", req.config, self.runtime, budget=self._budget(deadline))
+        return api.ConfigureResponse(events=mask).SerializeToString()
+
+    async def _synchronize(self, payload: bytes, deadline: float | None) -> bytes:
+        req = api.SynchronizeRequest.FromString(payload)
+        self._sync_pods.extend(req.pods)
+        self._sync_containers.extend(req.containers)
+        if req.more:
+            # Split sync (NRI >= 0.8): acknowledge each chunk, updates only in the last reply.
+            return api.SynchronizeResponse(more=True).SerializeToString()
+        pods, containers = self._sync_pods, self._sync_containers
+        self._sync_pods, self._sync_containers = [], []
+        updates = await self._call_plugin("synchronize", pods, containers, budget=self._budget(deadline))
+        self.synchronized.set()
+        log.info("synchronized: %d pods, %d containers", len(pods), len(containers))
+        return api.SynchronizeResponse(update=updates or []).SerializeToString()
+
+    async def _shutdown(self, payload: bytes, deadline: float | None) -> bytes:
+        await self._call_plugin("shutdown", budget=self._budget(deadline))
+        return b""
+
+    async def _state_change(self, payload: bytes, deadline: float | None) -> bytes:
+        req = api.StateChangeEvent.FromString(payload)
+        try:
+            event = Event(req.event)
+        except ValueError:
+            log.debug("ignoring unknown event %d", req.event)
+            return b""
+        meth = STATE_HANDLERS.get(event)
+        if meth is None:
+            return b""
+        args = (req.pod,) if event in (Event.RUN_POD_SANDBOX, Event.STOP_POD_SANDBOX,
+                                       Event.REMOVE_POD_SANDBOX) else (req.pod, req.container)
+        await self._call_plugin(meth, *args, budget=self._budget(deadline))
+        return b""
+
+    async def _create_container(self, payload: bytes, deadline: float | None) -> bytes:
+        req = api.CreateContainerRequest.FromString(payload)
+        resp = await self._call_plugin("create_container", req.pod, req.container,
+                                       budget=self._budget(deadline))
+        return (resp or api.CreateContainerResponse()).SerializeToString()
+
+    async def _update_container(self, payload: bytes, deadline: float | None) -> bytes:
+        req = api.UpdateContainerRequest.FromString(payload)
+        updates = await self._call_plugin("update_container", req.pod, req.container,
+                                          req.linux_resources, budget=self._budget(deadline))
+        return api.UpdateContainerResponse(update=updates or []).SerializeToString()
+
+    async def _stop_container(self, payload: bytes, deadline: float | None) -> bytes:
+        req = api.StopContainerRequest.FromString(payload)
+        updates = await self._call_plugin("stop_container", req.pod, req.container,
+                                          budget=self._budget(deadline))
+        return api.StopContainerResponse(update=updates or []).SerializeToString()
