@@ -1,0 +1,147 @@
+"""Pod annotations -> what Rekindle should do with one container. Pure: no I/O.
+
+``decide(annotations, container_name)`` returns ``None`` (not ours), an ``Intent``, or raises
+``AnnotationError`` naming the key and the reason. A bad annotation affects only its own pod:
+the caller logs it and leaves the container alone (cold start).
+
+Keys (pod annotations, documented in the README):
+  rekindle.dev/checkpoint       NAME   this container is a checkpoint source
+  rekindle.dev/restore          NAME   start this container from artifact NAME
+  rekindle.dev/container        CTR    which container the keys apply to (default: all)
+  rekindle.dev/ready-probe      file | http://[host]:PORT[/path] | tcp://[host]:PORT
+  rekindle.dev/after-checkpoint keep-running | exit
+  rekindle.dev/restore-timeout  seconds (1..86400)
+Unknown ``rekindle.dev/`` keys are errors (typos must not silently disable a restore).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from enum import Enum
+from urllib.parse import urlsplit
+
+from runtime.errors import AnnotationError
+
+PREFIX = "rekindle.dev/"
+CHECKPOINT = PREFIX + "checkpoint"
+RESTORE = PREFIX + "restore"
+CONTAINER = PREFIX + "container"
+READY_PROBE = PREFIX + "ready-probe"
+AFTER_CHECKPOINT = PREFIX + "after-checkpoint"
+RESTORE_TIMEOUT = PREFIX + "restore-timeout"
+KNOWN_KEYS = {CHECKPOINT, RESTORE, CONTAINER, READY_PROBE, AFTER_CHECKPOINT, RESTORE_TIMEOUT}
+
+DEFAULT_RESTORE_TIMEOUT = 1800
+MAX_RESTORE_TIMEOUT = 86400
+
+_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+class Role(Enum):
+    CHECKPOINT = "checkpoint"
+    RESTORE = "restore"
+
+
+class AfterCheckpoint(Enum):
+    KEEP_RUNNING = "keep-running"
+    EXIT = "exit"
+
+
+class ProbeKind(Enum):
+    FILE = "file"
+    HTTP = "http"
+    TCP = "tcp"
+
+
+@dataclass(frozen=True, slots=True)
+class ReadyProbe:
+    kind: ProbeKind
+    host: str = "127.0.0.1"
+    port: int = 0
+    path: str = "/"
+
+    def __str__(self) -> str:
+        if self.kind is ProbeKind.FILE:
+            return "file"
+        suffix = self.path if self.kind is ProbeKind.HTTP else ""
+        return f"{self.kind.value}://{self.host}:{self.port}{suffix}"
+
+
+@dataclass(frozen=True, slots=True)
+class Intent:
+    role: Role
+    artifact: str
+    ready_probe: ReadyProbe = ReadyProbe(ProbeKind.FILE)
+    after_checkpoint: AfterCheckpoint = AfterCheckpoint.KEEP_RUNNING
+    restore_timeout: int = DEFAULT_RESTORE_TIMEOUT
+
+
+def valid_artifact_name(name: str) -> bool:
+    return len(name) <= 63 and name not in (".", "..") and bool(_NAME.match(name))
+
+
+def valid_dns_label(value: str) -> bool:
+    return len(value) <= 63 and bool(_DNS_LABEL.match(value))
+
+
+def parse_probe(value: str) -> ReadyProbe:
+    if value == "file":
+        return ReadyProbe(ProbeKind.FILE)
+    parts = urlsplit(value)
+    if parts.scheme not in ("http", "tcp"):
+        raise AnnotationError(READY_PROBE, f"scheme must be file, http or tcp, got {value!r}")
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if not port:
+        raise AnnotationError(READY_PROBE, f"needs a port in 1..65535: {value!r}")
+    host = parts.hostname or "127.0.0.1"
+    if parts.scheme == "tcp" and parts.path not in ("", "/"):
+        raise AnnotationError(READY_PROBE, "a tcp probe takes no path")
+    if parts.query or parts.fragment or parts.username:
+        raise AnnotationError(READY_PROBE, "no query, fragment or credentials allowed")
+    return ReadyProbe(ProbeKind(parts.scheme), host, port, parts.path or "/")
+
+
+def decide(annotations: dict[str, str], container_name: str) -> Intent | None:
+    """The intent for ``container_name`` from its pod's annotations, if any."""
+    ours = {k: v for k, v in annotations.items() if k.startswith(PREFIX)}
+    if not ours:
+        return None
+    unknown = sorted(set(ours) - KNOWN_KEYS)
+    if unknown:
+        raise AnnotationError(unknown[0], f"unknown key (known: {', '.join(sorted(KNOWN_KEYS))})")
+    target = ours.get(CONTAINER)
+    if target is not None:
+        if not valid_dns_label(target):
+            raise AnnotationError(CONTAINER, f"not a container name: {target!r}")
+        if target != container_name:
+            return None
+    if CHECKPOINT in ours and RESTORE in ours:
+        raise AnnotationError(RESTORE, f"a pod cannot be both {CHECKPOINT} and {RESTORE}")
+    if CHECKPOINT in ours:
+        role, key = Role.CHECKPOINT, CHECKPOINT
+    elif RESTORE in ours:
+        role, key = Role.RESTORE, RESTORE
+    else:
+        raise AnnotationError(sorted(ours)[0], f"needs {CHECKPOINT} or {RESTORE} beside it")
+    name = ours[key]
+    if not valid_artifact_name(name):
+        raise AnnotationError(key, f"artifact name must be 1-63 of [a-z0-9.-], got {name!r}")
+
+    probe = parse_probe(ours.get(READY_PROBE, "file"))
+    after_raw = ours.get(AFTER_CHECKPOINT, AfterCheckpoint.KEEP_RUNNING.value)
+    try:
+        after = AfterCheckpoint(after_raw)
+    except ValueError:
+        raise AnnotationError(AFTER_CHECKPOINT, f"must be keep-running or exit, got {after_raw!r}") from None
+    timeout_raw = ours.get(RESTORE_TIMEOUT, str(DEFAULT_RESTORE_TIMEOUT))
+    if not timeout_raw.isdigit() or not 1 <= int(timeout_raw) <= MAX_RESTORE_TIMEOUT:
+        raise AnnotationError(RESTORE_TIMEOUT, f"must be whole seconds in 1..{MAX_RESTORE_TIMEOUT}, got {timeout_raw!r}")
+    if role is Role.RESTORE and (READY_PROBE in ours or AFTER_CHECKPOINT in ours):
+        raise AnnotationError(READY_PROBE if READY_PROBE in ours else AFTER_CHECKPOINT,
+                              "applies to checkpoint sources only")
+    return Intent(role, name, probe, after, int(timeout_raw))
