@@ -1,0 +1,67 @@
+{{/*
+Chart name, truncated to the 63 characters a label value may hold.
+*/}}
+{{- define "rekindle.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/*
+Fully qualified name of the release's objects.
+*/}}
+{{- define "rekindle.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+Selector labels (stable across upgrades).
+*/}}
+{{- define "rekindle.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "rekindle.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{/*
+Common labels.
+*/}}
+{{- define "rekindle.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{ include "rekindle.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/component: nri-plugin
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end -}}
+
+{{/*
+Plugin image; the tag defaults to the chart's appVersion.
+*/}}
+{{- define "rekindle.image" -}}
+{{- printf "%s:%s" .Values.image.name (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{/*
+NRI plugin index, zero-padded to two digits.
+*/}}
+{{- define "rekindle.index" -}}
+{{- printf "%02d" (int .Values.nri.plugin.index) -}}
+{{- end -}}
+
+{{- define "rekindle.hmacSecretName" -}}
+{{- default (printf "%s-hmac" (include "rekindle.fullname" .)) .Values.hmac.existingSecret -}}
+{{- end -}}
+
+{{- define "rekindle.storeClaimName" -}}
+{{- default (printf "%s-store" (include "rekindle.fullname" .)) .Values.store.pvc.name -}}
+{{- end -}}
+
+{{- define "rekindle.storePath" -}}
+{{- printf "%s/store" (trimSuffix "/" .Values.stateDir) -}}
+{{- end -}}
