@@ -1,0 +1,316 @@
+"""Manifest schema, canonical JSON, signatures, keys, privilege and compatibility checks."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import stat
+from typing import Any
+
+import pytest
+
+from runtime.errors import ArtifactRejected, ConfigError
+from runtime.manifest import (
+    CriuInfo, CudaFacts, CudaInfo, FileEntry, Gpu, Manifest, MountInfo, NodeFacts, NodeInfo,
+    ProcessInfo, SecurityProfile, Source, check_compatibility, check_privilege,
+    load_or_create_key, sign, verify,
+)
+
+KEY = b"k" * 32
+SHA = "ab" * 32
+
+
+def profile(**changes: Any) -> SecurityProfile:
+    base = SecurityProfile(uid=1000, gid=1000, additional_gids=(), capabilities=("CAP_CHOWN",),
+                           privileged=False, seccomp="sha256:" + "0" * 64,
+                           no_new_privileges=True)
+    return dataclasses.replace(base, **changes)
+
+
+def make_manifest(**changes: Any) -> Manifest:
+    base = Manifest(
+        name="qwen-7b", namespace="team-a", created_at="2025-01-02T03:04:05+00:00",
+        source=Source(pod="p", pod_uid="u", container="c", container_id="cid",
+                      image="registry/img:1", image_ref="sha256:" + "1" * 64),
+        node=NodeInfo(hostname="node-1", kernel="6.8.0-45-generic", arch="x86_64"),
+        criu=CriuInfo(version="4.1"),
+        cuda=CudaInfo(driver_version="580.65", gpus=(Gpu(uuid="GPU-1", name="NVIDIA H200"),),
+                      pids=(12,)),
+        security=profile(),
+        process=ProcessInfo(root_pid=7, args=("python", "-m", "serve")),
+        mounts=(MountInfo(key="shm", destination="/dev/shm", type="tmpfs"),),
+        files=(FileEntry(path="criu/core-1.img", size=3, sha256=SHA),),
+        timings={"dump": 1.5},
+    )
+    return dataclasses.replace(base, **changes)
+
+
+def facts(**changes: Any) -> NodeFacts:
+    base = NodeFacts(hostname="node-2", kernel="6.8.12-1", arch="x86_64", criu_version="4.1",
+                     cuda=CudaFacts(driver_version="580.65",
+                                    gpus=(Gpu(uuid="GPU-9", name="NVIDIA H200"),)))
+    return dataclasses.replace(base, **changes)
+
+
+def test_manifest_round_trips_through_canonical_json() -> None:
+    m = make_manifest()
+    data = m.to_json()
+    assert Manifest.from_json(data) == m
+    obj = json.loads(data)
+    assert data == json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+    assert obj["format_version"] == 1 and obj["cuda"]["gpus"][0]["name"] == "NVIDIA H200"
+
+
+def test_manifest_without_cuda_serialises_cuda_as_null() -> None:
+    m = make_manifest(cuda=None)
+    assert json.loads(m.to_json())["cuda"] is None
+    assert Manifest.from_json(m.to_json()).cuda is None
+
+
+def _mutate(path: str, value: Any) -> bytes:
+    obj = json.loads(make_manifest().to_json())
+    *parents, last = path.split(".")
+    node = obj
+    for p in parents:
+        node = node[int(p)] if isinstance(node, list) else node[p]
+    if value is KeyError:
+        del node[last]
+    else:
+        node[last] = value
+    return json.dumps(obj).encode()
+
+
+@pytest.mark.parametrize("data, needle", [
+    (_mutate("format_version", 2), "unsupported manifest format_version 2"),
+    (_mutate("format_version", "1"), "unsupported manifest format_version '1'"),
+    (_mutate("format_version", True), "unsupported manifest format_version True"),
+    (_mutate("extra", 1), "unknown keys ['extra']"),
+    (_mutate("timings", KeyError), "missing keys ['timings']"),
+    (_mutate("security.uid", "0"), "manifest.security.uid: expected int"),
+    (_mutate("security.privileged", 0), "manifest.security.privileged: expected bool"),
+    (_mutate("process.root_pid", True), "manifest.process.root_pid: expected int"),
+    (_mutate("process.args", "python"), "manifest.process.args: expected a list"),
+    (_mutate("files.0.sha256", "xyz"), "bad sha256"),
+    (_mutate("files.0.size", -1), "negative size"),
+    (_mutate("security.capabilities", ["CAP_SYS_ADMIN", "CAP_CHOWN"]), "sorted and unique"),
+    (_mutate("security.seccomp", "whatever"), "bad seccomp value"),
+    (_mutate("timings.dump", -1), "non-negative"),
+    (_mutate("created_at", "yesterday"), "not an ISO 8601 time"),
+    (b'{"format_version": 1, "format_version": 1}', "duplicate key"),
+    (b'{"format_version": 1, "x": NaN}', "NaN is not allowed"),
+    (b"[1]", "not a JSON object"),
+    (b"\xff\xfe", "not valid JSON"),
+    (b"x" * (16 * 1024 * 1024 + 1), "larger than"),
+], ids=["future-version", "version-as-string", "version-as-bool", "unknown-key", "missing-key",
+        "uid-as-string", "bool-as-int", "int-as-bool", "string-for-list", "bad-digest",
+        "negative-size", "unsorted-caps", "unknown-seccomp", "negative-timing", "bad-time",
+        "duplicate-key", "nan", "not-object", "not-utf8", "too-large"])
+def test_from_json_rejects_malformed_manifest(data: bytes, needle: str) -> None:
+    with pytest.raises(ArtifactRejected) as info:
+        Manifest.from_json(data, artifact="team-a/qwen-7b")
+    assert needle in str(info.value)
+    assert info.value.name == "team-a/qwen-7b"
+
+
+def test_sign_and_verify_accept_the_exact_bytes_only() -> None:
+    data = make_manifest().to_json()
+    sig = sign(data, KEY)
+    assert sig.startswith("hmac-sha256:") and len(sig) == len("hmac-sha256:") + 64
+    verify(data, sig, KEY)
+    verify(data, sig + "\n", KEY)
+    for bad_data, bad_sig, key in [(data + b" ", sig, KEY), (data, sig, b"j" * 32),
+                                   (data, sig.replace("hmac-sha256", "sha256"), KEY), (data, "", KEY)]:
+        with pytest.raises(ArtifactRejected, match="bad signature"):
+            verify(bad_data, bad_sig, key)
+
+
+def test_load_or_create_key_creates_a_0600_key_once(tmp_path: Any) -> None:
+    path = str(tmp_path / "hmac.key")
+    key = load_or_create_key(path)
+    assert len(key) == 32
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert load_or_create_key(path) == key
+    assert os.listdir(tmp_path) == ["hmac.key"]
+
+
+@pytest.mark.parametrize("content, mode, needle", [
+    (b"k" * 32, 0o640, "group/world accessible"),
+    (b"k" * 32, 0o604, "group/world accessible"),
+    (b"k" * 31, 0o600, "31 bytes"),
+    (b"k" * 33, 0o600, "33 bytes"),
+], ids=["group-readable", "world-readable", "short", "long"])
+def test_load_or_create_key_refuses_unsafe_key_file(tmp_path: Any, content: bytes, mode: int,
+                                                    needle: str) -> None:
+    path = tmp_path / "hmac.key"
+    path.write_bytes(content)
+    path.chmod(mode)
+    with pytest.raises(ConfigError, match=needle):
+        load_or_create_key(str(path))
+
+
+def test_load_or_create_key_refuses_a_symlink(tmp_path: Any) -> None:
+    (tmp_path / "real").write_bytes(b"k" * 32)
+    (tmp_path / "real").chmod(0o600)
+    (tmp_path / "hmac.key").symlink_to(tmp_path / "real")
+    with pytest.raises(ConfigError, match="cannot open"):
+        load_or_create_key(str(tmp_path / "hmac.key"))
+
+
+RUNTIME_DEFAULT = {"defaultAction": "SCMP_ACT_ERRNO",
+                   "syscalls": [{"names": ["read"], "action": "SCMP_ACT_ALLOW"}]}
+ALL_CAPS = ["CAP_CHOWN", "CAP_NET_ADMIN", "CAP_SYS_ADMIN"]
+
+
+def spec(**linux: Any) -> dict[str, Any]:
+    return {"process": {"user": {"uid": 1000, "gid": 2000, "additionalGids": [3000, 10, 3000]},
+                        "capabilities": {"bounding": ["CAP_NET_BIND_SERVICE", "CAP_CHOWN"],
+                                         "effective": ["CAP_CHOWN"], "permitted": ["CAP_KILL"],
+                                         "inheritable": ["CAP_SYS_ADMIN"]},
+                        "noNewPrivileges": True},
+            "linux": {"seccomp": RUNTIME_DEFAULT, **linux}}
+
+
+def test_profile_from_oci_spec_reads_user_caps_seccomp_and_nnp() -> None:
+    p = SecurityProfile.from_oci_spec(spec())
+    assert (p.uid, p.gid, p.additional_gids) == (1000, 2000, (10, 3000))
+    assert p.capabilities == ("CAP_CHOWN", "CAP_KILL", "CAP_NET_BIND_SERVICE")
+    assert p.seccomp.startswith("sha256:") and not p.privileged and p.no_new_privileges
+
+
+def test_profile_from_oci_spec_defaults_to_root_unconfined() -> None:
+    p = SecurityProfile.from_oci_spec({"process": {}})
+    assert (p.uid, p.gid, p.capabilities, p.seccomp, p.no_new_privileges) == (
+        0, 0, (), "unconfined", False)
+
+
+@pytest.mark.parametrize("seccomp, expected", [
+    (None, "unconfined"),
+    ({"defaultAction": "SCMP_ACT_ALLOW"}, "unconfined"),
+    ({"defaultAction": "SCMP_ACT_ALLOW", "syscalls": [{"names": ["x"], "action": "SCMP_ACT_LOG"}]},
+     "unconfined"),
+    ({"defaultAction": "SCMP_ACT_ALLOW",
+      "syscalls": [{"names": ["ptrace"], "action": "SCMP_ACT_ERRNO"}]}, "confined"),
+    (RUNTIME_DEFAULT, "confined"),
+], ids=["absent", "allow-all", "allow-and-log", "one-denied", "runtime-default"])
+def test_profile_seccomp_rule(seccomp: Any, expected: str) -> None:
+    s = {"process": {}, "linux": {} if seccomp is None else {"seccomp": seccomp}}
+    value = SecurityProfile.from_oci_spec(s).seccomp
+    assert (value == "unconfined") == (expected == "unconfined")
+
+
+def test_profile_seccomp_hash_depends_on_the_profile() -> None:
+    other = {**RUNTIME_DEFAULT, "syscalls": [{"names": ["write"], "action": "SCMP_ACT_ALLOW"}]}
+    a = SecurityProfile.from_oci_spec(spec()).seccomp
+    b = SecurityProfile.from_oci_spec({**spec(), "linux": {"seccomp": other}}).seccomp
+    assert a != b
+
+
+def privileged_spec(devices: Any, bounding: list[str] = ALL_CAPS, seccomp: Any = None) -> Any:
+    linux: dict[str, Any] = {"resources": {"devices": devices}}
+    if seccomp is not None:
+        linux["seccomp"] = seccomp
+    return {"process": {"capabilities": {"bounding": bounding}}, "linux": linux}
+
+
+@pytest.mark.parametrize("s, expected", [
+    (privileged_spec([{"allow": True, "access": "rwm"}]), True),
+    (privileged_spec([{"allow": False, "access": "rwm"}, {"allow": True, "type": "a"}]), True),
+    (privileged_spec([{"allow": False, "access": "rwm"}]), False),
+    (privileged_spec([{"allow": True, "access": "rwm"},
+                      {"allow": False, "type": "c", "major": 1, "minor": 3, "access": "rwm"}]),
+     False),
+    (privileged_spec([{"allow": True, "access": "r"}]), False),
+    (privileged_spec([{"allow": True}], bounding=["CAP_CHOWN"]), False),
+    (privileged_spec([{"allow": True}], seccomp=RUNTIME_DEFAULT), False),
+], ids=["allow-all", "deny-then-allow-all", "deny-all", "allow-all-then-deny-one", "read-only",
+        "no-sys-admin", "seccomp-confined"])
+def test_profile_privileged_rule(s: Any, expected: bool) -> None:
+    assert SecurityProfile.from_oci_spec(s).privileged is expected
+
+
+@pytest.mark.parametrize("s", [
+    {"process": {"user": {"uid": "0"}}},
+    {"process": {"user": {"additionalGids": ["1"]}}},
+    {"process": {"capabilities": {"bounding": "CAP_SYS_ADMIN"}}},
+    {"process": {"capabilities": {"bounding": ["cap_sys_admin"]}}},
+    {"process": {"noNewPrivileges": "true"}},
+    {"process": {}, "linux": {"seccomp": "unconfined"}},
+], ids=["uid-string", "gid-string", "caps-string", "caps-lowercase", "nnp-string", "seccomp-string"])
+def test_profile_from_malformed_oci_spec_is_rejected(s: Any) -> None:
+    with pytest.raises(ArtifactRejected, match="malformed OCI spec"):
+        SecurityProfile.from_oci_spec(s, label="target")
+
+
+@pytest.mark.parametrize("source, target, needles", [
+    (profile(), profile(), []),
+    (profile(uid=0), profile(), ["source runs as root (uid 0), target as uid 1000"]),
+    (profile(uid=1001), profile(), ["source runs as uid 1001, target as uid 1000"]),
+    (profile(gid=0), profile(), ["source gid 0 differs from target gid 1000"]),
+    (profile(additional_gids=(5, 1000, 7)), profile(additional_gids=(7,)),
+     ["groups the target lacks: [5]"]),
+    (profile(capabilities=("CAP_CHOWN", "CAP_SYS_ADMIN")), profile(),
+     ["capabilities the target lacks: CAP_SYS_ADMIN"]),
+    (profile(privileged=True), profile(), ["source is privileged"]),
+    (profile(seccomp="unconfined"), profile(), ["source has no seccomp filter"]),
+    (profile(seccomp="sha256:" + "1" * 64), profile(), ["seccomp profiles differ"]),
+    (profile(), profile(seccomp="unconfined"), []),
+    (profile(no_new_privileges=False), profile(), ["target sets no_new_privileges"]),
+    (profile(), profile(capabilities=("CAP_CHOWN", "CAP_KILL"), no_new_privileges=False), []),
+    (profile(uid=0, gid=0, capabilities=("CAP_SYS_ADMIN",), privileged=True, seccomp="unconfined",
+             no_new_privileges=False), profile(),
+     ["uid 0", "gid 0", "CAP_SYS_ADMIN", "privileged", "seccomp", "no_new_privileges"]),
+], ids=["equal", "root-to-user", "other-uid", "other-gid", "extra-group", "extra-cap",
+        "privileged", "unconfined-to-confined", "other-seccomp", "confined-to-unconfined",
+        "nnp-lost", "target-has-more", "every-reason-at-once"])
+def test_check_privilege_lists_every_excess(source: SecurityProfile, target: SecurityProfile,
+                                            needles: list[str]) -> None:
+    reasons = check_privilege(source, target)
+    assert len(reasons) == len(needles), reasons
+    for reason, needle in zip(reasons, needles):
+        assert needle in reason
+
+
+IMG, REF = "registry/img:1", "sha256:" + "1" * 64
+
+
+@pytest.mark.parametrize("m, f, image, ref, needles", [
+    (make_manifest(), facts(), IMG, REF, []),
+    (make_manifest(), facts(arch="aarch64"), IMG, REF, ["architecture differs"]),
+    (make_manifest(), facts(criu_version="4.0"), IMG, REF, ["CRIU 4.0 is older"]),
+    (make_manifest(), facts(criu_version="4.2"), IMG, REF, []),
+    (make_manifest(), facts(criu_version=None), IMG, REF, ["CRIU version unknown"]),
+    (make_manifest(), facts(cuda=None), IMG, REF, ["node has no CUDA driver"]),
+    (make_manifest(), facts(cuda=CudaFacts("570.1", (Gpu("G", "NVIDIA H200"),))), IMG, REF,
+     ["CUDA driver differs"]),
+    (make_manifest(), facts(cuda=CudaFacts("580.65", (Gpu("G", "NVIDIA A100"),))), IMG, REF,
+     ["GPU 0 model differs"]),
+    (make_manifest(), facts(cuda=CudaFacts("580.65", (Gpu("G", "NVIDIA H200"),) * 2)), IMG, REF,
+     ["GPU count differs"]),
+    (make_manifest(cuda=None), facts(cuda=None), IMG, REF, []),
+    (make_manifest(), facts(), "registry/img:2", REF, ["image differs"]),
+    (make_manifest(), facts(), IMG, "", ["image digest differs"]),
+    (make_manifest(), facts(kernel="6.1.0"), IMG, REF, []),
+    (make_manifest(), facts(arch="arm64", criu_version="3.19", cuda=None), "other", "x",
+     ["architecture", "CRIU", "image differs", "digest", "CUDA"]),
+], ids=["compatible", "arch", "old-criu", "newer-criu", "unknown-criu", "no-cuda",
+        "driver", "gpu-model", "gpu-count", "cpu-only", "image-name", "image-digest",
+        "kernel-is-only-a-warning", "every-problem-at-once"])
+def test_check_compatibility_lists_every_problem(m: Manifest, f: NodeFacts, image: str, ref: str,
+                                                 needles: list[str]) -> None:
+    reasons = check_compatibility(m, f, image=image, image_ref=ref)
+    assert len(reasons) == len(needles), reasons
+    for reason, needle in zip(reasons, needles):
+        assert needle in reason
+
+
+def test_check_compatibility_strict_kernel_rejects_other_major_minor() -> None:
+    reasons = check_compatibility(make_manifest(), facts(kernel="6.1.0"), image=IMG,
+                                  image_ref=REF, strict_kernel=True)
+    assert reasons == ["kernel differs: artifact 6.8.0-45-generic, node 6.1.0"]
+
+
+def test_node_facts_detect_reads_uname() -> None:
+    f = NodeFacts.detect(criu_version="4.1")
+    assert f.arch == os.uname().machine and f.kernel == os.uname().release
+    assert f.criu_version == "4.1" and f.cuda is None
