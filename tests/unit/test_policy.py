@@ -1,0 +1,68 @@
+"""Annotation policy tables."""
+
+from __future__ import annotations
+
+import pytest
+
+from nri_plugin.policy import AfterCheckpoint, Intent, ProbeKind, Role, decide
+from runtime.errors import AnnotationError
+
+CK = "rekindle.dev/checkpoint"
+RS = "rekindle.dev/restore"
+
+
+@pytest.mark.parametrize(
+    "annotations, container, role, artifact",
+    [
+        ({}, "app", None, None),
+        ({"other.io/x": "1"}, "app", None, None),
+        ({CK: "qwen-7b"}, "app", Role.CHECKPOINT, "qwen-7b"),
+        ({RS: "qwen-7b.v2"}, "app", Role.RESTORE, "qwen-7b.v2"),
+        ({RS: "m", "rekindle.dev/container": "app"}, "app", Role.RESTORE, "m"),
+        ({RS: "m", "rekindle.dev/container": "app"}, "sidecar", None, None),
+    ],
+    ids=["none", "foreign-keys", "checkpoint", "restore", "container-match", "container-other"],
+)
+def test_decide_picks_role_and_artifact(annotations, container, role, artifact):
+    intent = decide(annotations, container)
+    assert (intent.role if intent else None, intent.artifact if intent else None) == (role, artifact)
+
+
+@pytest.mark.parametrize(
+    "annotations, bad_key",
+    [
+        ({CK: "../etc"}, CK),
+        ({CK: "Upper"}, CK),
+        ({CK: ""}, CK),
+        ({CK: "a" * 64}, CK),
+        ({RS: ".."}, RS),
+        ({CK: "a", RS: "b"}, RS),
+        ({"rekindle.dev/restor": "x"}, "rekindle.dev/restor"),
+        ({"rekindle.dev/ready-probe": "file"}, "rekindle.dev/ready-probe"),
+        ({CK: "a", "rekindle.dev/ready-probe": "ftp://x:1"}, "rekindle.dev/ready-probe"),
+        ({CK: "a", "rekindle.dev/ready-probe": "http://:0/"}, "rekindle.dev/ready-probe"),
+        ({CK: "a", "rekindle.dev/ready-probe": "tcp://:80/path"}, "rekindle.dev/ready-probe"),
+        ({CK: "a", "rekindle.dev/after-checkpoint": "pause"}, "rekindle.dev/after-checkpoint"),
+        ({RS: "a", "rekindle.dev/restore-timeout": "0"}, "rekindle.dev/restore-timeout"),
+        ({RS: "a", "rekindle.dev/restore-timeout": "-5"}, "rekindle.dev/restore-timeout"),
+        ({RS: "a", "rekindle.dev/restore-timeout": "99999999"}, "rekindle.dev/restore-timeout"),
+        ({RS: "a", "rekindle.dev/after-checkpoint": "exit"}, "rekindle.dev/after-checkpoint"),
+        ({RS: "a", "rekindle.dev/container": "Bad_Name"}, "rekindle.dev/container"),
+    ],
+    ids=["traversal", "uppercase", "empty", "too-long", "dotdot", "both-roles", "typo-key",
+         "probe-alone", "probe-scheme", "probe-port-0", "tcp-path", "after-bad", "timeout-0",
+         "timeout-negative", "timeout-huge", "after-on-restore", "container-bad"],
+)
+def test_decide_rejects_malformed_annotations_naming_the_key(annotations, bad_key):
+    with pytest.raises(AnnotationError) as err:
+        decide(annotations, "app")
+    assert err.value.key == bad_key
+
+
+def test_decide_parses_probe_after_and_timeout():
+    intent = decide({CK: "m", "rekindle.dev/ready-probe": "http://:8080/healthz",
+                     "rekindle.dev/after-checkpoint": "exit"}, "app")
+    assert intent == Intent(Role.CHECKPOINT, "m", intent.ready_probe, AfterCheckpoint.EXIT)
+    assert (intent.ready_probe.kind, intent.ready_probe.host, intent.ready_probe.port,
+            intent.ready_probe.path) == (ProbeKind.HTTP, "127.0.0.1", 8080, "/healthz")
+    assert decide({RS: "m", "rekindle.dev/restore-timeout": "30"}, "a").restore_timeout == 30
