@@ -1,0 +1,330 @@
+"""charts/rekindle rendered by the Helm library (helm-sdkpy) and checked
+against the Kubernetes API schemas (kubernetes-validate)."""
+
+from __future__ import annotations
+
+import base64
+import copy
+
+import pytest
+
+yaml = pytest.importorskip("yaml", reason="pyyaml is in the test extra")
+pytest.importorskip("helm_sdkpy", reason="helm-sdkpy is in the test extra (see docs/install.md)")
+kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate is in the test extra")
+
+import chart_render  # noqa: E402  (tests/unit is on sys.path)
+from chart_render import CHART, RenderError, by_kind, render  # noqa: E402
+
+K8S_VERSION = "1.33"
+NAMESPACE = "kube-system"
+
+
+def _values_file(name: str) -> dict:
+    return yaml.safe_load((CHART / "ci" / name).read_text())
+
+
+@pytest.fixture(scope="module")
+def default_render() -> dict:
+    return render(namespace=NAMESPACE)
+
+
+@pytest.fixture(scope="module")
+def gpu_render() -> dict:
+    return render(_values_file("gpu-values.yaml"), namespace=NAMESPACE)
+
+
+@pytest.fixture(scope="module")
+def kind_render() -> dict:
+    return render(_values_file("kind-values.yaml"), namespace=NAMESPACE)
+
+
+def _daemonset(r: dict) -> dict:
+    (ds,) = by_kind(r["objects"], "DaemonSet")
+    return ds
+
+
+def _plugin(ds: dict) -> dict:
+    (c,) = [c for c in ds["spec"]["template"]["spec"]["containers"] if c["name"] == "rekindle"]
+    return c
+
+
+def _mounts(container: dict, pod_spec: dict) -> dict[str, tuple[dict, dict]]:
+    """mountPath -> (volumeMount, volume)."""
+    vols = {v["name"]: v for v in pod_spec["volumes"]}
+    return {m["mountPath"]: (m, vols[m["name"]]) for m in container["volumeMounts"]}
+
+
+def _flag(args: list[str], name: str) -> str:
+    return args[args.index(name) + 1]
+
+
+# --- helm lint ----------------------------------------------------------------------------------
+
+def test_helm_lint_clean():
+    result = chart_render.lint()
+    assert result["TotalChartsLinted"] == 1
+    assert not result["Errors"], result
+    # Severity: 1 info, 2 warning, 3 error
+    assert [m for m in result["Messages"] if m["Severity"] >= 2] == [], result
+
+
+# --- every rendered object is a valid Kubernetes object ----------------------------------------
+
+@pytest.mark.parametrize("which", ["default_render", "gpu_render", "kind_render"])
+def test_objects_validate_against_kubernetes_schemas(which, request):
+    r = request.getfixturevalue(which)
+    assert r["objects"]
+    for obj in r["objects"]:
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+    # what Helm sent to the API server is what it rendered
+    assert sorted((o["kind"], o["metadata"]["name"]) for o in r["created"]) == sorted(
+        (o["kind"], o["metadata"]["name"]) for o in r["objects"]
+    )
+
+
+# --- default values ------------------------------------------------------------------------------
+
+def test_default_objects(default_render):
+    kinds = sorted((o["kind"], o["metadata"]["name"]) for o in default_render["objects"])
+    assert kinds == [
+        ("ConfigMap", "rekindle"),
+        ("DaemonSet", "rekindle"),
+        ("PersistentVolumeClaim", "rekindle-store"),
+        ("Secret", "rekindle-hmac"),
+    ]
+    for o in default_render["objects"]:
+        assert o["metadata"]["namespace"] == NAMESPACE
+        labels = o["metadata"]["labels"]
+        assert labels["app.kubernetes.io/name"] == "rekindle"
+        assert labels["app.kubernetes.io/instance"] == "rekindle"
+        assert labels["app.kubernetes.io/managed-by"] == "Helm"
+        assert labels["helm.sh/chart"] == "rekindle-0.1.0"
+
+
+def test_daemonset_pod_is_privileged_node_critical_on_gpu_nodes(default_render):
+    ds = _daemonset(default_render)
+    spec = ds["spec"]["template"]["spec"]
+    assert spec["hostPID"] is True
+    assert spec["priorityClassName"] == "system-node-critical"
+    assert spec["automountServiceAccountToken"] is False
+    assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
+    assert "initContainers" not in spec  # the NRI toggle is opt-in
+    c = _plugin(ds)
+    assert c["securityContext"]["privileged"] is True
+    assert c["image"] == "localhost/rekindle/plugin:0.1.0"  # tag defaults to appVersion
+    assert c["imagePullPolicy"] == "IfNotPresent"
+    assert c["resources"]["limits"]["memory"] == "4Gi"
+    # selector labels are a subset of the pod labels
+    sel = ds["spec"]["selector"]["matchLabels"]
+    assert sel.items() <= ds["spec"]["template"]["metadata"]["labels"].items()
+
+
+def test_plugin_command_is_the_cli_contract(default_render):
+    c = _plugin(_daemonset(default_render))
+    assert c["command"] + c["args"] == [
+        "rekindle", "plugin",
+        "--socket-path", "/var/run/nri/nri.sock",
+        "--name", "rekindle",
+        "--idx", "90",
+        "--state-dir", "/var/lib/rekindle",
+        "--store", "/var/lib/rekindle/store",
+        "--containerd-socket", "/run/containerd/containerd.sock",
+        "--containerd-state", "/run/containerd",
+        "--hmac-key-file", "/etc/rekindle/hmac.key",
+        "--log-format", "json",
+    ]
+
+
+def test_mounts(default_render):
+    ds = _daemonset(default_render)
+    spec = ds["spec"]["template"]["spec"]
+    m = _mounts(_plugin(ds), spec)
+    expected_host = {
+        "/var/run/nri": "/var/run/nri",
+        "/run/containerd": "/run/containerd",
+        "/var/lib/containerd": "/var/lib/containerd",
+        "/host/proc": "/proc",
+        "/sys/fs/cgroup": "/sys/fs/cgroup",
+        "/var/lib/rekindle": "/var/lib/rekindle",
+    }
+    for path, host in expected_host.items():
+        mount, vol = m[path]
+        assert vol["hostPath"]["path"] == host, path
+    assert m["/var/run/nri"][0]["readOnly"] is True
+    assert m["/var/lib/containerd"][0]["readOnly"] is True
+    assert m["/run/containerd"][0]["mountPropagation"] == "HostToContainer"
+    assert not m["/var/lib/rekindle"][0].get("readOnly")
+    # the store is the chart's RWX claim
+    store_mount, store_vol = m["/var/lib/rekindle/store"]
+    assert store_vol["persistentVolumeClaim"]["claimName"] == "rekindle-store"
+    # the HMAC key, from the Secret, at the path the CLI is given
+    key_mount, key_vol = m["/etc/rekindle"]
+    assert key_mount["readOnly"] is True
+    assert key_vol["secret"]["secretName"] == "rekindle-hmac"
+    assert key_vol["secret"]["items"] == [{"key": "hmac.key", "path": "hmac.key"}]
+    assert key_vol["secret"]["defaultMode"] == 0o400
+    # nothing but the listed host paths, the store and the key
+    assert set(m) == set(expected_host) | {"/var/lib/rekindle/store", "/etc/rekindle"}
+
+
+def test_secret_is_32_random_bytes_and_kept(default_render):
+    (secret,) = by_kind(default_render["objects"], "Secret")
+    assert secret["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    assert len(base64.b64decode(secret["data"]["hmac.key"], validate=True)) == 32
+    other = render(namespace=NAMESPACE)
+    (secret2,) = by_kind(other["objects"], "Secret")
+    assert secret2["data"]["hmac.key"] != secret["data"]["hmac.key"]
+
+
+def test_existing_secret_in_cluster_is_kept():
+    """`lookup` finds the Secret an earlier install of the release left behind
+    (helm.sh/resource-policy: keep) and reuses its key."""
+    key = base64.b64encode(bytes(range(32))).decode()
+    existing = {"apiVersion": "v1", "kind": "Secret",
+                "metadata": {"name": "rekindle-hmac", "namespace": NAMESPACE,
+                             "labels": {"app.kubernetes.io/managed-by": "Helm"},
+                             "annotations": {"meta.helm.sh/release-name": "rekindle",
+                                             "meta.helm.sh/release-namespace": NAMESPACE,
+                                             "helm.sh/resource-policy": "keep"}},
+                "type": "Opaque", "data": {"hmac.key": key}}
+    r = render(namespace=NAMESPACE, seed=[existing])
+    (secret,) = by_kind(r["objects"], "Secret")
+    assert secret["data"]["hmac.key"] == key
+
+
+def test_existing_secret_name_is_used_and_not_created():
+    r = render({"hmac": {"existingSecret": "my-key", "secretKey": "key"}}, namespace=NAMESPACE)
+    assert by_kind(r["objects"], "Secret") == []
+    spec = _daemonset(r)["spec"]["template"]["spec"]
+    (vol,) = [v for v in spec["volumes"] if v["name"] == "hmac-key"]
+    assert vol["secret"]["secretName"] == "my-key"
+    assert vol["secret"]["items"] == [{"key": "key", "path": "hmac.key"}]
+
+
+def test_pvc_created_rwx_and_kept(default_render):
+    (pvc,) = by_kind(default_render["objects"], "PersistentVolumeClaim")
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+    assert pvc["spec"]["resources"]["requests"]["storage"] == "500Gi"
+    assert "storageClassName" not in pvc["spec"]  # the cluster default
+    assert pvc["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+
+
+def test_existing_pvc_not_created():
+    r = render({"store": {"type": "pvc", "pvc": {"create": False, "name": "shared-ckpt"}}}, namespace=NAMESPACE)
+    assert by_kind(r["objects"], "PersistentVolumeClaim") == []
+    spec = _daemonset(r)["spec"]["template"]["spec"]
+    (vol,) = [v for v in spec["volumes"] if v["name"] == "store"]
+    assert vol["persistentVolumeClaim"]["claimName"] == "shared-ckpt"
+
+
+def test_configmap_settings(default_render):
+    (cm,) = by_kind(default_render["objects"], "ConfigMap")
+    assert cm["data"] == {"REKINDLE_LOG_LEVEL": "info", "REKINDLE_RESTORE_TIMEOUT": "1800"}
+    c = _plugin(_daemonset(default_render))
+    assert c["envFrom"] == [{"configMapRef": {"name": "rekindle"}}]
+    assert {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}} in c["env"]
+
+
+def test_config_change_rolls_the_pods(default_render):
+    r = render({"settings": {"logLevel": "debug", "logFormat": "json", "restoreTimeoutSeconds": 1800}},
+               namespace=NAMESPACE)
+    a = _daemonset(default_render)["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
+    b = _daemonset(r)["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
+    assert a != b
+
+
+def test_notes(default_render):
+    notes = default_render["notes"]
+    assert "DaemonSet kube-system/rekindle" in notes
+    assert "index 90" in notes
+    assert "rekindle.dev/checkpoint" in notes and "rekindle.dev/restore" in notes
+    assert "/var/lib/rekindle/status/" in notes
+    assert "nri.patchConfig=true" in notes
+
+
+# --- GPU values -----------------------------------------------------------------------------------
+
+def test_gpu_values(gpu_render):
+    ds = _daemonset(gpu_render)
+    spec = ds["spec"]["template"]["spec"]
+    c = _plugin(ds)
+    assert _flag(c["args"], "--idx") == "07"  # "%02d"
+    assert c["image"] == "registry.example.com/rekindle/plugin:0.1.0"
+    assert spec["runtimeClassName"] == "nvidia"
+    assert spec["imagePullSecrets"] == [{"name": "registry-credentials"}]
+    assert {"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"} in c["env"]
+    (pvc,) = by_kind(gpu_render["objects"], "PersistentVolumeClaim")
+    assert pvc["spec"]["storageClassName"] == "nfs-rwx"
+    (cm,) = by_kind(gpu_render["objects"], "ConfigMap")
+    assert cm["data"]["REKINDLE_RESTORE_TIMEOUT"] == "3600"
+
+
+def test_gpu_values_nri_toggle_init_container(gpu_render):
+    spec = _daemonset(gpu_render)["spec"]["template"]["spec"]
+    (init,) = spec["initContainers"]
+    assert init["securityContext"]["privileged"] is True
+    script = init["command"][-1]
+    assert "rekindle nri-toggle --config /host/etc/containerd/config.toml" in script
+    # restart only when the toggle changed something, in the host's mount namespace
+    assert 'r.get("changed") and r.get("restart_needed")' in script
+    assert "nsenter --target 1 --mount -- systemctl restart containerd" in script
+    m = _mounts(init, spec)
+    assert m["/host/etc/containerd"][1]["hostPath"]["path"] == "/etc/containerd"
+    assert "NOT restarted" not in gpu_render["notes"]
+    assert "backup" in gpu_render["notes"]
+
+
+def test_toggle_without_restart():
+    r = render({"nri": {"plugin": {"index": 90}, "socketDir": "/var/run/nri", "patchConfig": True,
+                        "restartContainerd": False}}, namespace=NAMESPACE)
+    (init,) = _daemonset(r)["spec"]["template"]["spec"]["initContainers"]
+    assert "systemctl" not in init["command"][-1]
+    assert "NOT restarted" in r["notes"]
+
+
+def test_index_zero_padded():
+    for idx, want in [(0, "00"), (5, "05"), (99, "99")]:
+        r = render({"nri": {"plugin": {"index": idx}}}, namespace=NAMESPACE)
+        assert _flag(_plugin(_daemonset(r))["args"], "--idx") == want
+
+
+# --- kind (GPU-less demo) values -----------------------------------------------------------------
+
+def test_kind_values(kind_render):
+    ds = _daemonset(kind_render)
+    spec = ds["spec"]["template"]["spec"]
+    assert "nodeSelector" not in spec
+    assert by_kind(kind_render["objects"], "PersistentVolumeClaim") == []
+    (vol,) = [v for v in spec["volumes"] if v["name"] == "store"]
+    assert vol["hostPath"]["path"] == "/var/lib/rekindle/store"
+    c = _plugin(ds)
+    assert c["imagePullPolicy"] == "Never"
+    assert _flag(c["args"], "--log-format") == "text"
+
+
+# --- values the schema rejects -------------------------------------------------------------------
+
+BAD_VALUES = [
+    ("index 100", {"nri": {"plugin": {"index": 100}}}, "/nri/plugin/index"),
+    ("index -1", {"nri": {"plugin": {"index": -1}}}, "/nri/plugin/index"),
+    ("index not an integer", {"nri": {"plugin": {"index": "90"}}}, "/nri/plugin/index"),
+    ("logFormat xml", {"settings": {"logFormat": "xml"}}, "/settings/logFormat"),
+    ("logLevel trace", {"settings": {"logLevel": "trace"}}, "/settings/logLevel"),
+    ("store.type nfs", {"store": {"type": "nfs"}}, "/store/type"),
+    ("pullPolicy sometimes", {"image": {"pullPolicy": "Sometimes"}}, "/image/pullPolicy"),
+    ("missing image.name", {"image": {"name": None}}, "/image"),
+    ("empty image.name", {"image": {"name": ""}}, "/image/name"),
+    ("restore timeout 0", {"settings": {"restoreTimeoutSeconds": 0}}, "/settings/restoreTimeoutSeconds"),
+    ("restore timeout > 1 day", {"settings": {"restoreTimeoutSeconds": 86401}}, "/settings/restoreTimeoutSeconds"),
+    ("relative stateDir", {"stateDir": "var/lib/rekindle"}, "/stateDir"),
+    ("unknown top-level key", {"sotre": {"type": "pvc"}}, "sotre"),
+    ("patchConfig not a bool", {"nri": {"patchConfig": "yes"}}, "/nri/patchConfig"),
+]
+
+
+@pytest.mark.parametrize("values,where", [(v, w) for _, v, w in BAD_VALUES], ids=[n for n, _, _ in BAD_VALUES])
+def test_schema_rejects(values, where):
+    with pytest.raises(RenderError, match="schema") as exc:
+        render(copy.deepcopy(values), namespace=NAMESPACE)
+    assert where in str(exc.value)
