@@ -1,0 +1,223 @@
+"""Turn NRI on in a containerd config file, keeping everything else as it was.
+
+Contract:
+- :func:`enable_nri` is a pure transform of config text: it sets, in the NRI plugin table
+  (``[plugins."io.containerd.nri.v1.nri"]``, the same URI for config v2 and v3),
+  ``disable = false``, ``disable_connections = false`` and ``socket_path``, and fills the other
+  NRI keys with containerd's defaults only where absent. Comments, order and every other
+  setting are kept (tomlkit). Returns ``(new_text, changed)``; running it on its own output
+  changes nothing.
+- Config versions follow containerd's rules: ``version = 2`` (containerd 1.x) and
+  ``version = 3`` (2.x) are handled; a missing ``version`` means 1 unless the file is empty, and
+  version 1 is refused (:class:`~runtime.errors.ConfigError`, asking to migrate first).
+- :func:`apply` is read -> transform -> write: the file is backed up to
+  ``<path>.rekindle-backup-<UTC timestamp>`` and replaced atomically, only when something
+  changes; an absent file is created with minimal content for the installed containerd.
+- :func:`main` is the ``nri-toggle`` command line (``--config --socket-path --dry-run --restart``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import tomlkit
+import tomlkit.exceptions
+from tomlkit.items import Table
+
+from runtime.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CONFIG = Path("/etc/containerd/config.toml")
+DEFAULT_SOCKET = "/var/run/nri/nri.sock"
+NRI_PLUGIN = "io.containerd.nri.v1.nri"
+SUPPORTED_VERSIONS = (2, 3)
+
+# containerd's NRI defaults (nri 0.6.1 .. 0.8), written only where the file has no value.
+NRI_DEFAULTS = {
+    "plugin_path": "/opt/nri/plugins",
+    "plugin_config_path": "/etc/nri/conf.d",
+    "plugin_registration_timeout": "5s",
+    "plugin_request_timeout": "2s",
+}
+
+
+@dataclass(frozen=True)
+class ToggleResult:
+    path: Path
+    version: int
+    changed: bool
+    restart_needed: bool
+    backup_path: Path | None
+    created: bool = False
+    diff: str = ""
+
+
+def _parse(text: str, source: str = "config") -> tomlkit.TOMLDocument:
+    try:
+        return tomlkit.parse(text)
+    except tomlkit.exceptions.ParseError as e:
+        raise ConfigError(f"{source} is not valid TOML: {e}") from None
+
+
+def _is_blank(doc: tomlkit.TOMLDocument) -> bool:
+    return all(k is None for k, _ in doc.body)
+
+
+def config_version(doc: tomlkit.TOMLDocument) -> int:
+    """The config version containerd would see (a missing key means 1)."""
+    v = doc.get("version", 1)
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise ConfigError(f"containerd config: version must be an integer, got {v!r}")
+    return int(v)
+
+
+def minimal_config(version: int) -> str:
+    """A minimal valid config of the given version (what an absent file is created from)."""
+    return f"version = {version}\n"
+
+
+def enable_nri(text: str, socket_path: str = DEFAULT_SOCKET, *, empty_version: int = 2) -> tuple[str, bool]:
+    """Return (text with NRI on, whether anything changed). See the module docstring."""
+    doc = _parse(text)
+    if _is_blank(doc):  # empty or comments only: containerd runs on defaults
+        doc.add("version", empty_version)
+    version = config_version(doc)
+    if version == 1:
+        raise ConfigError("containerd config version 1 (no 'version' key, or version = 1) is not supported: "
+                          "migrate it first with `containerd config migrate` (containerd >= 1.7)")
+    if version not in SUPPORTED_VERSIONS:
+        raise ConfigError(f"containerd config version {version} is not supported (know {SUPPORTED_VERSIONS})")
+
+    plugins = doc.get("plugins")
+    if plugins is None:
+        plugins = tomlkit.table(is_super_table=True)
+        doc.add("plugins", plugins)
+    elif not isinstance(plugins, (Table, dict)):
+        raise ConfigError("containerd config: 'plugins' is not a table")
+    nri = plugins.get(NRI_PLUGIN)
+    if nri is None:
+        nri = tomlkit.table()
+        plugins.add(NRI_PLUGIN, nri)
+    elif not isinstance(nri, (Table, dict)):
+        raise ConfigError(f"containerd config: plugins.{NRI_PLUGIN} is not a table")
+
+    wanted = {"disable": False, "disable_connections": False, "socket_path": socket_path}
+    for key, value in wanted.items():
+        current = nri.get(key)
+        current = current.unwrap() if hasattr(current, "unwrap") else current
+        if current != value or type(current) is not type(value):  # 0 == False must not pass
+            nri[key] = value
+    for key, value in NRI_DEFAULTS.items():
+        if key not in nri:
+            nri[key] = value
+    new_text = tomlkit.dumps(doc)
+    return new_text, new_text != text
+
+
+def _installed_config_version(containerd: str = "containerd") -> int:
+    """3 for an installed containerd 2.x, else 2 (what `containerd config default` would write)."""
+    try:
+        out = subprocess.run([containerd, "--version"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return 2
+    m = re.search(r"\s v?(\d+)\.\d+", out)
+    return 3 if m and int(m.group(1)) >= 2 else 2
+
+
+def _write_atomic(path: Path, text: str, mode: int) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def apply(path: Path | str = DEFAULT_CONFIG, socket_path: str = DEFAULT_SOCKET, dry_run: bool = False,
+          *, new_file_version: int | None = None) -> ToggleResult:
+    """Enable NRI in the config file at path (read -> enable_nri -> backup + write when changed)."""
+    path = Path(path)
+    created = not path.exists()
+    if created:
+        old, mode = "", 0o644
+    else:
+        try:
+            old = path.read_text()
+        except OSError as e:
+            raise ConfigError(f"cannot read {path}: {e}") from None
+        mode = path.stat().st_mode & 0o7777
+    try:
+        blank = _is_blank(_parse(old))
+        version = (new_file_version or _installed_config_version()) if blank else 0
+        new, changed = enable_nri(minimal_config(version) if created else old, socket_path, empty_version=version)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+    changed = changed or created
+    final_version = config_version(_parse(new))
+    diff = "".join(difflib.unified_diff(
+        [] if created else old.splitlines(keepends=True), new.splitlines(keepends=True),
+        fromfile=str(path) if not created else "/dev/null", tofile=str(path)))
+    backup = None
+    if changed and not dry_run:
+        if not created:
+            backup = path.with_name(f"{path.name}.rekindle-backup-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
+            shutil.copy2(path, backup)
+        _write_atomic(path, new, mode)
+        log.info("enabled NRI in %s (socket %s)%s", path, socket_path, f", backup {backup}" if backup else "")
+    return ToggleResult(path=path, version=final_version, changed=changed, restart_needed=changed and not dry_run,
+                        backup_path=backup, created=created, diff=diff)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="rekindle nri-toggle",
+                                 description="Enable NRI in containerd's config (keeps every other setting).")
+    ap.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="containerd config file (default: %(default)s)")
+    ap.add_argument("--socket-path", default=DEFAULT_SOCKET, help="NRI socket (default: %(default)s)")
+    ap.add_argument("--dry-run", action="store_true", help="show the change, write nothing")
+    ap.add_argument("--restart", action="store_true", help="systemctl restart containerd when the file changed")
+    args = ap.parse_args(argv)
+    try:
+        res = apply(args.config, args.socket_path, dry_run=args.dry_run)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if args.dry_run:
+        print(res.diff if res.changed else f"{res.path}: NRI already enabled; nothing to do", end="" if res.changed else "\n")
+        return 0
+    if not res.changed:
+        print(f"{res.path}: NRI already enabled (config version {res.version}); nothing changed")
+        return 0
+    print(f"{res.path}: NRI enabled (config version {res.version})"
+          + (f"; backup at {res.backup_path}" if res.backup_path else "; file created"))
+    if args.restart and res.restart_needed:
+        r = subprocess.run(["systemctl", "restart", "containerd"], capture_output=True, text=True)
+        if r.returncode != 0:
+            print(f"error: systemctl restart containerd failed: {r.stderr.strip()}", file=sys.stderr)
+            return 1
+        print("containerd restarted")
+    elif res.restart_needed:
+        print("restart containerd for the change to take effect (or pass --restart)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
