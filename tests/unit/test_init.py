@@ -330,8 +330,8 @@ def test_restored_pid_that_already_exited(run, ctl, tmp_path):
     init.wait_log("waiting for a restore")
     # It outlives the nsenter'd shell (which would otherwise reap it), then exits; the init
     # reaps it before restore-complete arrives.
-    init.nsenter("(sleep 0.3; exit 5) & echo $! > ctl/.p && mv ctl/.p ctl/restore-pid")
-    time.sleep(1.0)
+    init.nsenter("(sleep 1; exit 5) & echo $! > ctl/.p && mv ctl/.p ctl/restore-pid")
+    time.sleep(2.0)
     write_control(ctl, "restore-complete", "")
     assert init.wait() == 5
     assert "had already exited\n" in init.stderr()
@@ -394,3 +394,29 @@ def test_not_pid1_never_kills_other_processes(init_bin, ctl, tmp_path):
     assert (tmp_path / "runs").read_text() == "ran\nbystander-alive\ninit-exit=0\n"
     assert (ctl / "cold-start").read_text() == "no restore within 1 s\n"
     assert "pid=3\n" in err  # really not PID 1
+
+
+def test_adopted_pid_that_is_not_our_child_is_polled(run, ctl, tmp_path):
+    init = run(restore_args(ctl), RECORD)
+    init.wait_log("waiting for a restore")
+    # The restored root is a child of a process outside the namespace (nsenter) that stays
+    # alive and reaps it: the init can only watch it with kill(pid, 0).
+    outside = subprocess.Popen(
+        ["nsenter", "-t", str(init.pid), "-p", "--", SH, "-c",
+         "echo $$ > ctl/.p && mv ctl/.p ctl/restore-pid && sleep 1; exit 4"],
+        cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_until(lambda: (ctl / "restore-pid").exists(), 5, "restore-pid")
+        ns_pid = int((ctl / "restore-pid").read_text())
+        write_control(ctl, "restore-complete", "")
+        init.wait_log(f"main pid {ns_pid} is not our child; polling its liveness\n")
+        assert outside.wait(timeout=10) == 4
+        assert init.wait() == 1
+        assert f"main pid {ns_pid} is gone; its exit status is unknown\n" in init.stderr()
+        assert not (tmp_path / "runs").exists()
+    finally:
+        if outside.poll() is None:
+            outside.kill()
+            outside.wait(timeout=10)
