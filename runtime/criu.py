@@ -1,0 +1,360 @@
+"""The CRIU command line: typed options, one runner, the external-mount plan, the pstree image.
+
+Contract:
+
+- :class:`DumpOptions` / :class:`RestoreOptions` hold every option Rekindle passes;
+  :func:`criu_argv` turns one into argv (always ``-o <log> -v4``), :func:`run_criu` runs it
+  (optionally wrapped, e.g. by ``nsenter``) with a timeout and raises
+  ``CriuError(op, <last error lines of the log>, log_path)`` on any failure.
+- Fixed choices: ``--file-locks``; ``--tcp-close`` (dump: established TCP connections are not
+  dumped; restore: they come back closed; listening sockets restore, so a server keeps serving in a
+  new netns with a new IP as long as it listened on a wildcard address); ``--network-lock skip`` on
+  dump (the netns is external: nothing to lock, and nodes may lack iptables-restore);
+  ``--manage-cgroups=ignore`` (cgroups are placed by the caller: the target's, never the source's).
+- Mount plan: :func:`plan_external_mounts` makes every bind mount of the OCI spec and every
+  cgroup/cgroup2 mount external, keys ``m0``, ``m1``, … in destination order;
+  :func:`map_mounts` resolves each key to the TARGET container's host source (bind: the target
+  spec's source at that destination; cgroup: the host dir the target's mount shows) and raises
+  CriuError naming any entry without a counterpart.
+- :func:`image_pids` reads ``pstree.img``: every pid and thread id of the image.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import subprocess
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from runtime.containers import ContainerInfo, MountInfo, read_mountinfo
+from runtime.errors import CriuError
+
+log = logging.getLogger(__name__)
+
+# Distribution builds older than 4.1 fail on recent kernels; a local build is preferred.
+CRIU = os.environ.get("REKINDLE_CRIU") or next(
+    (p for p in ("/usr/local/sbin/criu", "/usr/local/bin/criu") if os.access(p, os.X_OK)), "criu"
+)
+NET_KEY = "extnet"
+
+
+@dataclass(frozen=True)
+class MountPlanEntry:
+    key: str
+    destination: str
+    type: str  # "bind", "cgroup" or "cgroup2"
+    mount_point: str = ""  # where the source saw it, when a symlink made it differ from destination
+
+    def to_manifest(self) -> dict[str, str]:
+        return {"key": self.key, "destination": self.destination, "type": self.type}
+
+    @classmethod
+    def from_manifest(cls, d: dict[str, Any]) -> MountPlanEntry:
+        return cls(key=d["key"], destination=d["destination"], type=d["type"])
+
+
+@dataclass
+class DumpOptions:
+    images_dir: str
+    pid: int
+    work_dir: str | None = None
+    log_name: str = "dump.log"
+    leave_running: bool = True
+    netns_inode: int | None = None
+    external_mounts: list[MountPlanEntry] = field(default_factory=list)
+    shell_job: bool = False
+    ext_unix_sk: bool = False
+    ghost_limit: int | None = None
+    extra: list[str] = field(default_factory=list)
+
+
+@dataclass
+class RestoreOptions:
+    images_dir: str
+    root: str
+    pidfile: str
+    work_dir: str | None = None
+    log_name: str = "restore.log"
+    inherit_fds: list[tuple[int, str]] = field(default_factory=list)  # (fd in criu, resource key)
+    join_ns: list[tuple[str, str]] = field(default_factory=list)  # (kind, path)
+    external_mounts: list[str] = field(default_factory=list)  # "mnt[key]:host_source"
+    shell_job: bool = False
+    ext_unix_sk: bool = False
+    extra: list[str] = field(default_factory=list)
+
+
+def log_path(opts: DumpOptions | RestoreOptions) -> str:
+    return os.path.join(opts.work_dir or opts.images_dir, opts.log_name)
+
+
+def criu_argv(opts: DumpOptions | RestoreOptions, criu: str = CRIU) -> list[str]:
+    work = opts.work_dir or opts.images_dir
+    common = ["-D", opts.images_dir, "-W", work, "-o", log_path(opts), "-v4", "--file-locks",
+              "--tcp-close", "--manage-cgroups=ignore"]
+    if opts.shell_job:
+        common.append("--shell-job")
+    if opts.ext_unix_sk:
+        common.append("--ext-unix-sk")
+    if isinstance(opts, DumpOptions):
+        argv = [criu, "dump", "-t", str(opts.pid), *common, "--network-lock", "skip"]
+        if opts.leave_running:
+            argv.append("--leave-running")
+        if opts.netns_inode is not None:
+            argv += ["--external", f"net[{opts.netns_inode}]:{NET_KEY}"]
+        for m in opts.external_mounts:
+            argv += ["--external", f"mnt[{m.mount_point or m.destination}]:{m.key}"]
+        if opts.ghost_limit is not None:
+            argv += ["--ghost-limit", str(opts.ghost_limit)]
+    else:
+        argv = [criu, "restore", *common, "-d", "--pidfile", opts.pidfile, "--root", opts.root]
+        for fd, key in opts.inherit_fds:
+            argv += ["--inherit-fd", f"fd[{fd}]:{key}"]
+        for kind, path in opts.join_ns:
+            argv += ["--join-ns", f"{kind}:{path}"]
+        for ext in opts.external_mounts:
+            argv += ["--external", ext]
+    return argv + list(opts.extra)
+
+
+def log_errors(path: str, n: int = 8) -> str:
+    """The last error lines of a CRIU log (else its last lines)."""
+    try:
+        with open(path, errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError as e:
+        return f"(no log: {e})"
+    errs = [ln for ln in lines if "Error" in ln or "error" in ln.split(":", 1)[0]]
+    return " | ".join((errs or lines)[-n:]).strip()
+
+
+def run_criu(
+    opts: DumpOptions | RestoreOptions,
+    wrapper: Sequence[str] = (),
+    pass_fds: Sequence[int] = (),
+    timeout: float = 600.0,
+    criu: str = CRIU,
+) -> float:
+    """Run criu (prefixed by ``wrapper``); return its wall time. CriuError on failure or timeout."""
+    op = "dump" if isinstance(opts, DumpOptions) else "restore"
+    os.makedirs(opts.work_dir or opts.images_dir, exist_ok=True)
+    argv = [*wrapper, *criu_argv(opts, criu)]
+    lp = log_path(opts)
+    log.info("criu %s: %s", op, " ".join(argv))
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.Popen(argv, pass_fds=tuple(pass_fds), start_new_session=True,
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    except OSError as e:
+        raise CriuError(op, f"cannot run {argv[0]}: {e}", lp) from e
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        raise CriuError(op, f"timed out after {timeout}s: {log_errors(lp)}", lp) from None
+    seconds = time.monotonic() - t0
+    if proc.returncode != 0:
+        tail = out.decode(errors="replace").strip().splitlines()[-3:]
+        raise CriuError(op, f"exit {proc.returncode}: {log_errors(lp)}" + (f" [{' | '.join(tail)}]" if tail else ""), lp)
+    log.info("criu %s done in %.3fs", op, seconds)
+    return seconds
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        log.error("criu process group %d did not die", proc.pid)
+
+
+def criu_version(criu: str = CRIU) -> str:
+    try:
+        out = subprocess.run([criu, "--version"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise CriuError("version", str(e)) from e
+    m = re.search(r"Version:\s*(\S+)", out)
+    if not m:
+        raise CriuError("version", f"unexpected output: {out.strip()!r}")
+    return m.group(1)
+
+
+def version_tuple(v: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in re.findall(r"\d+", v)[:3])
+
+
+def check(criu: str = CRIU) -> None:
+    """``criu check``; CriuError with its output when the kernel lacks something CRIU needs."""
+    try:
+        res = subprocess.run([criu, "check"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise CriuError("check", str(e)) from e
+    if res.returncode != 0:
+        raise CriuError("check", (res.stdout + res.stderr).strip()[-500:])
+
+
+# ---- external mounts ----
+
+def _is_bind(m: dict[str, Any]) -> bool:
+    return m.get("type") == "bind" or any(o in ("bind", "rbind") for o in m.get("options") or [])
+
+
+def resolve_in_root(rootfs: str, path: str, depth: int = 0) -> str:
+    """Resolve symlinks of an absolute in-container path, staying inside rootfs (like runc does)."""
+    parts = [p for p in path.split("/") if p not in ("", ".")]
+    cur = "/"
+    for i, part in enumerate(parts):
+        cand = os.path.normpath(os.path.join(cur, part)) if part != ".." else os.path.dirname(cur)
+        host = os.path.join(rootfs, cand.lstrip("/"))
+        if os.path.islink(host) and depth < 40:
+            target = os.readlink(host)
+            base = "/" if target.startswith("/") else cur
+            cur = resolve_in_root(rootfs, os.path.join(base, target), depth + 1)
+        else:
+            cur = cand
+        if not cur.startswith("/"):
+            cur = "/"
+    return cur
+
+
+def plan_external_mounts(
+    mountinfo: list[MountInfo], spec: dict[str, Any], rootfs: str | None = None
+) -> list[MountPlanEntry]:
+    """Externals for a dump: every spec bind mount present in the workload's mountinfo and every cgroup mount."""
+    points = {m.mount_point for m in mountinfo}
+    found: dict[str, tuple[str, str]] = {}  # destination -> (type, mount point)
+    for m in spec.get("mounts") or []:
+        if not _is_bind(m):
+            continue
+        dest = os.path.normpath(m["destination"])
+        point = dest
+        if point not in points and rootfs:
+            point = resolve_in_root(rootfs, dest)
+        if point not in points:
+            log.warning("spec bind mount %s is not mounted in the workload; not external", dest)
+            continue
+        found[dest] = ("bind", point)
+    for mi in mountinfo:
+        if mi.fstype in ("cgroup", "cgroup2") and mi.mount_point not in found:
+            found[mi.mount_point] = (mi.fstype, mi.mount_point)
+    plan = []
+    for i, dest in enumerate(sorted(found)):
+        typ, point = found[dest]
+        plan.append(MountPlanEntry(key=f"m{i}", destination=dest, type=typ,
+                                   mount_point=point if point != dest else ""))
+    return plan
+
+
+def host_path_of_mount(m: MountInfo, host_mounts: list[MountInfo]) -> str:
+    """Host path showing the same thing as mount ``m`` (same device, longest root prefix)."""
+    best: MountInfo | None = None
+    for h in host_mounts:
+        if h.dev != m.dev:
+            continue
+        hr = h.root.rstrip("/")
+        if (m.root == h.root or m.root.startswith(hr + "/")) and (best is None or len(h.root) > len(best.root)):
+            best = h
+    if best is None:
+        raise CriuError("restore", f"no host mount of device {m.dev} root {m.root} (for {m.mount_point})")
+    return os.path.normpath(best.mount_point + "/" + m.root[len(best.root.rstrip("/")):])
+
+
+def map_mounts(plan: list[MountPlanEntry], target: ContainerInfo) -> list[str]:
+    """``mnt[key]:host_source`` for every plan entry, resolved in the target container."""
+    spec_binds = {os.path.normpath(m["destination"]): m for m in target.spec_mounts if _is_bind(m)}
+    target_mi: list[MountInfo] | None = None
+    host_mi: list[MountInfo] | None = None
+    out = []
+    for e in plan:
+        if e.type == "bind":
+            m = spec_binds.get(e.destination)
+            if m is None:
+                raise CriuError("restore", f"mount {e.key} ({e.destination}, bind) has no counterpart in container {target.id}")
+            src = m["source"]
+        else:
+            if target_mi is None:
+                target_mi, host_mi = read_mountinfo(target.init_pid), read_mountinfo("self")
+            tm = [m for m in target_mi if m.mount_point == e.destination and m.fstype in ("cgroup", "cgroup2")]
+            if not tm:
+                raise CriuError("restore", f"mount {e.key} ({e.destination}, {e.type}) has no counterpart in container {target.id}")
+            src = host_path_of_mount(tm[-1], host_mi or [])
+        out.append(f"mnt[{e.key}]:{src}")
+    return out
+
+
+# ---- pstree.img ----
+
+def _varint(buf: bytes, i: int) -> tuple[int, int]:
+    shift = val = 0
+    while True:
+        b = buf[i]
+        i += 1
+        val |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return val, i
+        shift += 7
+
+
+def _pstree_entry(msg: bytes) -> dict[int, list[int]]:
+    fields: dict[int, list[int]] = {}
+    i = 0
+    while i < len(msg):
+        tag, i = _varint(msg, i)
+        num, wt = tag >> 3, tag & 7
+        if wt == 0:
+            v, i = _varint(msg, i)
+            fields.setdefault(num, []).append(v)
+        elif wt == 2:
+            ln, i = _varint(msg, i)
+            sub, j = msg[i:i + ln], 0
+            while j < len(sub):  # packed varints (repeated threads)
+                v, j = _varint(sub, j)
+                fields.setdefault(num, []).append(v)
+            i += ln
+        else:
+            raise ValueError(f"unexpected wire type {wt}")
+    return fields
+
+
+def read_pstree(images_dir: str) -> list[dict[str, Any]]:
+    """Entries of pstree.img: {pid, ppid, pgid, sid, threads}."""
+    path = os.path.join(images_dir, "pstree.img")
+    try:
+        with open(path, "rb") as f:
+            buf = f.read()
+    except OSError as e:
+        raise CriuError("restore", f"cannot read {path}: {e}") from e
+    entries, i = [], 8  # common magic + pstree magic
+    try:
+        while i < len(buf):
+            size = int.from_bytes(buf[i:i + 4], "little")
+            f = _pstree_entry(buf[i + 4:i + 4 + size])
+            i += 4 + size
+            entries.append({"pid": f[1][0], "ppid": f.get(2, [0])[0], "pgid": f.get(3, [0])[0],
+                            "sid": f.get(4, [0])[0], "threads": f.get(5, [])})
+    except (IndexError, KeyError, ValueError) as e:
+        raise CriuError("restore", f"{path} is not a pstree image: {e}") from e
+    return entries
+
+
+def image_pids(images_dir: str) -> set[int]:
+    """Every pid and thread id the image will need in the target pid namespace."""
+    out: set[int] = set()
+    for e in read_pstree(images_dir):
+        out.add(e["pid"])
+        out.update(e["threads"])
+    return out
+
+
+def image_is_shell_job(images_dir: str) -> bool:
+    """True when the tree's session or process group leader is outside the image."""
+    entries = read_pstree(images_dir)
+    pids = {e["pid"] for e in entries}
+    return any(e["sid"] not in pids or e["pgid"] not in pids for e in entries)

@@ -1,0 +1,227 @@
+"""Checkpoint a container's workload tree with CRIU, and restore it into another container.
+
+Contract (the container's PID 1 is ``rekindle-init``; the tree to move is its single child):
+
+- :func:`dump_workload` runs CRIU inside the source container's pid namespace with a /proc of that
+  namespace (``nsenter -p`` + ``unshare -m --mount-proc``), so the image holds namespace pids. The
+  netns, every spec bind mount and every cgroup mount are external (see ``runtime.criu``). It
+  returns what restore needs and the manifest stores: the mount plan, the source's stdio links
+  (``pipe:[ino]`` keys for ``--inherit-fd``), and the host source of ``/dev/shm`` when that is an
+  external bind (CRIU does not save it; the caller tars it).
+- :func:`restore_into` restores an image into a running target container whose init waits in
+  restore mode. Before CRIU: the mount plan is mapped to the target's sources, every pid and thread
+  id of the image is checked free in the target pid ns and the ns's ``ns_last_pid`` is raised above
+  them (CRIU and its helpers are forked into that ns too, and would take them). CRIU then runs in
+  the target's pid ns and cgroups (so the restored memory is charged to the target from the first
+  page), on the target rootfs (host path), joins its ipc and uts namespaces, and gets the target's
+  netns and stdio pipes (the target init's fds 0-2: the container log) via ``--inherit-fd``.
+  After CRIU: the restored root must be a child of the target init (CRIU exits, ``-d`` leaves the
+  root an orphan, the kernel reparents it to the pid ns's init): verified, else NamespaceError.
+  The tree is (re)written into the target cgroups and the target's hostname/domainname, which
+  CRIU overwrites with the source's, are put back. The caller then writes ``restore-pid`` and
+  ``restore-complete``; on any error it writes ``restore-failed`` (the init kills leftovers).
+- Shell jobs: when the tree's session/process-group leader is outside the tree (the init did not
+  ``setsid`` the workload), ``--shell-job`` is passed on dump and restore; the restored tree then
+  gets CRIU's session, which lies outside the target pid ns.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+from runtime import criu as criu_mod
+from runtime import namespaces as ns
+from runtime.containers import ContainerInfo, Pid, process_tree, read_mountinfo, workload_root
+from runtime.criu import DumpOptions, MountPlanEntry, RestoreOptions
+from runtime.errors import CriuError, NamespaceError
+
+log = logging.getLogger(__name__)
+
+PID_HEADROOM = 64  # pids above the image's highest for CRIU's own processes
+PID_WAIT = 3.0  # seconds to wait for image pids still held by dying processes
+
+
+@dataclass(frozen=True)
+class DumpResult:
+    root_ns_pid: int
+    root_host_pid: int
+    mount_plan: list[MountPlanEntry]
+    criu_version: str
+    seconds: float
+    stdio: tuple[str, str, str]
+    shm_source: str | None
+    shell_job: bool
+    log_path: str
+
+
+@dataclass(frozen=True)
+class RestoreResult:
+    ns_pid: int
+    host_pid: int
+    seconds: float
+    criu_seconds: float
+    log_path: str
+
+
+def _session_ids(host_pid: int) -> tuple[int, int]:
+    with open(f"/proc/{host_pid}/stat") as f:
+        rest = f.read().rsplit(")", 1)[1].split()
+    return int(rest[2]), int(rest[3])  # pgrp, session
+
+
+def _is_shell_job(tree: list[int]) -> bool:
+    members = set(tree)
+    for pid in tree:
+        try:
+            pgrp, sid = _session_ids(pid)
+        except OSError:
+            continue
+        if pgrp not in members or sid not in members:
+            return True
+    return False
+
+
+def _stdio(host_pid: int) -> tuple[str, str, str]:
+    out = []
+    for fd in range(3):
+        try:
+            out.append(os.readlink(f"/proc/{host_pid}/fd/{fd}"))
+        except OSError:
+            out.append("")
+    return out[0], out[1], out[2]
+
+
+def dump_workload(
+    info: ContainerInfo,
+    images_dir: str,
+    leave_running: bool = True,
+    work_dir: str | None = None,
+    timeout: float = 1800.0,
+) -> DumpResult:
+    """Dump the workload tree of ``info`` (its init's single child) into ``images_dir``."""
+    root: Pid = workload_root(info)
+    if os.stat(f"/proc/{root.host}/ns/pid").st_ino != info.namespaces["pid"].inode:
+        raise NamespaceError(f"workload {root.host} is not in container {info.id}'s pid namespace")
+    mounts = read_mountinfo(root.host)
+    plan = criu_mod.plan_external_mounts(mounts, info.spec, info.rootfs)
+    tree = process_tree(root.host)
+    shell_job = _is_shell_job(tree)
+    stdio = _stdio(root.host)
+    shm = next((m.get("source") for m in info.spec_mounts
+                if os.path.normpath(m.get("destination", "")) == "/dev/shm"
+                and any(e.destination == "/dev/shm" and e.type == "bind" for e in plan)), None)
+    opts = DumpOptions(
+        images_dir=images_dir,
+        pid=root.ns,
+        work_dir=work_dir,
+        leave_running=leave_running,
+        netns_inode=os.stat(f"/proc/{root.host}/ns/net").st_ino,
+        external_mounts=plan,
+        shell_job=shell_job,
+    )
+    version = criu_mod.criu_version()
+    os.makedirs(images_dir, exist_ok=True)
+    log.info("dump container %s: root %s, %d processes, %d external mounts, shell_job=%s",
+             info.id, root, len(tree), len(plan), shell_job)
+    seconds = criu_mod.run_criu(opts, wrapper=ns.in_pid_ns_argv(info.init_pid, []), timeout=timeout)
+    return DumpResult(root_ns_pid=root.ns, root_host_pid=root.host, mount_plan=plan,
+                      criu_version=version, seconds=seconds, stdio=stdio, shm_source=shm,
+                      shell_job=shell_job, log_path=criu_mod.log_path(opts))
+
+
+def _prepare_pid_ns(target: ContainerInfo, images_dir: str) -> None:
+    needed = criu_mod.image_pids(images_dir)
+    deadline = time.monotonic() + PID_WAIT
+    while True:  # leftovers of a failed attempt may still be dying (reaped by the target init)
+        taken = sorted(needed & ns.used_pids(target.namespaces["pid"].inode).keys())
+        if not taken or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    if taken:
+        raise NamespaceError(
+            f"container {target.id}: pids {taken} of the image are already used in its pid namespace"
+        )
+    top = max(needed)
+    if top + PID_HEADROOM >= ns.pid_max():
+        raise NamespaceError(f"image pid {top} is too close to pid_max {ns.pid_max()}")
+    ns.set_ns_last_pid(target.init_pid, top)
+
+
+def _open_inherited(target: ContainerInfo, source_stdio: tuple[str, str, str] | None) -> list[tuple[int, str]]:
+    """fds (opened here, passed to CRIU) and the image resources they stand for."""
+    fds: list[tuple[int, str]] = [(os.open(target.ns_path("net"), os.O_RDONLY), criu_mod.NET_KEY)]
+    seen = set()
+    for i, link in enumerate(source_stdio or ()):
+        if not link.startswith("pipe:[") or link in seen:
+            continue
+        seen.add(link)
+        try:
+            fd = os.open(f"/proc/{target.init_pid}/fd/{i}", os.O_RDWR)
+        except OSError as e:
+            log.warning("target %s fd %d cannot be reopened (%s); restoring stdio %d onto /dev/null", target.id, i, e, i)
+            fd = os.open(os.devnull, os.O_RDWR)
+        fds.append((fd, link))
+    return fds
+
+
+def restore_into(
+    target: ContainerInfo,
+    images_dir: str,
+    mount_plan: list[MountPlanEntry],
+    source_stdio: tuple[str, str, str] | None = None,
+    work_dir: str | None = None,
+    timeout: float = 1800.0,
+) -> RestoreResult:
+    """Restore the tree in ``images_dir`` into ``target`` (whose init waits in restore mode)."""
+    t0 = time.monotonic()
+    externals = criu_mod.map_mounts(mount_plan, target)
+    work = work_dir or images_dir
+    os.makedirs(work, exist_ok=True)
+    pidfile = os.path.join(work, "restore.pid")
+    if os.path.exists(pidfile):
+        os.unlink(pidfile)
+    hostname, domainname = ns.read_uts(target.init_pid)
+    _prepare_pid_ns(target, images_dir)
+    fds = _open_inherited(target, source_stdio)
+    try:
+        opts = RestoreOptions(
+            images_dir=images_dir,
+            root=target.rootfs,
+            pidfile=pidfile,
+            work_dir=work_dir,
+            inherit_fds=fds,
+            join_ns=[("ipc", "/proc/1/ns/ipc"), ("uts", "/proc/1/ns/uts")],
+            external_mounts=externals,
+            shell_job=criu_mod.image_is_shell_job(images_dir),
+        )
+        wrapper = ns.enter_cgroups_argv(target.cgroups.values(), ns.in_pid_ns_argv(target.init_pid, []))
+        criu_seconds = criu_mod.run_criu(opts, wrapper=wrapper, pass_fds=[fd for fd, _ in fds], timeout=timeout)
+    finally:
+        for fd, _ in fds:
+            os.close(fd)
+    lp = criu_mod.log_path(opts)
+    try:
+        with open(pidfile) as f:
+            ns_pid = int(f.read().strip())
+    except (OSError, ValueError) as e:
+        raise CriuError("restore", f"no usable pidfile {pidfile}: {e}", lp) from e
+    host_pid = ns.host_pid_of(target.namespaces["pid"].inode, ns_pid, hint_parent=target.init_pid)
+    ppid = _ppid(host_pid)
+    if ppid != target.init_pid:
+        raise NamespaceError(f"restored root {host_pid} has parent {ppid}, not the target init {target.init_pid}")
+    ns.move_to_cgroups(process_tree(host_pid), target.cgroups.values())
+    ns.set_uts(target.init_pid, hostname, domainname)
+    seconds = time.monotonic() - t0
+    log.info("restored into %s: ns pid %d host pid %d in %.3fs (criu %.3fs)", target.id, ns_pid, host_pid, seconds, criu_seconds)
+    return RestoreResult(ns_pid=ns_pid, host_pid=host_pid, seconds=seconds, criu_seconds=criu_seconds, log_path=lp)
+
+
+def _ppid(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("PPid:"):
+                return int(line.split()[1])
+    return 0
