@@ -202,15 +202,22 @@ def _ns_ref(pid: int, kind: str) -> NsRef:
 def cgroup_paths(pid: int | str, mountinfo: list[MountInfo] | None = None) -> tuple[int, dict[str, str]]:
     """(version, {hierarchy key: host dir}) for a process, resolved through the host's cgroup mounts."""
     mounts = mountinfo if mountinfo is not None else read_mountinfo("self")
-    v2_root = next((m for m in mounts if m.mount_point == "/sys/fs/cgroup" and m.fstype == "cgroup2"), None)
-    version = 2 if v2_root is not None else 1
     try:
         with open(f"{PROC}/{pid}/cgroup") as f:
-            lines = f.read().splitlines()
+            text = f.read()
     except (FileNotFoundError, ProcessLookupError) as e:
         raise ContainerNotFound(f"process {pid} is gone") from e
+    return parse_cgroup_paths(text, mounts)
+
+
+def parse_cgroup_paths(cgroup_text: str, mounts: list[MountInfo]) -> tuple[int, dict[str, str]]:
+    """(version, {hierarchy key: host dir}) from a /proc/<pid>/cgroup text and the host's mounts."""
+    v2_root = next((m for m in mounts if m.mount_point == "/sys/fs/cgroup" and m.fstype == "cgroup2"), None)
+    version = 2 if v2_root is not None else 1
     paths: dict[str, str] = {}
-    for line in lines:
+    for line in cgroup_text.splitlines():
+        if not line.strip():
+            continue
         _hid, controllers, path = line.split(":", 2)
         if version == 2 and controllers:
             continue
@@ -230,7 +237,7 @@ def cgroup_paths(pid: int | str, mountinfo: list[MountInfo] | None = None) -> tu
                 paths[controllers] = os.path.normpath(m.mount_point + "/" + path[len(root):])
                 break
         else:
-            log.debug("cgroup %s:%s of pid %s has no host mount", controllers, path, pid)
+            log.debug("cgroup %s:%s has no host mount", controllers, path)
     return version, paths
 
 
