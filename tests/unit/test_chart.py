@@ -133,7 +133,7 @@ def test_plugin_command_is_the_cli_contract(default_render):
         "--containerd-state", "/run/containerd",
         "--hmac-key-file", "/etc/rekindle/hmac.key",
         "--log-format", "json",
-    ]
+    ]  # logLevel info: no --verbose
 
 
 def test_mounts(default_render):
@@ -250,6 +250,7 @@ def test_gpu_values(gpu_render):
     spec = ds["spec"]["template"]["spec"]
     c = _plugin(ds)
     assert _flag(c["args"], "--idx") == "07"  # "%02d"
+    assert c["args"][-1] == "--verbose"  # logLevel: debug
     assert c["image"] == "registry.example.com/rekindle/plugin:0.1.0"
     assert spec["runtimeClassName"] == "nvidia"
     assert spec["imagePullSecrets"] == [{"name": "registry-credentials"}]
@@ -311,6 +312,7 @@ BAD_VALUES = [
     ("index not an integer", {"nri": {"plugin": {"index": "90"}}}, "/nri/plugin/index"),
     ("logFormat xml", {"settings": {"logFormat": "xml"}}, "/settings/logFormat"),
     ("logLevel trace", {"settings": {"logLevel": "trace"}}, "/settings/logLevel"),
+    ("logLevel warning (the CLI has -v only)", {"settings": {"logLevel": "warning"}}, "/settings/logLevel"),
     ("store.type nfs", {"store": {"type": "nfs"}}, "/store/type"),
     ("pullPolicy sometimes", {"image": {"pullPolicy": "Sometimes"}}, "/image/pullPolicy"),
     ("missing image.name", {"image": {"name": None}}, "/image"),
@@ -328,3 +330,18 @@ def test_schema_rejects(values, where):
     with pytest.raises(RenderError, match="schema") as exc:
         render(copy.deepcopy(values), namespace=NAMESPACE)
     assert where in str(exc.value)
+
+
+# --- the rendered command is one the plugin's CLI accepts ----------------------------------------
+
+@pytest.mark.parametrize("which", ["default_render", "gpu_render", "kind_render"])
+def test_cli_accepts_rendered_args(which, request):
+    from nri_plugin.cli import build_parser
+
+    c = _plugin(_daemonset(request.getfixturevalue(which)))
+    assert c["command"] == ["rekindle"]
+    args = build_parser().parse_args(c["args"])
+    assert args.command == "plugin"
+    assert len(args.idx) == 2 and args.idx.isdigit()
+    assert args.hmac_key_file == "/etc/rekindle/hmac.key"
+    assert args.store == "/var/lib/rekindle/store"
