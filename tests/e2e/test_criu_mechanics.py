@@ -327,3 +327,73 @@ def test_restore_into_target(env: Env) -> None:
     os.kill(h, signal.SIGKILL)
     rc = env.target.proc.wait(timeout=10)
     assert rc == 128 + signal.SIGKILL, env.target.out.text()[-500:]
+
+
+# ---- the same through containerd + CRI: two pods, per-container pid namespaces, CNI ----
+
+def test_restore_into_other_pod_via_containerd(sandbox, pod) -> None:  # type: ignore[no-untyped-def]
+    from runtime.containerd.cri import ContainerState, Mount
+    from runtime.containers import resolve_container
+
+    reason = _skip_reason()
+    if reason:
+        pytest.skip(reason)
+    init_bin = os.path.join(REPO, "build", "rekindle-init")
+    if subprocess.run(["make", "-C", REPO, "build/rekindle-init"], capture_output=True, timeout=300).returncode:
+        pytest.skip("build/rekindle-init does not build")
+    base = tempfile.mkdtemp(prefix="rekindle-criu-cri-")
+    try:
+        bindir = os.path.join(base, "bin")
+        os.makedirs(bindir)
+        shutil.copy2(init_bin, os.path.join(bindir, "rekindle-init"))
+        init = "/.rekindle/bin/rekindle-init"
+        ids, ctl = {}, {}
+        for side, mode, cmd in (("src", "source", LOOP), ("dst", "restore", "echo cold start; sleep 1000")):
+            ctl[side] = os.path.join(base, f"{side}-control")
+            os.makedirs(ctl[side])
+            os.makedirs(os.path.join(base, f"{side}-data"))
+            p = pod(f"criu-{side}")
+            ids[side] = sandbox.run_container(
+                p, "main", "localhost/rekindle/busybox:1",
+                command=[init, "--mode", mode, "--control", "/rekindle", "--timeout", "300", "--",
+                         "/bin/sh", "-c", cmd],
+                mounts=[Mount("/.rekindle/bin", bindir, readonly=True), Mount("/rekindle", ctl[side]),
+                        Mount("/data", os.path.join(base, f"{side}-data"))])
+        state = str(sandbox.state_dir)
+        src = resolve_container(state, ids["src"])
+        dst = resolve_container(state, ids["dst"])
+        assert src.namespaces["net"].inode != dst.namespaces["net"].inode
+        wait_for(lambda: len(_log_ticks(sandbox, ids["src"])) >= 5, 30, "source ticks")
+        dump = dump_workload(src, os.path.join(base, "img"), work_dir=os.path.join(base, "dumpwork"))
+        dests = {e.destination for e in dump.mount_plan}
+        assert {"/etc/hosts", "/etc/resolv.conf", "/etc/hostname", "/dev/shm", "/rekindle", "/data"} <= dests
+        assert dump.shm_source and os.path.isdir(dump.shm_source)
+        at_dump = max(_log_ticks(sandbox, ids["src"]))
+        res = restore_into(dst, os.path.join(base, "img"), dump.mount_plan, dump.stdio,
+                           work_dir=os.path.join(base, "restorework"))
+        for kind in ("pid", "net", "ipc", "uts"):
+            assert os.stat(f"/proc/{res.host_pid}/ns/{kind}").st_ino == dst.namespaces[kind].inode, kind
+        with open(f"/proc/{res.host_pid}/cgroup") as a, open(f"/proc/{dst.init_pid}/cgroup") as b:
+            assert a.read() == b.read()
+        for name, content in (("restore-pid", str(res.ns_pid)), ("restore-complete", "")):
+            with open(os.path.join(ctl["dst"], f".{name}"), "w") as f:
+                f.write(content)
+            os.rename(os.path.join(ctl["dst"], f".{name}"), os.path.join(ctl["dst"], name))
+        # the restored counter writes into the target container's CRI log, continuing
+        ticks = wait_for(lambda: _log_ticks(sandbox, ids["dst"]) if len(_log_ticks(sandbox, ids["dst"])) >= 3
+                         else None, 15, "ticks in the target's log")
+        assert isinstance(ticks, list) and ticks[0] > 1 and ticks[0] <= at_dump + 1
+        # exec reaches it (same pid namespace), and the hostname is the target pod's
+        r = sandbox.cri.exec_sync(ids["dst"], ["/bin/sh", "-c", f"kill -0 {res.ns_pid} && hostname"])
+        assert r.exit_code == 0 and r.out.strip() == "criu-dst", r
+        assert not os.path.exists(os.path.join(ctl["dst"], "cold-start"))
+        # stopping the container reaches the restored process through the init
+        sandbox.cri.stop_container(ids["dst"], grace_seconds=10)
+        st = sandbox.cri.wait_container(ids["dst"], timeout=20)
+        assert st.state is ContainerState.EXITED and st.exit_code == 128 + signal.SIGTERM, st
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _log_ticks(sandbox, cid: str) -> list[int]:  # type: ignore[no-untyped-def]
+    return [int(m.group(1)) for ln in sandbox.cri.logs(cid) if (m := re.fullmatch(r"tick (\d+)", ln.strip()))]
