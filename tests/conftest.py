@@ -1,0 +1,55 @@
+"""Test-suite wiring: markers by directory, e2e prerequisites, the --containerd option.
+
+- Tests under ``tests/e2e/`` are marked ``e2e``, under ``tests/gpu/`` ``gpu`` (no need to repeat it).
+- An ``e2e`` test (wherever it lives) is skipped, with the reason, when not run as root or when
+  containerd, runc or CRIU >= 4.1 is missing (``hack/setup.sh`` installs them).
+- ``--containerd 1.7|2.1`` (or ``$REKINDLE_E2E_RUNTIME``) picks the runtime of the ``sandbox``
+  fixture (tests/e2e/conftest.py); default 1.7.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+MARK_BY_DIR = {"e2e": "e2e", "gpu": "gpu"}
+CRIU_MIN = (4, 1)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--containerd", choices=["1.7", "2.1"], default=os.environ.get("REKINDLE_E2E_RUNTIME", "1.7"),
+                     help="containerd runtime of the e2e sandbox fixture (default: $REKINDLE_E2E_RUNTIME or 1.7)")
+
+
+@functools.cache
+def e2e_skip_reason() -> str | None:
+    """Why e2e tests cannot run here, or None."""
+    if os.geteuid() != 0:
+        return "e2e tests need root (sudo .venv/bin/pytest -m e2e)"
+    missing = [t for t in ("containerd", "runc", "criu") if shutil.which(t) is None]
+    if missing:
+        return f"e2e tests need {', '.join(missing)} (run hack/setup.sh)"
+    out = subprocess.run(["criu", "--version"], capture_output=True, text=True).stdout
+    m = re.search(r"Version:\s*(\d+)\.(\d+)", out)
+    if not m or (int(m.group(1)), int(m.group(2))) < CRIU_MIN:
+        return f"e2e tests need criu >= {'.'.join(map(str, CRIU_MIN))} (run hack/install-deps.sh)"
+    return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        try:
+            top = Path(item.path).resolve().relative_to(TESTS).parts[0]
+        except ValueError:
+            continue
+        if top in MARK_BY_DIR:
+            item.add_marker(getattr(pytest.mark, MARK_BY_DIR[top]))
+        if item.get_closest_marker("e2e") and (reason := e2e_skip_reason()):
+            item.add_marker(pytest.mark.skip(reason=reason))

@@ -1,0 +1,108 @@
+"""The NRI toggle on the real default configs of containerd 1.7.24 and 2.1.9, run for real.
+
+For each runtime: `containerd config default` -> private root/state/sockets -> nodeconfig.apply
+-> start containerd with the result -> the NRI socket appears and the log says NRI is on.
+The 1.7 default has NRI disabled, so the same config without the toggle must not open the socket.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import tomlkit
+
+from runtime import nodeconfig
+from runtime.sandbox import Runtime
+
+BOOTED = "containerd successfully booted"
+NRI_ON_LOG = ("created NRI interface", 'Registered namespace \\"k8s.io\\" with NRI')
+
+
+@pytest.fixture
+def workdir() -> Iterator[Path]:
+    # Short path: unix socket paths are limited to 108 bytes.
+    d = Path(tempfile.mkdtemp(prefix="rk-toggle-"))
+    yield d
+    subprocess.run(["umount", "-R", str(d)], capture_output=True)
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def default_config(runtime: Runtime, workdir: Path) -> Path:
+    """containerd's own default config, pointed at private paths (the only edit besides the toggle)."""
+    if not runtime.containerd.exists():
+        pytest.skip(f"{runtime.containerd} missing (hack/install-deps.sh)")
+    text = subprocess.run([str(runtime.containerd), "config", "default"], check=True, capture_output=True,
+                          text=True).stdout
+    doc = tomlkit.parse(text)
+    doc["root"] = str(workdir / "root")
+    doc["state"] = str(workdir / "state")
+    doc["grpc"]["address"] = str(workdir / "containerd.sock")
+    doc["ttrpc"]["address"] = str(workdir / "containerd.sock.ttrpc")
+    doc["plugins"]["io.containerd.internal.v1.opt"]["path"] = str(workdir / "opt")
+    cfg = workdir / "config.toml"
+    cfg.write_text(tomlkit.dumps(doc))
+    return cfg
+
+
+def run_containerd(runtime: Runtime, cfg: Path, nri_socket: Path, wait: float = 30) -> tuple[bool, str]:
+    """Start containerd, wait until it booted and (up to `wait` s) for the NRI socket, stop it.
+
+    Returns (socket seen, log)."""
+    log_path = cfg.with_name("containerd.log")
+    env = {"PATH": f"{runtime.bin_dir}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
+    with open(log_path, "wb") as logf:
+        proc = subprocess.Popen([str(runtime.containerd), "--config", str(cfg)], stdout=logf,
+                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    seen = False
+    try:
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline and proc.poll() is None:
+            seen = nri_socket.exists()
+            if seen and BOOTED in log_path.read_text(errors="replace"):
+                break
+            if not seen and BOOTED in log_path.read_text(errors="replace") and time.monotonic() > deadline - wait + 3:
+                break  # booted 3 s ago and still no socket
+            time.sleep(0.1)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return seen, log_path.read_text(errors="replace")
+
+
+@pytest.mark.parametrize("runtime", [Runtime.V1_7, Runtime.V2_1], ids=lambda r: f"containerd-{r.value}")
+def test_toggle_turns_nri_on(runtime: Runtime, workdir: Path) -> None:
+    cfg = default_config(runtime, workdir)
+    nri_socket = workdir / "nri.sock"
+    res = nodeconfig.apply(cfg, socket_path=str(nri_socket))
+    assert res.changed and res.restart_needed
+    assert res.version == runtime.config_version
+    assert res.backup_path is not None and res.backup_path.exists()
+    assert not nodeconfig.apply(cfg, socket_path=str(nri_socket)).changed
+
+    seen, log = run_containerd(runtime, cfg, nri_socket, wait=30)
+    assert seen, f"NRI socket {nri_socket} never appeared; log tail:\n" + "\n".join(log.splitlines()[-30:])
+    for marker in NRI_ON_LOG:
+        assert marker in log, f"{marker!r} not in the containerd log"
+
+
+def test_untoggled_1_7_default_keeps_nri_off(workdir: Path) -> None:
+    cfg = default_config(Runtime.V1_7, workdir)
+    doc = tomlkit.parse(cfg.read_text())
+    nri_socket = workdir / "nri.sock"
+    doc["plugins"]["io.containerd.nri.v1.nri"]["socket_path"] = str(nri_socket)  # private, still disabled
+    cfg.write_text(tomlkit.dumps(doc))
+    seen, log = run_containerd(Runtime.V1_7, cfg, nri_socket)
+    assert BOOTED in log
+    assert not seen
+    assert "created NRI interface" not in log
