@@ -174,8 +174,14 @@ def restore_into(
     source_stdio: tuple[str, str, str] | None = None,
     work_dir: str | None = None,
     timeout: float = 1800.0,
+    cgroups_first: bool = True,
 ) -> RestoreResult:
-    """Restore the tree in ``images_dir`` into ``target`` (whose init waits in restore mode)."""
+    """Restore the tree in ``images_dir`` into ``target`` (whose init waits in restore mode).
+
+    ``source_stdio`` is ``DumpResult.stdio`` (None: stdio pipes are not re-attached).
+    ``cgroups_first=False`` runs CRIU in the caller's cgroups and only moves the tree afterwards
+    (memory restored until then stays charged to the caller's cgroup).
+    """
     t0 = time.monotonic()
     externals = criu_mod.map_mounts(mount_plan, target)
     work = work_dir or images_dir
@@ -197,7 +203,9 @@ def restore_into(
             external_mounts=externals,
             shell_job=criu_mod.image_is_shell_job(images_dir),
         )
-        wrapper = ns.enter_cgroups_argv(target.cgroups.values(), ns.in_pid_ns_argv(target.init_pid, []))
+        wrapper = ns.in_pid_ns_argv(target.init_pid, [])
+        if cgroups_first:
+            wrapper = ns.enter_cgroups_argv(target.cgroups.values(), wrapper)
         criu_seconds = criu_mod.run_criu(opts, wrapper=wrapper, pass_fds=[fd for fd, _ in fds], timeout=timeout)
     finally:
         for fd, _ in fds:
