@@ -44,6 +44,8 @@ CNI_BIN_DIR = Path(os.environ.get("REKINDLE_CNI_BIN_DIR", "/usr/lib/cni"))
 PAUSE_IMAGE = "localhost/rekindle/pause:1"
 # runc's state root as the runc v2 shim uses it for the k8s.io namespace (containerd's default).
 RUNC_ROOT = Path("/run/containerd/runc/k8s.io")
+# Which sandbox dir owns which bridge: two sandboxes on one bridge would hand out the same IPs.
+BRIDGE_REGISTRY = Path("/run/rekindle-sandbox/bridges")
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
@@ -411,8 +413,30 @@ class Sandbox:
         tmp.write_text(json.dumps(asdict(meta), indent=2) + "\n")
         tmp.replace(self.paths.meta)
 
+    def _claim_bridge(self) -> None:
+        """Record this dir as the bridge's owner; refuse when another running sandbox owns it."""
+        entry = BRIDGE_REGISTRY / self.config.bridge
+        try:
+            owner = Path(entry.read_text().strip())
+        except OSError:
+            owner = None
+        if owner and owner != self.paths.dir:
+            other = Sandbox(SandboxConfig(dir=owner, bridge=self.config.bridge))
+            if other.is_running():
+                raise SandboxError(f"bridge {self.config.bridge} is used by the running sandbox {owner}; "
+                                   f"stop it first (sandbox --dir {owner} down) or pick another bridge")
+        BRIDGE_REGISTRY.mkdir(parents=True, exist_ok=True)
+        entry.write_text(f"{self.paths.dir}\n")
+
+    def _owns_bridge(self, bridge: str) -> bool:
+        try:
+            return Path((BRIDGE_REGISTRY / bridge).read_text().strip()) == self.paths.dir
+        except OSError:
+            return True  # unregistered: whoever made it is gone
+
     def _start(self) -> None:
         cfg, p = self.config, self.paths
+        self._claim_bridge()
         if not cfg.runtime.containerd.exists():
             raise SandboxError(f"{cfg.runtime.containerd} missing (run hack/install-deps.sh)")
         for d in (p.dir, p.root, p.state, p.cni_conf_dir, p.cni_ipam_dir, p.nri_plugin_dir,
@@ -491,8 +515,10 @@ class Sandbox:
             if Path(ns).exists():
                 _umount(ns)
                 Path(ns).unlink(missing_ok=True)
-        if subprocess.run(["ip", "link", "show", meta.bridge], capture_output=True).returncode == 0:
-            subprocess.run(["ip", "link", "delete", meta.bridge], capture_output=True)
+        if self._owns_bridge(meta.bridge):
+            if subprocess.run(["ip", "link", "show", meta.bridge], capture_output=True).returncode == 0:
+                subprocess.run(["ip", "link", "delete", meta.bridge], capture_output=True)
+            (BRIDGE_REGISTRY / meta.bridge).unlink(missing_ok=True)
         for path in (p.state, p.cni_ipam_dir):
             if path.exists() and not _mounts_under(path):
                 shutil.rmtree(path, ignore_errors=True)
