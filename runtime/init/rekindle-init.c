@@ -197,6 +197,10 @@ static pid_t spawn(char **argv)
         /* The workload must start with the signal mask we were given, not our blocked set. */
         if (sigprocmask(SIG_SETMASK, &orig_mask, NULL) < 0)
             _exit(127);
+        /* Its own session, so the workload tree is self-contained: CRIU can dump it without
+         * --shell-job, and the restored tree keeps a session inside the container. */
+        if (setsid() < 0)
+            _exit(127);
         execvp(argv[0], argv);
         int e = errno;
         /* Like a shell: 127 when not found, 126 when found but not executable. */

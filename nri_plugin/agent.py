@@ -1,0 +1,180 @@
+"""Composition root: builds the plugin, the engine and their clients from ``Settings``.
+
+``run_plugin`` is the DaemonSet's long-lived process. ``checkpoint_once`` / ``restore_once`` run
+the same engine for one container from the CLI (a node operator's manual path).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import signal
+import tempfile
+from typing import Any
+
+from runtime import checkpoint as checkpoint_flow
+from runtime import control
+from runtime import restore as restore_flow
+from runtime.manifest import NodeFacts, load_or_create_key
+from runtime.probe import probe as run_probe
+from runtime.status import StatusBook
+from runtime.store import ArtifactStore
+
+from .config import Settings
+from .handlers import RekindlePlugin
+from .jobs import Jobs, Work
+from .policy import AfterCheckpoint, ReadyProbe
+from .stub import Identity, Stub
+
+log = logging.getLogger(__name__)
+
+
+def install_init(settings: Settings) -> None:
+    """Copy rekindle-init to ``<state>/bin`` (a host path that containers bind-mount)."""
+    src = settings.init_source()
+    if src is None:
+        raise FileNotFoundError("rekindle-init not found")
+    settings.bin_dir.mkdir(parents=True, exist_ok=True)
+    os.chmod(settings.bin_dir, 0o755)
+    fd, tmp = tempfile.mkstemp(dir=settings.bin_dir, prefix=".rekindle-init.")
+    os.close(fd)
+    shutil.copyfile(src, tmp)
+    os.chmod(tmp, 0o755)
+    os.replace(tmp, settings.installed_init)  # running containers keep the old inode
+    log.info("installed %s -> %s", src, settings.installed_init)
+
+
+def _cuda() -> Any:
+    """The long-lived CUDA checkpointer, or None on nodes without a usable driver."""
+    try:
+        from runtime.cuda import CudaCheckpointer
+        cp = CudaCheckpointer()
+        cp.gpus()
+        return cp
+    except Exception as exc:  # noqa: BLE001 - CPU nodes are fine
+        log.info("CUDA checkpointing unavailable on this node: %s", exc)
+        return None
+
+
+class NodeEngine:
+    """Adapts the runtime flows to the jobs' ``Engine`` protocol."""
+
+    def __init__(self, settings: Settings, store: ArtifactStore, key: bytes, cuda: Any,
+                 facts: NodeFacts, image_ref: Any) -> None:
+        self.settings = settings
+        self.store = store
+        self.key = key
+        self.cuda = cuda
+        self.facts = facts
+        self.image_ref = image_ref
+
+    def checkpoint(self, work: Work) -> dict[str, float]:
+        req = checkpoint_flow.CheckpointRequest(
+            containerd_state=self.settings.containerd_state, container_id=work.container_id,
+            namespace=work.namespace, name=work.artifact, pod=work.pod, pod_uid=work.pod_uid,
+            container=work.container, image=work.image,
+            image_ref=(self.image_ref(work.image) if self.image_ref and work.image else "") or "",
+            exit_after=work.intent.after_checkpoint is AfterCheckpoint.EXIT,
+            log_dir=os.path.join(self.settings.state_dir, "logs"))
+        return checkpoint_flow.checkpoint(req, self.store, self.key, control=work.control, cuda=self.cuda)
+
+    def restore(self, work: Work) -> dict[str, float]:
+        req = restore_flow.RestoreRequest(
+            containerd_state=self.settings.containerd_state, container_id=work.container_id,
+            namespace=work.namespace, name=work.artifact, image=work.image,
+            image_ref=(self.image_ref(work.image) if self.image_ref and work.image else "") or "",
+            log_dir=os.path.join(self.settings.state_dir, "logs"))
+        return restore_flow.restore(req, self.store, self.key, self.facts, control=work.control, cuda=self.cuda)
+
+    def probe(self, netns: str, probe: ReadyProbe) -> bool:
+        return run_probe(netns, probe.kind.value, probe.host, probe.port, probe.path)
+
+
+def _clients(settings: Settings) -> tuple[Any, Any]:
+    """containerd spec access and an image-digest lookup, when the socket is there."""
+    if not os.path.exists(settings.containerd_socket):
+        log.warning("no containerd socket at %s: entrypoint swap on NRI < 0.10 disabled",
+                    settings.containerd_socket)
+        return None, None
+    from runtime.containerd.client import ContainerdClient
+    from runtime.containerd.cri import CRIClient
+    specs = ContainerdClient(settings.containerd_socket, namespace=settings.containerd_namespace)
+    cri = CRIClient(settings.containerd_socket, timeout=1.0)
+
+    def image_ref(image: str) -> str:
+        try:
+            return cri.image_ref(image) or ""
+        except Exception as exc:  # noqa: BLE001 - a missing digest is reported by the check
+            log.debug("image digest of %s unavailable: %s", image, exc)
+            return ""
+    return specs, image_ref
+
+
+def _engine(settings: Settings) -> tuple[ArtifactStore, bytes, NodeFacts, NodeEngine, Any, Any]:
+    key = load_or_create_key(str(settings.key_path))
+    store = ArtifactStore(settings.store)
+    cuda = _cuda()
+    cuda_facts = restore_flow.cuda_facts(cuda)
+    facts = NodeFacts.detect(cuda=cuda_facts)
+    specs, image_ref = _clients(settings)
+    return store, key, facts, NodeEngine(settings, store, key, cuda, facts, image_ref), specs, image_ref
+
+
+def run_plugin(settings: Settings, max_parallel: int = 2) -> int:
+    install_init(settings)
+    os.makedirs(settings.store, exist_ok=True)
+    store, key, facts, engine, specs, image_ref = _engine(settings)
+    status = StatusBook(settings.state_dir)
+    log.info("node %s: kernel %s, CRIU %s, CUDA %s", facts.hostname, facts.kernel, facts.criu_version,
+             facts.cuda.driver_version if facts.cuda else "none")
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        jobs = Jobs(engine, status, max_parallel=max_parallel)
+        jobs.bind_loop(loop)
+        plugin = RekindlePlugin(settings, store=store, key=key, status=status, jobs=jobs,
+                                specs=specs, facts=facts, image_ref=image_ref)
+        fd = os.environ.get("NRI_PLUGIN_SOCKET")
+        stub = Stub(plugin, Identity(os.environ.get("NRI_PLUGIN_NAME", settings.name),
+                                     os.environ.get("NRI_PLUGIN_IDX", settings.idx)),
+                    socket_path=settings.socket_path, preconnected_fd=int(fd) if fd else None)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stub.stop)
+        log.info("rekindle plugin %s-%s starting on %s", settings.idx, settings.name, settings.socket_path)
+        await stub.run()
+        await jobs.shutdown()
+        log.info("rekindle plugin stopped")
+
+    asyncio.run(main())
+    return 0
+
+
+def _control_of(settings: Settings, container_id: str) -> control.ControlDir | None:
+    """The control dir of a container, found through its bundle's mounts."""
+    from runtime.containers import resolve_container
+    info = resolve_container(settings.containerd_state, container_id)
+    for m in info.spec_mounts:
+        if m.get("destination") == control.CONTAINER_PATH and m.get("source"):
+            return control.ControlDir(__import__("pathlib").Path(m["source"]))
+    return None
+
+
+def checkpoint_once(settings: Settings, container_id: str, namespace: str, name: str,
+                    exit_after: bool = False) -> dict[str, float]:
+    store, key, facts, engine, specs, image_ref = _engine(settings)
+    req = checkpoint_flow.CheckpointRequest(
+        containerd_state=settings.containerd_state, container_id=container_id, namespace=namespace,
+        name=name, pod="", pod_uid="", container="", image="", image_ref="", exit_after=exit_after,
+        log_dir=os.path.join(settings.state_dir, "logs"))
+    return checkpoint_flow.checkpoint(req, store, key, control=_control_of(settings, container_id), cuda=engine.cuda)
+
+
+def restore_once(settings: Settings, container_id: str, namespace: str, name: str) -> dict[str, float]:
+    store, key, facts, engine, specs, image_ref = _engine(settings)
+    req = restore_flow.RestoreRequest(
+        containerd_state=settings.containerd_state, container_id=container_id, namespace=namespace,
+        name=name, image="", image_ref="", log_dir=os.path.join(settings.state_dir, "logs"))
+    return restore_flow.restore(req, store, key, facts, control=_control_of(settings, container_id),
+                                cuda=engine.cuda, check_image=False)

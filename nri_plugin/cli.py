@@ -1,0 +1,248 @@
+"""The ``rekindle`` command: the NRI plugin and the node operator's tools.
+
+Subcommands: plugin, checkpoint, restore, artifacts (list|inspect|delete), status, doctor,
+nri-toggle, cuda-checkpoint. Exit codes: 0 success, 1 failure, 2 usage error. Errors print one
+line (``rekindle: error: ...``); ``-v`` adds tracebacks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+from runtime.errors import RekindleError
+
+from . import logs
+
+log = logging.getLogger("rekindle")
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging and tracebacks")
+    p.add_argument("--log-format", choices=("text", "json"), default="text", help="log line format")
+
+
+def _paths(p: argparse.ArgumentParser) -> None:
+    from .config import Settings
+    d = Settings()
+    p.add_argument("--state-dir", default=d.state_dir, help="Rekindle state dir (default: %(default)s)")
+    p.add_argument("--store", default=d.store, help="artifact store root (default: %(default)s)")
+    p.add_argument("--hmac-key-file", default="", help="manifest signing key (default: <state-dir>/hmac.key)")
+    p.add_argument("--containerd-state", default=d.containerd_state,
+                   help="containerd state dir holding task bundles (default: %(default)s)")
+    p.add_argument("--containerd-socket", default=d.containerd_socket, help="containerd socket (default: %(default)s)")
+
+
+def _settings(args: argparse.Namespace, **extra: str):
+    from .config import Settings
+    fields = {k: getattr(args, k) for k in ("state_dir", "store", "hmac_key_file", "containerd_state",
+                                              "containerd_socket") if hasattr(args, k)}
+    for k in ("name", "idx", "socket_path", "init_binary"):
+        if hasattr(args, k):
+            fields[k] = getattr(args, k)
+    fields.update(extra)
+    return Settings(**fields)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rekindle",
+        description="Start GPU inference pods warm: checkpoint a loaded pod, restore new pods from it "
+                    "(containerd NRI plugin + node tools).")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("plugin", help="run the NRI plugin (the DaemonSet's command)")
+    _common(p); _paths(p)
+    p.add_argument("--socket-path", default="/var/run/nri/nri.sock", help="NRI socket (default: %(default)s)")
+    p.add_argument("--name", default="rekindle", help="plugin name (default: %(default)s)")
+    p.add_argument("--idx", default="50", help="plugin index, two digits (default: %(default)s)")
+    p.add_argument("--init-binary", default="", help="rekindle-init to install into <state-dir>/bin")
+    p.add_argument("--max-parallel", type=int, default=2, help="checkpoints/restores at once (default: %(default)s)")
+    p.set_defaults(func=cmd_plugin)
+
+    p = sub.add_parser("checkpoint", help="checkpoint a running container (its init must be in source mode)")
+    _common(p); _paths(p)
+    p.add_argument("--container-id", required=True)
+    p.add_argument("--namespace", required=True, help="Kubernetes namespace the artifact belongs to")
+    p.add_argument("--name", required=True, help="artifact name")
+    p.add_argument("--exit", action="store_true", help="stop the source workload afterwards")
+    p.set_defaults(func=cmd_checkpoint)
+
+    p = sub.add_parser("restore", help="restore an artifact into a waiting container (init in restore mode)")
+    _common(p); _paths(p)
+    p.add_argument("--container-id", required=True)
+    p.add_argument("--namespace", required=True)
+    p.add_argument("--name", required=True)
+    p.set_defaults(func=cmd_restore)
+
+    p = sub.add_parser("artifacts", help="list, inspect or delete artifacts in the store")
+    asub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    for action, helptext in (("list", "list artifacts"), ("inspect", "show an artifact's manifest"),
+                             ("delete", "delete an artifact")):
+        ap = asub.add_parser(action, help=helptext)
+        _common(ap); _paths(ap)
+        ap.add_argument("--namespace", default=None if action == "list" else "default")
+        if action != "list":
+            ap.add_argument("name")
+        if action == "inspect":
+            ap.add_argument("--verify", action="store_true", help="also check every file's digest")
+        ap.add_argument("--json", action="store_true", help="machine-readable output")
+        ap.set_defaults(func=cmd_artifacts)
+
+    p = sub.add_parser("status", help="what Rekindle did with each annotated container on this node")
+    _common(p); _paths(p)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("doctor", help="check this node's prerequisites")
+    _common(p); _paths(p)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_doctor)
+
+    p = sub.add_parser("nri-toggle", add_help=False,
+                       help="switch NRI on in a containerd config (v2 for 1.7, v3 for 2.x)")
+    p.set_defaults(func=cmd_passthrough, target="runtime.nodeconfig")
+
+    p = sub.add_parser("cuda-checkpoint", add_help=False,
+                       help="NVIDIA cuda-checkpoint compatible tool (driver API, no extra binary)")
+    p.set_defaults(func=cmd_passthrough, target="runtime.cuda_cli")
+    return parser
+
+
+# ---------------------------------------------------------------------------- commands
+def cmd_plugin(args: argparse.Namespace) -> int:
+    from .agent import run_plugin
+    settings = _settings(args)
+    settings.check()
+    return run_plugin(settings, max_parallel=args.max_parallel)
+
+
+def cmd_checkpoint(args: argparse.Namespace) -> int:
+    from .agent import checkpoint_once
+    t0 = time.monotonic()
+    timings = checkpoint_once(_settings(args), args.container_id, args.namespace, args.name, exit_after=args.exit)
+    print(f"published {args.namespace}/{args.name} in {time.monotonic() - t0:.2f}s")
+    for phase, secs in timings.items():
+        print(f"  {phase:<24} {secs:8.2f}s")
+    return 0
+
+
+def cmd_restore(args: argparse.Namespace) -> int:
+    from .agent import restore_once
+    t0 = time.monotonic()
+    timings = restore_once(_settings(args), args.container_id, args.namespace, args.name)
+    print(f"restored {args.namespace}/{args.name} into {args.container_id[:12]} in {time.monotonic() - t0:.2f}s")
+    for phase, secs in timings.items():
+        print(f"  {phase:<24} {secs:8.2f}s")
+    return 0
+
+
+def cmd_artifacts(args: argparse.Namespace) -> int:
+    from runtime.manifest import load_or_create_key
+    from runtime.store import ArtifactStore
+    settings = _settings(args)
+    store = ArtifactStore(settings.store)
+    if args.action == "list":
+        rows = store.list(args.namespace)
+        if args.json:
+            print(json.dumps([r.__dict__ if hasattr(r, "__dict__") else _asdict(r) for r in rows], default=str, indent=2))
+        else:
+            for r in rows:
+                print(_listing_line(r))
+            if not rows:
+                print("no artifacts")
+        return 0
+    if args.action == "delete":
+        store.delete(args.namespace, args.name)
+        print(f"deleted {args.namespace}/{args.name}")
+        return 0
+    key = load_or_create_key(str(settings.key_path))
+    artifact = store.open(args.namespace, args.name, key)
+    if args.verify:
+        artifact.verify_files()
+    doc = json.loads(artifact.manifest.to_json())
+    if args.json:
+        print(json.dumps(doc, indent=2, sort_keys=True))
+    else:
+        m = artifact.manifest
+        size = sum(f.size for f in m.files)
+        print(f"{m.namespace}/{m.name}  created {m.created_at}  {len(m.files)} files, {size / 2**20:.1f} MiB")
+        print(f"  source   {m.source.pod} ({m.source.container}), image {m.source.image}")
+        print(f"  node     {m.node.hostname} kernel {m.node.kernel} {m.node.arch}, CRIU {m.criu.version}")
+        if m.cuda:
+            print(f"  cuda     driver {m.cuda.driver_version}, GPUs {', '.join(g.name for g in m.cuda.gpus)}")
+        print(f"  security uid {m.security.uid} caps {len(m.security.capabilities)} seccomp {m.security.seccomp}")
+        print("  timings  " + ", ".join(f"{k} {v:.2f}s" for k, v in m.timings.items()))
+        print("  verified: all file digests match" if args.verify else "  (signature ok; --verify checks digests)")
+    return 0
+
+
+def _asdict(obj: object) -> dict[str, object]:
+    from dataclasses import asdict, is_dataclass
+    return asdict(obj) if is_dataclass(obj) else {"value": str(obj)}
+
+
+def _listing_line(row: object) -> str:
+    d = _asdict(row)
+    return "  ".join(f"{k}={v}" for k, v in d.items())
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from runtime.status import StatusBook
+    rows = StatusBook(args.state_dir).list()
+    if args.json:
+        print(json.dumps([json.loads(r.to_json()) for r in rows], indent=2))
+        return 0
+    if not rows:
+        print("no annotated containers seen")
+    for r in rows:
+        timing = ", ".join(f"{k} {v:.2f}s" for k, v in r.timings.items())
+        print(f"{r.namespace}/{r.pod}:{r.container}  {r.role or '-'} {r.artifact or '-'}  {r.phase.value}"
+              + (f"  ({r.reason})" if r.reason else "") + (f"  [{timing}]" if timing else ""))
+    return 0
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from runtime.doctor import run_checks
+    checks = run_checks(_settings(args))
+    if args.json:
+        print(json.dumps([c.__dict__ for c in checks], indent=2))
+    else:
+        for c in checks:
+            print(f"[{'ok' if c.ok else 'FAIL'}] {c.name}: {c.detail}")
+    return 0 if all(c.ok or not c.required for c in checks) else 1
+
+
+def cmd_passthrough(args: argparse.Namespace) -> int:
+    import importlib
+    mod = importlib.import_module(args.target)
+    main: Callable[[list[str]], int] = mod.main
+    return main(args.rest)
+
+
+# ---------------------------------------------------------------------------- entry point
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    # Pass-through subcommands own their flags (--help included).
+    if argv and argv[0] in ("nri-toggle", "cuda-checkpoint"):
+        args = argparse.Namespace(func=cmd_passthrough, rest=argv[1:], verbose=False,
+                                  target={"nri-toggle": "runtime.nodeconfig",
+                                          "cuda-checkpoint": "runtime.cuda_cli"}[argv[0]])
+        logs.setup(verbose=False, fmt="text")
+    else:
+        args = parser.parse_args(argv)
+        logs.setup(verbose=args.verbose, fmt=args.log_format)
+    try:
+        return int(args.func(args) or 0)
+    except RekindleError as exc:
+        if args.verbose:
+            log.exception("failed")
+        print(f"rekindle: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130

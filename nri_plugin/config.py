@@ -1,0 +1,76 @@
+"""The plugin's settings: one dataclass, every field defaulted, ``validate()`` lists every problem.
+
+Settings come from CLI flags (the DaemonSet passes them); a bad setting stops the plugin at
+start-up with all problems listed at once, while a bad annotation only affects its own pod.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from runtime.errors import ConfigError
+
+DEFAULT_STATE_DIR = "/var/lib/rekindle"
+
+
+def _default_init_candidates() -> list[str]:
+    here = Path(__file__).resolve().parent.parent
+    return [
+        os.environ.get("REKINDLE_INIT", ""),
+        "/usr/local/lib/rekindle/rekindle-init",
+        str(here / "build" / "rekindle-init"),
+    ]
+
+
+@dataclass(frozen=True)
+class Settings:
+    name: str = "rekindle"
+    idx: str = "50"
+    socket_path: str = "/var/run/nri/nri.sock"
+    state_dir: str = DEFAULT_STATE_DIR
+    store: str = DEFAULT_STATE_DIR + "/store"
+    hmac_key_file: str = ""          # default: <state_dir>/hmac.key
+    containerd_socket: str = "/run/containerd/containerd.sock"
+    containerd_state: str = "/run/containerd"
+    containerd_namespace: str = "k8s.io"
+    init_binary: str = ""            # where to install the init from; default: first that exists
+    criu_bin: str = "criu"
+    host_proc: str = "/proc"
+    extra: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def key_path(self) -> Path:
+        return Path(self.hmac_key_file or os.path.join(self.state_dir, "hmac.key"))
+
+    @property
+    def bin_dir(self) -> Path:
+        return Path(self.state_dir) / "bin"
+
+    @property
+    def installed_init(self) -> Path:
+        return self.bin_dir / "rekindle-init"
+
+    def init_source(self) -> str | None:
+        candidates = [self.init_binary] if self.init_binary else _default_init_candidates()
+        return next((c for c in candidates if c and os.access(c, os.X_OK)), None)
+
+    def validate(self) -> list[str]:
+        problems = []
+        if len(self.idx) != 2 or not self.idx.isdigit():
+            problems.append(f"--idx must be two digits, got {self.idx!r}")
+        if not self.name or not all(c.isalnum() or c in "_.+-" for c in self.name):
+            problems.append(f"--name must match [a-zA-Z0-9_.+-]+, got {self.name!r}")
+        for label, path in (("--state-dir", self.state_dir), ("--store", self.store),
+                            ("--containerd-state", self.containerd_state)):
+            if not os.path.isabs(path):
+                problems.append(f"{label} must be an absolute path, got {path!r}")
+        if self.init_source() is None:
+            problems.append("no rekindle-init binary found (build it with `make`, or pass --init-binary)")
+        return problems
+
+    def check(self) -> None:
+        problems = self.validate()
+        if problems:
+            raise ConfigError("invalid settings:\n  " + "\n  ".join(problems))

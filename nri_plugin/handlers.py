@@ -1,0 +1,226 @@
+"""The Rekindle NRI plugin: each handler is parse -> decide -> adjust, within the 2 s budget.
+
+CreateContainer    annotations -> Intent; give the container its control dir and the init
+                   (mounts + env); for a restore, a cheap pre-check of the artifact (manifest
+                   signature, compatibility, fail-once); the entrypoint swap where the runtime
+                   takes ``args`` (NRI >= 0.10).
+PostCreateContainer the entrypoint swap through containerd's API on NRI 0.6/0.8, after checking
+                   that a restore would not give the process more privilege than the container.
+PostStartContainer hand the container to ``Jobs`` (wait-ready + checkpoint, or restore), which
+                   run outside the handler.
+Stop/Remove        cancel jobs, clean up.
+Synchronize        pick up containers whose jobs were lost when the plugin restarted.
+
+Failure policy: anything wrong -> the container is left (or put back) on its cold start, the
+reason is logged with the pod and container, and recorded in its status file. Handlers never
+return an error to containerd: that would fail the pod instead of starting it cold.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from runtime import control
+from runtime.errors import AnnotationError, RekindleError
+from runtime.manifest import Manifest, NodeFacts, SecurityProfile, check_compatibility, check_privilege
+from runtime.status import ContainerStatus, Phase, StatusBook
+from runtime.store import ArtifactStore
+
+from .config import Settings
+from .events import RuntimeInfo
+from .jobs import Jobs, Work
+from .policy import Intent, Role, decide
+from .proto import nri_api_pb2 as api
+from .swap import SpecAccess, Strategy, choose, init_command, is_swapped, swap_by_spec_update
+
+log = logging.getLogger(__name__)
+
+IMAGE_NAME_ANNOTATION = "io.kubernetes.cri.image-name"
+
+
+@dataclass
+class Pending:
+    """A container we adjusted at create time and will act on once it runs."""
+
+    work: Work
+    manifest: Manifest | None = None
+    swapped: bool = False
+
+
+def who(pod: api.PodSandbox, ctr: api.Container) -> str:
+    return f"{pod.namespace}/{pod.name}:{ctr.name}"
+
+
+class RekindlePlugin:
+    def __init__(self, settings: Settings, *, store: ArtifactStore, key: bytes, status: StatusBook,
+                 jobs: Jobs, specs: SpecAccess | None, facts: NodeFacts,
+                 image_ref: Any = None) -> None:
+        self.settings = settings
+        self.store = store
+        self.key = key
+        self.status = status
+        self.jobs = jobs
+        self.specs = specs
+        self.facts = facts
+        self.image_ref = image_ref  # callable(image name) -> digest, or None
+        self.runtime: RuntimeInfo | None = None
+        self.strategy = Strategy.SPEC_UPDATE
+        self._pending: dict[str, Pending] = {}
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ lifecycle
+    def configure(self, config: str, runtime: RuntimeInfo) -> None:
+        self.runtime = runtime
+        self.strategy = choose(runtime)
+        log.info("entrypoint swap: %s", self.strategy.value)
+
+    def synchronize(self, pods: list[api.PodSandbox], containers: list[api.Container]) -> list[api.ContainerUpdate]:
+        by_id = {p.id: p for p in pods}
+        for ctr in containers:
+            pod = by_id.get(ctr.pod_sandbox_id)
+            if pod is None or ctr.state != api.CONTAINER_RUNNING or not is_swapped(list(ctr.args)):
+                continue
+            try:
+                intent = decide(dict(pod.annotations), ctr.name)
+                if intent is None:
+                    continue
+                ctl = control.control_dir_for(self.settings.state_dir, pod.uid, ctr.name)
+            except AnnotationError:
+                continue
+            self.jobs.resume(self._work(pod, ctr, intent, ctl))
+        return []
+
+    # ------------------------------------------------------------------ create
+    def create_container(self, pod: api.PodSandbox, ctr: api.Container) -> api.CreateContainerResponse:
+        empty = api.CreateContainerResponse()
+        try:
+            intent = decide(dict(pod.annotations), ctr.name)
+        except AnnotationError as exc:
+            log.warning("%s: %s; container starts unadjusted", who(pod, ctr), exc)
+            self._record(pod, ctr, None, Phase.IGNORED, str(exc))
+            return empty
+        if intent is None:
+            return empty
+        try:
+            ctl = control.control_dir_for(self.settings.state_dir, pod.uid, ctr.name)
+            manifest = self._precheck_restore(pod, ctr, intent) if intent.role is Role.RESTORE else None
+            ctl.prepare()
+        except RekindleError as exc:
+            log.warning("%s: %s %s: %s; cold start", who(pod, ctr), intent.role.value, intent.artifact, exc)
+            self._record(pod, ctr, intent, Phase.COLD_START, str(exc))
+            return empty
+
+        adjust = api.ContainerAdjustment()
+        adjust.mounts.add(destination=control.CONTAINER_PATH, type="bind", source=str(ctl.path),
+                          options=["rbind", "rw", "nosuid", "nodev"])
+        adjust.mounts.add(destination=control.INIT_DIR_IN_CONTAINER, type="bind",
+                          source=str(self.settings.bin_dir), options=["rbind", "ro", "nosuid", "nodev"])
+        for name in control.ENV_NAMES:
+            adjust.env.add(key=name, value=control.CONTAINER_PATH)
+        work = self._work(pod, ctr, intent, ctl)
+        pending = Pending(work, manifest)
+        if self.strategy is Strategy.ARGS_ADJUSTMENT and ctr.args:
+            adjust.args.extend(init_command(work.mode, intent.restore_timeout, list(ctr.args)))
+            pending.swapped = True
+        with self._lock:
+            self._pending[ctr.id] = pending
+        phase = Phase.RESTORE_PENDING if intent.role is Role.RESTORE else Phase.WAITING_READY
+        self._record(pod, ctr, intent, phase, "")
+        log.info("%s: %s %s: control dir %s", who(pod, ctr), intent.role.value, intent.artifact, ctl.path)
+        return api.CreateContainerResponse(adjust=adjust)
+
+    def _precheck_restore(self, pod: api.PodSandbox, ctr: api.Container, intent: Intent) -> Manifest:
+        """Cheap checks only (reads the manifest, not the images): this runs inside the handler."""
+        prev = self.status.read(pod.namespace, pod.name, ctr.name)
+        if prev and prev.pod_uid == pod.uid and prev.phase in (Phase.COLD_START, Phase.RESTORED, Phase.RESTORING):
+            raise RekindleError(f"a restore was already attempted for this pod ({prev.phase.value}"
+                                f"{': ' + prev.reason if prev.reason else ''}); not retrying")
+        artifact = self.store.open(pod.namespace, intent.artifact, self.key)
+        image = ctr.annotations.get(IMAGE_NAME_ANNOTATION, "")
+        image_ref = self.image_ref(image) if (self.image_ref and image) else ""
+        reasons = check_compatibility(artifact.manifest, self.facts, image=image, image_ref=image_ref or "")
+        if reasons:
+            raise RekindleError("incompatible: " + "; ".join(reasons))
+        return artifact.manifest
+
+    # ------------------------------------------------------------------ post-create
+    def post_create_container(self, pod: api.PodSandbox, ctr: api.Container) -> None:
+        with self._lock:
+            pending = self._pending.get(ctr.id)
+        if pending is None:
+            return
+        work = pending.work
+        try:
+            if pending.manifest is not None and self.specs is not None:
+                target = SecurityProfile.from_oci_spec(self.specs.get_spec(ctr.id), label=work.artifact)
+                reasons = check_privilege(pending.manifest.security, target)
+                if reasons:
+                    raise RekindleError("target container is less privileged than the source: "
+                                        + "; ".join(reasons))
+            if not pending.swapped:
+                if self.specs is None:
+                    raise RekindleError("no containerd API to swap the entrypoint with")
+                swap_by_spec_update(self.specs, ctr.id, work.mode, work.intent.restore_timeout)
+                pending.swapped = True
+        except Exception as exc:  # noqa: BLE001 - fail open: the container runs its own command
+            if pending.swapped:
+                # args were set at create (NRI >= 0.10): tell the init to start cold right away.
+                work.control.write(control.RESTORE_FAILED, str(exc))
+            with self._lock:
+                self._pending.pop(ctr.id, None)
+            phase = Phase.COLD_START if work.intent.role is Role.RESTORE else Phase.CHECKPOINT_FAILED
+            log.warning("%s: %s; cold start", who(pod, ctr), exc)
+            self._record(pod, ctr, work.intent, phase, str(exc))
+            return
+        log.info("%s: entrypoint swapped to rekindle-init (%s mode)", who(pod, ctr), work.mode)
+
+    # ------------------------------------------------------------------ start/stop/remove
+    async def post_start_container(self, pod: api.PodSandbox, ctr: api.Container) -> None:
+        with self._lock:
+            pending = self._pending.pop(ctr.id, None)
+        if pending is None or not pending.swapped:
+            return
+        pending.work.container_id = ctr.id
+        pending.work.pid = ctr.pid
+        self.jobs.start(pending.work)
+
+    async def stop_container(self, pod: api.PodSandbox, ctr: api.Container) -> list[api.ContainerUpdate]:
+        self.jobs.cancel(ctr.id, "container stopping")
+        return []
+
+    async def remove_container(self, pod: api.PodSandbox, ctr: api.Container) -> None:
+        self.jobs.cancel(ctr.id, "container removed")
+        with self._lock:
+            self._pending.pop(ctr.id, None)
+
+    def remove_pod_sandbox(self, pod: api.PodSandbox) -> None:
+        try:
+            root = control.control_dir_for(self.settings.state_dir, pod.uid, "x").path.parent
+        except AnnotationError:
+            return
+        if root.is_dir():
+            for sub in root.iterdir():
+                control.ControlDir(sub).remove()
+
+    # ------------------------------------------------------------------ helpers
+    def _work(self, pod: api.PodSandbox, ctr: api.Container, intent: Intent,
+              ctl: control.ControlDir) -> Work:
+        return Work(
+            intent=intent, control=ctl, container_id=ctr.id, pid=ctr.pid,
+            namespace=pod.namespace, pod=pod.name, pod_uid=pod.uid, container=ctr.name,
+            image=ctr.annotations.get(IMAGE_NAME_ANNOTATION, ""),
+            netns=next((ns.path for ns in pod.linux.namespaces if ns.type == "network"), ""),
+        )
+
+    def _record(self, pod: api.PodSandbox, ctr: api.Container, intent: Intent | None,
+                phase: Phase, reason: str) -> None:
+        try:
+            self.status.write(ContainerStatus(
+                namespace=pod.namespace, pod=pod.name, container=ctr.name,
+                role=intent.role.value if intent else "", artifact=intent.artifact if intent else "",
+                phase=phase, reason=reason, container_id=ctr.id, pod_uid=pod.uid))
+        except (OSError, ValueError) as exc:
+            log.error("%s: cannot record status: %s", who(pod, ctr), exc)

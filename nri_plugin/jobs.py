@@ -1,0 +1,191 @@
+"""Long work outside the NRI handlers: wait-ready + checkpoint, and restore.
+
+One asyncio task per container id, started from PostStartContainer (or from Synchronize after a
+plugin restart) and cancelled on StopContainer/RemoveContainer. The engine calls are blocking
+and run in worker threads; a semaphore bounds how many run at once on a node.
+
+Outcomes always reach the container through its control dir, exactly once:
+  checkpoint: ``snapshot-complete`` or ``checkpoint-failed``;
+  restore:    ``restore-pid`` + ``restore-complete``, or ``restore-failed`` (the init then starts
+              the original command — the cold start).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from runtime import control
+from runtime.status import ContainerStatus, Phase, StatusBook
+
+from .policy import Intent, ProbeKind, ReadyProbe, Role
+
+log = logging.getLogger(__name__)
+
+READY_POLL = 0.2
+
+
+@dataclass
+class Work:
+    intent: Intent
+    control: control.ControlDir
+    container_id: str
+    pid: int
+    namespace: str
+    pod: str
+    pod_uid: str
+    container: str
+    image: str
+    netns: str
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def mode(self) -> str:
+        return "source" if self.intent.role is Role.CHECKPOINT else "restore"
+
+    @property
+    def artifact(self) -> str:
+        return self.intent.artifact
+
+    @property
+    def who(self) -> str:
+        return f"{self.namespace}/{self.pod}:{self.container}"
+
+
+class Engine(Protocol):
+    def checkpoint(self, work: Work) -> dict[str, float]: ...
+    def restore(self, work: Work) -> dict[str, float]: ...
+    def probe(self, netns: str, probe: ReadyProbe) -> bool: ...
+
+
+class Jobs:
+    def __init__(self, engine: Engine, status: StatusBook, max_parallel: int = 2) -> None:
+        self.engine = engine
+        self.status = status
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._slots = asyncio.Semaphore(max_parallel)
+
+    def start(self, work: Work) -> None:
+        if work.container_id in self._tasks:
+            return
+        run = self._checkpoint if work.intent.role is Role.CHECKPOINT else self._restore
+        task = asyncio.get_running_loop().create_task(run(work), name=f"rekindle-{work.container_id[:12]}")
+        self._tasks[work.container_id] = task
+        task.add_done_callback(lambda _t, cid=work.container_id: self._tasks.pop(cid, None))
+
+    def resume(self, work: Work) -> None:
+        """After a plugin restart: continue what can be continued, fail what was cut short."""
+        prev = self.status.read(work.namespace, work.pod, work.container)
+        if work.intent.role is Role.CHECKPOINT:
+            if prev is None or prev.phase in (Phase.WAITING_READY, Phase.CHECKPOINTING):
+                log.info("%s: resuming checkpoint watch after plugin restart", work.who)
+                self._call_soon(work)
+            return
+        outcome = any(work.control.exists(n) for n in
+                      (control.RESTORE_COMPLETE, control.RESTORE_FAILED, control.COLD_START))
+        if outcome:
+            return
+        if prev is not None and prev.phase is Phase.RESTORING:
+            reason = "the agent restarted during the restore"
+            work.control.write(control.RESTORE_FAILED, reason)
+            self._set(work, Phase.COLD_START, reason)
+            log.warning("%s: %s; cold start", work.who, reason)
+            return
+        log.info("%s: starting restore after plugin restart", work.who)
+        self._call_soon(work)
+
+    def _call_soon(self, work: Work) -> None:
+        # Synchronize runs in a worker thread; tasks belong to the loop.
+        loop = self._loop
+        loop.call_soon_threadsafe(self.start, work)
+
+    def bind_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+
+    def cancel(self, container_id: str, reason: str) -> None:
+        task = self._tasks.pop(container_id, None)
+        if task is not None and not task.done():
+            log.info("cancelling work on %s: %s", container_id[:12], reason)
+            task.cancel()
+
+    async def shutdown(self) -> None:
+        tasks = list(self._tasks.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    # ------------------------------------------------------------------ flows
+    async def _checkpoint(self, work: Work) -> None:
+        self._set(work, Phase.WAITING_READY, "")
+        t0 = time.monotonic()
+        how = await self._wait_ready(work)
+        work.timings["wait_ready"] = round(time.monotonic() - t0, 3)
+        log.info("%s: ready (%s) after %.1fs; checkpointing to %s", work.who, how,
+                 work.timings["wait_ready"], work.artifact)
+        self._set(work, Phase.CHECKPOINTING, "")
+        try:
+            async with self._slots:
+                timings = await asyncio.to_thread(self.engine.checkpoint, work)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - every failure is reported to the pod
+            reason = str(exc) or type(exc).__name__
+            log.error("%s: checkpoint %s failed: %s", work.who, work.artifact, reason,
+                      exc_info=not _expected(exc))
+            work.control.write(control.CHECKPOINT_FAILED, reason + "\n")
+            self._set(work, Phase.CHECKPOINT_FAILED, reason)
+            return
+        work.timings.update(timings)
+        self._set(work, Phase.PUBLISHED, "")
+        log.info("%s: published %s/%s (%s)", work.who, work.namespace, work.artifact, _fmt(work.timings))
+
+    async def _wait_ready(self, work: Work) -> str:
+        probe = work.intent.ready_probe
+        while True:
+            if probe.kind is ProbeKind.FILE:
+                found = work.control.ready()
+                if found:
+                    return found
+            elif await asyncio.to_thread(self.engine.probe, work.netns, probe):
+                return str(probe)
+            await asyncio.sleep(READY_POLL if probe.kind is ProbeKind.FILE else 1.0)
+
+    async def _restore(self, work: Work) -> None:
+        self._set(work, Phase.RESTORING, "")
+        try:
+            async with self._slots:
+                timings = await asyncio.to_thread(self.engine.restore, work)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - every failure ends in the cold start
+            reason = str(exc) or type(exc).__name__
+            log.error("%s: restore from %s failed: %s; cold start", work.who, work.artifact, reason,
+                      exc_info=not _expected(exc))
+            if not work.control.exists(control.RESTORE_COMPLETE):
+                work.control.write(control.RESTORE_FAILED, reason + "\n")
+            self._set(work, Phase.COLD_START, reason)
+            return
+        work.timings.update(timings)
+        self._set(work, Phase.RESTORED, "")
+        log.info("%s: restored from %s (%s)", work.who, work.artifact, _fmt(work.timings))
+
+    def _set(self, work: Work, phase: Phase, reason: str) -> None:
+        try:
+            self.status.write(ContainerStatus(
+                namespace=work.namespace, pod=work.pod, container=work.container,
+                role=work.intent.role.value, artifact=work.artifact, phase=phase, reason=reason,
+                container_id=work.container_id, pod_uid=work.pod_uid, timings=dict(work.timings)))
+        except (OSError, ValueError) as exc:
+            log.error("%s: cannot record status: %s", work.who, exc)
+
+
+def _expected(exc: BaseException) -> bool:
+    from runtime.errors import RekindleError
+    return isinstance(exc, RekindleError)
+
+
+def _fmt(timings: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:.2f}s" for k, v in timings.items())
