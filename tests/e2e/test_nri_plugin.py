@@ -1,0 +1,134 @@
+"""The plugin against real containerd (1.7.24 by default; 2.1.9 where marked): handshake,
+adjustments seen from inside running containers, and the plugin or containerd going away."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from .plugin_process import PluginProcess, build_native
+
+BUSYBOX = "localhost/rekindle/busybox:1"
+SLEEP = ["/bin/sh", "-c", "echo started; exec sleep 3600"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _native():
+    build_native()
+
+
+@pytest.fixture
+def plugin(sandbox, tmp_path):
+    p = PluginProcess(sandbox, tmp_path / "plugin")
+    p.start()
+    yield p
+    p.stop()
+
+
+def _run(sandbox, pod, name="app", cmd=SLEEP):
+    cid = sandbox.run_container(pod, name, BUSYBOX, command=cmd)
+    return cid
+
+
+def _exec(sandbox, cid, script):
+    res = sandbox.cri.exec_sync(cid, ["/bin/sh", "-c", script], timeout=10)
+    assert res.exit_code == 0, res.err
+    return res.out
+
+
+def test_handshake_registers_with_containerd(sandbox, plugin):
+    log = sandbox.log_tail(400)
+    assert 'plugin "50-rekindle" connected' in log
+    assert "configured by containerd" in plugin.log()
+    assert "events CREATE_CONTAINER|POST_CREATE_CONTAINER" in plugin.log()
+
+
+def test_annotated_pod_gets_control_dir_env_and_init(sandbox, plugin, pod):
+    p = pod(annotations={"rekindle.dev/checkpoint": "demo"})
+    cid = _run(sandbox, p)
+    env = _exec(sandbox, cid, "env")
+    assert "REKINDLE_CONTROL_DIR=/rekindle" in env
+    assert "SNAPSHOT_CONTROL_DIR=/rekindle" in env
+    # The control dir is the host dir the plugin made for this pod/container.
+    _exec(sandbox, cid, "echo hello > /rekindle/probe-file")
+    host = plugin.control_dir(p.uid, "app") / "probe-file"
+    assert host.read_text() == "hello\n"
+    # The entrypoint was swapped: the init is PID 1, the workload its child.
+    cmdline = _exec(sandbox, cid, "tr '\\0' ' ' < /proc/1/cmdline")
+    assert cmdline.startswith("/.rekindle/bin/rekindle-init --mode source")
+    assert "sleep 3600" in _exec(sandbox, cid, "ps -o pid,args")
+    # The init is read-only inside the container.
+    res = sandbox.cri.exec_sync(cid, ["/bin/sh", "-c", "echo x > /.rekindle/bin/rekindle-init"], timeout=10)
+    assert res.exit_code != 0
+
+
+def test_pod_without_annotations_is_left_untouched(sandbox, plugin, pod):
+    p = pod()
+    cid = _run(sandbox, p)
+    env = _exec(sandbox, cid, "env")
+    assert "REKINDLE" not in env and "SNAPSHOT_CONTROL_DIR" not in env
+    assert "/rekindle" not in _exec(sandbox, cid, "cat /proc/mounts")
+    assert _exec(sandbox, cid, "tr '\\0' ' ' < /proc/1/cmdline").startswith("sleep 3600")
+
+
+def test_malformed_annotation_starts_unadjusted_with_a_log_line(sandbox, plugin, pod):
+    p = pod(name="bad-annotation", annotations={"rekindle.dev/checkpoint": "../etc"})
+    cid = _run(sandbox, p)
+    assert "REKINDLE" not in _exec(sandbox, cid, "env")
+    line = plugin.wait_log("annotation rekindle.dev/checkpoint")
+    assert "default/bad-annotation:app" in line and "artifact name must be" in line
+
+
+def test_plugin_killed_midrun_containerd_goes_on_and_plugin_resyncs(sandbox, plugin, pod):
+    plugin.kill()
+    p = pod(annotations={"rekindle.dev/checkpoint": "while-away"})
+    t0 = time.monotonic()
+    cid = _run(sandbox, p)  # no plugin: created and started, unadjusted
+    assert time.monotonic() - t0 < 10
+    assert "REKINDLE" not in _exec(sandbox, cid, "env")
+    plugin.start()  # comes back and is synchronized with what exists
+    text = plugin.log()
+    sync = [l for l in text.splitlines() if "synchronized:" in l][-1]
+    assert int(sync.split("synchronized:")[1].split("pods")[0]) >= 1
+    p2 = pod(annotations={"rekindle.dev/checkpoint": "after-return"})
+    cid2 = _run(sandbox, p2)
+    assert "REKINDLE_CONTROL_DIR=/rekindle" in _exec(sandbox, cid2, "env")
+
+
+def test_plugin_reconnects_after_containerd_restart(sandbox, plugin, pod):
+    sb = sandbox.sandbox
+    before = plugin.log().count("registered as")
+    pid = sb.pid()
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 20
+    while sb.is_running() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not sb.is_running()
+    plugin.wait_log("disconnected from the runtime")
+    sb.up(import_images=False)
+    plugin.wait_log("registered as", count=before + 1, timeout=30)
+    plugin.wait_log("synchronized:", count=2, timeout=30)
+    p = pod(annotations={"rekindle.dev/checkpoint": "after-restart"})
+    cid = _run(sandbox, p)
+    assert "REKINDLE_CONTROL_DIR=/rekindle" in _exec(sandbox, cid, "env")
+
+
+def test_handshake_and_adjustment_on_containerd_2_1(sandbox_factory, pod, tmp_path):
+    sb21 = sandbox_factory("2.1")
+    plugin = PluginProcess(sb21, tmp_path / "plugin21")
+    plugin.start()
+    try:
+        assert "configured by containerd 2.1" in plugin.log()
+        assert "(NRI 0.8.0)" in plugin.log()
+        p = pod(annotations={"rekindle.dev/checkpoint": "demo21"}, on=sb21)
+        cid = _run(sb21, p)
+        assert "REKINDLE_CONTROL_DIR=/rekindle" in _exec(sb21, cid, "env")
+        assert _exec(sb21, cid, "tr '\\0' ' ' < /proc/1/cmdline").startswith("/.rekindle/bin/rekindle-init")
+        q = pod(on=sb21)
+        cid2 = _run(sb21, q)
+        assert "REKINDLE" not in _exec(sb21, cid2, "env")
+    finally:
+        plugin.stop()
