@@ -316,8 +316,8 @@ class ArtifactStore:
 
     def _read_manifest(self, namespace: str, name: str, label: str,
                        with_sig: bool) -> tuple[bytes, bytes]:
-        """Signature and manifest bytes read from one directory. When a replace removed that
-        directory while we read it (link count 0), read the new one (a bounded retry)."""
+        """Signature and manifest bytes read from one directory. When a replace moved that
+        directory away while we read it, read the new one (a bounded retry)."""
         for attempt in range(3):
             with contextlib.ExitStack() as stack:
                 fd = self._open_dir(stack, namespace, name, label)
@@ -325,9 +325,17 @@ class ArtifactStore:
                     sig = _read_capped(fd, SIGNATURE, MAX_SIG_BYTES, label) if with_sig else b""
                     return sig, _read_capped(fd, MANIFEST, MAX_MANIFEST, label)
                 except ArtifactRejected:
-                    if attempt == 2 or os.fstat(fd).st_nlink != 0:
+                    if attempt == 2 or self._still_current(fd, namespace, name):
                         raise
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _still_current(self, fd: int, namespace: str, name: str) -> bool:
+        """Whether ``fd`` is still the directory published as ``namespace/name``."""
+        try:
+            now = os.lstat(os.path.join(self.root, namespace, name))
+        except OSError:
+            return False
+        return os.path.samestat(now, os.fstat(fd))
 
     def _open_dir(self, stack: contextlib.ExitStack, namespace: str, name: str,
                   label: str) -> int:

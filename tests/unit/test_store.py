@@ -171,7 +171,7 @@ def test_concurrent_reader_never_sees_a_half_written_artifact(tmp_path: Path) ->
     thread = threading.Thread(target=reader)
     thread.start()
     try:
-        for gen in range(1, 60):
+        for gen in range(1, 40):
             publish(store, files={"gen": str(gen).encode()}, timings={"gen": float(gen)})
     finally:
         done.set()
