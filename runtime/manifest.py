@@ -356,8 +356,10 @@ def _seccomp_value(seccomp: Any) -> str:
         return "unconfined"
     if not isinstance(seccomp, dict):
         raise TypeError("linux.seccomp must be an object")
-    actions = {seccomp.get("defaultAction")} | {
-        rule.get("action") for rule in seccomp.get("syscalls") or [] if isinstance(rule, dict)}
+    rules = seccomp.get("syscalls") or []
+    if not isinstance(rules, list) or not all(isinstance(r, dict) for r in rules):
+        raise TypeError("linux.seccomp.syscalls must be a list of objects")
+    actions = {seccomp.get("defaultAction")} | {rule.get("action") for rule in rules}
     if actions <= _PERMISSIVE_SECCOMP:
         return "unconfined"
     return "sha256:" + hashlib.sha256(canonical_json(seccomp)).hexdigest()

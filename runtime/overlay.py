@@ -97,7 +97,7 @@ def capture(upperdir: str, out_tar: str, deletions_json: str,
             f.write(json.dumps(deletions, sort_keys=True, separators=(",", ":")).encode())
         os.replace(deletions_json + ".tmp", deletions_json)
         os.replace(tmp, out_tar)
-    except OSError as exc:
+    except (OSError, RecursionError) as exc:
         raise OverlayError(f"capture {upperdir}: {exc}") from exc
     finally:
         os.close(root)
@@ -258,7 +258,7 @@ def apply(rootfs: str, tar_path: str, deletions_json: str) -> ApplyStats:
         raise OverlayError(f"apply {tar_path}: not a valid archive: {exc}") from exc
     except (ArithmeticError, ValueError) as exc:  # absurd numbers in headers
         raise OverlayError(f"apply {tar_path}: bad value in archive: {exc}") from exc
-    except OSError as exc:
+    except (OSError, RecursionError) as exc:
         raise OverlayError(f"apply {tar_path} to {rootfs}: {exc}") from exc
     finally:
         os.close(root)

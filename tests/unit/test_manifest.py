@@ -236,7 +236,10 @@ def test_profile_privileged_rule(s: Any, expected: bool) -> None:
     {"process": {"capabilities": {"bounding": ["cap_sys_admin"]}}},
     {"process": {"noNewPrivileges": "true"}},
     {"process": {}, "linux": {"seccomp": "unconfined"}},
-], ids=["uid-string", "gid-string", "caps-string", "caps-lowercase", "nnp-string", "seccomp-string"])
+    {"process": {}, "linux": {"seccomp": {"defaultAction": "SCMP_ACT_ALLOW", "syscalls": ["x"]}}},
+    ["not", "an", "object"],
+], ids=["uid-string", "gid-string", "caps-string", "caps-lowercase", "nnp-string", "seccomp-string",
+        "seccomp-rule-string", "spec-not-object"])
 def test_profile_from_malformed_oci_spec_is_rejected(s: Any) -> None:
     with pytest.raises(ArtifactRejected, match="malformed OCI spec"):
         SecurityProfile.from_oci_spec(s, label="target")
