@@ -281,7 +281,7 @@ HOSTILE = [
     ([member("esc", tarfile.SYMTYPE, link="/"), member("esc/etc/passwd")],
      "parent 'esc' is a symlink earlier in the archive"),
     ([member("a", tarfile.SYMTYPE, link="../../../../../../.."),
-      member("a/tmp/pwned")], "parent 'a' is a symlink"),
+      member("a/var/pwned")], "parent 'a' is a symlink"),
     ([member("planted/etc/passwd")], "entry 'planted/etc/passwd': parent 'planted' is a symlink"),
     ([member("shadow", tarfile.LNKTYPE, link="/etc/shadow")],
      "hardlink to '/etc/shadow' points outside"),
