@@ -266,9 +266,10 @@ def test_gpu_values_nri_toggle_init_container(gpu_render):
     (init,) = spec["initContainers"]
     assert init["securityContext"]["privileged"] is True
     script = init["command"][-1]
-    assert "rekindle nri-toggle --config /host/etc/containerd/config.toml" in script
+    assert ("rekindle nri-toggle --config /host/etc/containerd/config.toml --socket-path /var/run/nri/nri.sock"
+            in script)
     # restart only when the toggle changed something, in the host's mount namespace
-    assert 'r.get("changed") and r.get("restart_needed")' in script
+    assert 'r["changed"] and r["restart_needed"]' in script
     assert "nsenter --target 1 --mount -- systemctl restart containerd" in script
     m = _mounts(init, spec)
     assert m["/host/etc/containerd"][1]["hostPath"]["path"] == "/etc/containerd"
@@ -345,3 +346,34 @@ def test_cli_accepts_rendered_args(which, request):
     assert len(args.idx) == 2 and args.idx.isdigit()
     assert args.hmac_key_file == "/etc/rekindle/hmac.key"
     assert args.store == "/var/lib/rekindle/store"
+
+
+# --- the init container's script, run with a fake `rekindle` and `nsenter` ----------------------
+
+@pytest.mark.parametrize("toggle_output,restarted,rc", [
+    ('{"changed": true, "restart_needed": true, "backup": "/etc/containerd/config.toml.rekindle-backup-1"}', True, 0),
+    ('{"changed": false, "restart_needed": false, "backup": null}', False, 0),
+    ("config.toml: NRI enabled", False, 1),  # not the JSON contract: fail, do not guess
+])
+def test_toggle_script(gpu_render, tmp_path, toggle_output, restarted, rc):
+    import subprocess
+
+    (init,) = _daemonset(gpu_render)["spec"]["template"]["spec"]["initContainers"]
+    assert init["command"][:2] == ["/bin/sh", "-ec"]
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "calls"
+    (bin_dir / "rekindle").write_text(f"#!/bin/sh\necho \"rekindle $*\" >>{calls}\ncat <<'J'\n{toggle_output}\nJ\n")
+    (bin_dir / "nsenter").write_text(f"#!/bin/sh\necho \"nsenter $*\" >>{calls}\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    import os
+    import sys
+    py_dir = os.path.dirname(sys.executable)
+    env = {"PATH": f"{bin_dir}:{py_dir}:/usr/bin:/bin"}
+    res = subprocess.run(["/bin/sh", "-ec", init["command"][2]], env=env, capture_output=True, text=True)
+    assert res.returncode == rc, res.stderr
+    log = calls.read_text().splitlines()
+    assert log[0] == ("rekindle nri-toggle --config /host/etc/containerd/config.toml "
+                      "--socket-path /var/run/nri/nri.sock")
+    assert (log[1:] == ["nsenter --target 1 --mount -- systemctl restart containerd"]) is restarted
