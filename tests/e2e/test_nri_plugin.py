@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from .plugin_process import PluginProcess, build_native
+from plugin_process import PluginProcess, build_native
 
 BUSYBOX = "localhost/rekindle/busybox:1"
 SLEEP = ["/bin/sh", "-c", "echo started; exec sleep 3600"]
@@ -40,10 +40,10 @@ def _exec(sandbox, cid, script):
 
 
 def test_handshake_registers_with_containerd(sandbox, plugin):
-    log = sandbox.log_tail(400)
+    log = sandbox.log_tail(400).replace("\\\"", "\"")
     assert 'plugin "50-rekindle" connected' in log
     assert "configured by containerd" in plugin.log()
-    assert "events CREATE_CONTAINER|POST_CREATE_CONTAINER" in plugin.log()
+    assert "CREATE_CONTAINER|POST_CREATE_CONTAINER|POST_START_CONTAINER|STOP_CONTAINER" in plugin.log()
 
 
 def test_annotated_pod_gets_control_dir_env_and_init(sandbox, plugin, pod):
@@ -70,7 +70,7 @@ def test_pod_without_annotations_is_left_untouched(sandbox, plugin, pod):
     cid = _run(sandbox, p)
     env = _exec(sandbox, cid, "env")
     assert "REKINDLE" not in env and "SNAPSHOT_CONTROL_DIR" not in env
-    assert "/rekindle" not in _exec(sandbox, cid, "cat /proc/mounts")
+    assert " /rekindle " not in _exec(sandbox, cid, "cat /proc/mounts")
     assert _exec(sandbox, cid, "tr '\\0' ' ' < /proc/1/cmdline").startswith("sleep 3600")
 
 
