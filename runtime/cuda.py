@@ -1,0 +1,289 @@
+"""CUDA process checkpoint/restore through the driver API, for a long-lived agent.
+
+Contract:
+
+- :class:`CudaCheckpointer` owns ONE worker thread; every libcuda call (``cuInit`` included) runs on
+  it, so the agent never execs a helper per action. libcuda is loaded and ``cuInit`` called on first
+  use, on that thread. A missing libcuda / checkpoint API / GPU raises
+  :class:`runtime.errors.CudaUnavailable`; a failing driver call raises
+  :class:`runtime.errors.CudaError` ``(call, code, name)``, e.g. ``cuCheckpointProcessLock``,
+  ``1``, ``CUDA_ERROR_INVALID_VALUE``.
+- PIDs are host PIDs (the caller's pid namespace). States follow ``CUprocessState``:
+  RUNNING -lock-> LOCKED -checkpoint-> CHECKPOINTED -restore-> LOCKED -unlock-> RUNNING.
+- :meth:`CudaCheckpointer.checkpoint_all` locks every pid, then checkpoints every pid; on failure
+  it rolls back what it did (restore what was checkpointed, unlock what was locked) and re-raises.
+  :meth:`CudaCheckpointer.restore_all` restores every pid, then unlocks every pid.
+- GPU remapping (driver >= 580): ``gpu_map`` maps old UUID -> new UUID and must cover every GPU
+  the process sees, as a bijection; :func:`build_gpu_map` makes one from two ordered UUID lists.
+- :meth:`CudaCheckpointer.find_cuda_pids` probes with get-restore-tid (not get-state, which also
+  answers for contextless coordinators); any error means "not a CUDA process".
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import re
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TypeVar
+
+from runtime.cuda_driver import Driver, nvml_driver_version, parse_uuid, proc_driver_version
+from runtime.errors import CudaError, CudaUnavailable, RekindleError
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+PROC_DRIVER_VERSION = "/proc/driver/nvidia/version"
+
+
+class ProcessState(enum.IntEnum):
+    """``CUprocessState``; names print lower-case as cuda-checkpoint does."""
+
+    UNKNOWN = -1
+    RUNNING = 0
+    LOCKED = 1
+    CHECKPOINTED = 2
+    FAILED = 3
+    CHECKPOINTING = 4
+    RESTORING = 5
+
+    @classmethod
+    def _missing_(cls, value: object) -> ProcessState:
+        return cls.UNKNOWN
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+@dataclass(frozen=True, slots=True)
+class Gpu:
+    index: int
+    uuid: str
+    name: str
+
+
+class GpuMapError(RekindleError):
+    """Source and target GPUs cannot be paired for a restore."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"cannot map GPUs for restore: {reason}")
+        self.reason = reason
+
+
+def _norm_uuid(text: str) -> str:
+    try:
+        raw = parse_uuid(text)
+    except ValueError as exc:
+        raise GpuMapError(str(exc)) from None
+    h = raw.hex()
+    return f"GPU-{h[0:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
+
+
+def build_gpu_map(source_uuids: Sequence[str], target_uuids: Sequence[str]) -> dict[str, str] | None:
+    """Pair the checkpoint's GPUs with the target's, position by position.
+
+    Returns None when nothing moves (same UUIDs in the same order); otherwise every source GPU
+    mapped to the target GPU at the same position (identity entries included: the driver wants
+    every GPU the process sees in the map). Raises GpuMapError on a count mismatch, a malformed
+    or duplicated UUID.
+    """
+    src = [_norm_uuid(u) for u in source_uuids]
+    dst = [_norm_uuid(u) for u in target_uuids]
+    if len(src) != len(dst):
+        raise GpuMapError(f"the checkpoint used {len(src)} GPU(s), the target has {len(dst)}; "
+                          "a restore needs the same count")
+    for label, seq in (("source", src), ("target", dst)):
+        if len(set(seq)) != len(seq):
+            raise GpuMapError(f"duplicate UUID among the {label} GPUs: {seq}")
+    if src == dst:
+        return None
+    return dict(zip(src, dst, strict=True))
+
+
+def gpu_pairs(gpu_map: Mapping[str, str] | None) -> list[tuple[str, str]]:
+    """Validate a UUID map (bijective, well-formed) and return its (old, new) pairs."""
+    if not gpu_map:
+        return []
+    pairs = [(_norm_uuid(o), _norm_uuid(n)) for o, n in gpu_map.items()]
+    if len({n for _, n in pairs}) != len(pairs):
+        raise GpuMapError(f"two GPUs map onto the same target: {dict(pairs)}")
+    return pairs
+
+
+def _read_text(path: str) -> str | None:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def is_thread_group_leader(pid: int) -> bool:
+    """True unless /proc says ``pid`` is a thread of another process (cuda-checkpoint issue #41)."""
+    text = _read_text(f"/proc/{pid}/status")
+    if text is None:
+        return True
+    m = re.search(r"^Tgid:\s*(\d+)", text, re.M)
+    return m is None or int(m.group(1)) == pid
+
+
+class CudaCheckpointer:
+    """All CUDA checkpoint calls of one agent, serialised on one dedicated worker thread."""
+
+    def __init__(self, library: str | None = None, *,
+                 driver_factory: Callable[[], Driver] | None = None) -> None:
+        self._factory = driver_factory or (lambda: Driver(library or default_library()))
+        self._driver: Driver | None = None
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rekindle-cuda")
+        self._closed = False
+        self._lock = threading.Lock()
+
+    # ---- plumbing -------------------------------------------------------------------------
+    def _run(self, fn: Callable[[Driver], T]) -> T:
+        with self._lock:
+            if self._closed:
+                raise CudaUnavailable("CudaCheckpointer is closed")
+            fut = self._pool.submit(self._call, fn)
+        return fut.result()
+
+    def _call(self, fn: Callable[[Driver], T]) -> T:
+        if self._driver is None:
+            drv = self._factory()
+            try:
+                drv.init()
+            except CudaError as exc:
+                raise CudaUnavailable(f"cuInit failed: {exc.name} ({exc.code})") from exc
+            self._driver = drv
+            log.debug("libcuda ready (CUDA driver API %d)", drv.version())
+        return fn(self._driver)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+        self._pool.shutdown(wait=True)
+
+    def __enter__(self) -> CudaCheckpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- single calls -----------------------------------------------------------------------
+    def lock(self, pids: Iterable[int], timeout_ms: int = 0) -> None:
+        pids = list(pids)
+        self._run(lambda d: [d.lock(p, timeout_ms) for p in pids])
+
+    def checkpoint(self, pids: Iterable[int]) -> None:
+        pids = list(pids)
+        self._run(lambda d: [d.checkpoint(p) for p in pids])
+
+    def restore(self, pids: Iterable[int], gpu_map: Mapping[str, str] | None = None) -> None:
+        pids, pairs = list(pids), gpu_pairs(gpu_map)
+        self._run(lambda d: [d.restore(p, pairs) for p in pids])
+
+    def unlock(self, pids: Iterable[int]) -> None:
+        pids = list(pids)
+        self._run(lambda d: [d.unlock(p) for p in pids])
+
+    def state(self, pid: int) -> ProcessState:
+        return ProcessState(self._run(lambda d: d.get_state(pid)))
+
+    def restore_tid(self, pid: int) -> int:
+        return self._run(lambda d: d.restore_tid(pid))
+
+    def find_cuda_pids(self, pids: Iterable[int]) -> list[int]:
+        """The pids (in the given order, de-duplicated) that hold a CUDA restore thread."""
+        cands = list(dict.fromkeys(int(p) for p in pids))
+
+        def probe(d: Driver) -> list[int]:
+            found = []
+            for pid in cands:
+                if not is_thread_group_leader(pid):
+                    continue
+                try:
+                    d.restore_tid(pid)
+                except CudaError as exc:
+                    log.debug("pid %d is not a CUDA process: %s", pid, exc)
+                    continue
+                found.append(pid)
+            return found
+
+        return self._run(probe)
+
+    def gpus(self) -> list[Gpu]:
+        def read(d: Driver) -> list[Gpu]:
+            out = []
+            for i in range(d.device_count()):
+                dev = d.device(i)
+                out.append(Gpu(i, d.device_uuid(dev), d.device_name(dev)))
+            return out
+        return self._run(read)
+
+    def cuda_version(self) -> int:
+        """The driver API version, e.g. 13000."""
+        return self._run(lambda d: d.version())
+
+    def driver_version(self) -> str:
+        """The kernel driver's version string (e.g. '580.159.04'): NVML, else /proc."""
+        v = nvml_driver_version()
+        if v:
+            return v
+        text = _read_text(PROC_DRIVER_VERSION)
+        v = proc_driver_version(text) if text else None
+        if v:
+            return v
+        raise CudaUnavailable(f"no NVIDIA driver version (NVML failed, {PROC_DRIVER_VERSION} unreadable)")
+
+    # ---- whole sequences -------------------------------------------------------------------
+    def checkpoint_all(self, pids: Iterable[int], lock_timeout_ms: int = 0) -> None:
+        """Lock all, then checkpoint all; on failure undo what was done and re-raise."""
+        pids = list(pids)
+
+        def seq(d: Driver) -> None:
+            locked: list[int] = []
+            done: list[int] = []
+            try:
+                for p in pids:
+                    d.lock(p, lock_timeout_ms)
+                    locked.append(p)
+                for p in pids:
+                    d.checkpoint(p)
+                    done.append(p)
+            except BaseException:
+                _rollback(d, locked, done)
+                raise
+
+        self._run(seq)
+
+    def restore_all(self, pids: Iterable[int], gpu_map: Mapping[str, str] | None = None) -> None:
+        """Restore all (remapping GPUs per ``gpu_map``), then unlock all."""
+        pids, pairs = list(pids), gpu_pairs(gpu_map)
+
+        def seq(d: Driver) -> None:
+            for p in pids:
+                d.restore(p, pairs)
+            for p in pids:
+                d.unlock(p)
+
+        self._run(seq)
+
+
+def _rollback(d: Driver, locked: list[int], checkpointed: list[int]) -> None:
+    for p in reversed(locked):
+        try:
+            if p in checkpointed:
+                d.restore(p)
+            d.unlock(p)
+        except CudaError as exc:
+            log.error("rollback of pid %d failed, it may stay %s: %s", p,
+                      "checkpointed" if p in checkpointed else "locked", exc)
+
+
+def default_library() -> str | None:
+    """``REKINDLE_LIBCUDA`` overrides where libcuda is loaded from (None: the loader's search)."""
+    return os.environ.get("REKINDLE_LIBCUDA") or None
