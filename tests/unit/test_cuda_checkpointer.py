@@ -1,0 +1,148 @@
+"""CudaCheckpointer's sequencing and error handling against a fake driver (no GPU needed)."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+from runtime import cuda_cli
+from runtime.cuda import CudaCheckpointer, ProcessState
+from runtime.errors import CudaError, CudaUnavailable
+
+U0 = "GPU-00000000-0000-0000-0000-000000000000"
+U1 = "GPU-11111111-1111-1111-1111-111111111111"
+
+
+class FakeDriver:
+    """Models the driver's state machine for a set of CUDA pids."""
+
+    def __init__(self, cuda_pids: list[int], fail: dict[tuple[str, int], int] | None = None) -> None:
+        self.states = {p: 0 for p in cuda_pids}
+        self.fail = fail or {}
+        self.calls: list[tuple[str, int]] = []
+        self.threads: set[str] = set()
+        self.pairs: list[list[tuple[str, str]]] = []
+
+    def _do(self, call: str, pid: int, need: int | None, to: int | None) -> None:
+        self.threads.add(threading.current_thread().name)
+        self.calls.append((call, pid))
+        if pid not in self.states:
+            raise CudaError(f"cuCheckpointProcess{call.title()}", 1, "CUDA_ERROR_INVALID_VALUE")
+        if (call, pid) in self.fail:
+            raise CudaError(f"cuCheckpointProcess{call.title()}", self.fail[(call, pid)], "CUDA_ERROR_X")
+        if need is not None and self.states[pid] != need:
+            raise CudaError(f"cuCheckpointProcess{call.title()}", 401, "CUDA_ERROR_ILLEGAL_STATE")
+        if to is not None:
+            self.states[pid] = to
+
+    def init(self) -> None:
+        self.threads.add(threading.current_thread().name)
+
+    def version(self) -> int:
+        return 13000
+
+    def lock(self, pid: int, timeout_ms: int = 0) -> None:
+        self._do("lock", pid, 0, 1)
+
+    def checkpoint(self, pid: int) -> None:
+        self._do("checkpoint", pid, 1, 2)
+
+    def restore(self, pid: int, pairs: list[tuple[str, str]] = ()) -> None:  # type: ignore[assignment]
+        self.pairs.append(list(pairs))
+        self._do("restore", pid, 2, 1)
+
+    def unlock(self, pid: int) -> None:
+        self._do("unlock", pid, 1, 0)
+
+    def get_state(self, pid: int) -> int:
+        self._do("state", pid, None, None)
+        return self.states[pid]
+
+    def restore_tid(self, pid: int) -> int:
+        self._do("tid", pid, None, None)
+        return pid + 1
+
+    def device_count(self) -> int:
+        return 2
+
+    def device(self, i: int) -> int:
+        return i
+
+    def device_name(self, dev: int) -> str:
+        return "NVIDIA H200"
+
+    def device_uuid(self, dev: int) -> str:
+        return (U0, U1)[dev]
+
+
+def make(fake: FakeDriver) -> CudaCheckpointer:
+    return CudaCheckpointer(driver_factory=lambda: fake)  # type: ignore[arg-type, return-value]
+
+
+def test_roundtrip_on_one_worker_thread() -> None:
+    fake = FakeDriver([101, 102])
+    with make(fake) as ck:
+        ck.checkpoint_all([101, 102], 1000)
+        assert ck.state(101) == ProcessState.CHECKPOINTED
+        ck.restore_all([101, 102], {U0: U1, U1: U0})
+        assert ck.state(102) == ProcessState.RUNNING
+        assert [g.uuid for g in ck.gpus()] == [U0, U1]
+    assert len(fake.threads) == 1 and next(iter(fake.threads)).startswith("rekindle-cuda")
+    assert fake.threads != {threading.current_thread().name}
+    assert [c for c, _ in fake.calls if c != "state"] == \
+        ["lock", "lock", "checkpoint", "checkpoint", "restore", "restore", "unlock", "unlock"]
+    assert fake.pairs[0] == [(U0, U1), (U1, U0)]
+
+
+def test_checkpoint_all_rolls_back_on_failure() -> None:
+    fake = FakeDriver([1, 2, 3], fail={("checkpoint", 2): 999})
+    with make(fake) as ck:
+        with pytest.raises(CudaError) as ei:
+            ck.checkpoint_all([1, 2, 3])
+        assert ei.value.code == 999
+    assert fake.states == {1: 0, 2: 0, 3: 0}  # 1 restored+unlocked, 2 and 3 unlocked
+
+
+def test_checkpoint_all_lock_failure_unlocks_locked() -> None:
+    fake = FakeDriver([1, 2])
+    with make(fake) as ck:
+        with pytest.raises(CudaError):
+            ck.checkpoint_all([1, 5, 2])
+    assert fake.states == {1: 0, 2: 0}
+    assert ("lock", 2) not in fake.calls
+
+
+def test_find_cuda_pids_skips_errors_and_threads() -> None:
+    me = os.getpid()
+    fake = FakeDriver([me, 77])
+    with make(fake) as ck:
+        assert ck.find_cuda_pids([77, 5, me, 77]) == [77, me]
+
+
+def test_unavailable_when_init_fails() -> None:
+    class NoGpu(FakeDriver):
+        def init(self) -> None:
+            raise CudaError("cuInit", 100, "CUDA_ERROR_NO_DEVICE")
+
+    with make(NoGpu([])) as ck, pytest.raises(CudaUnavailable, match="CUDA_ERROR_NO_DEVICE"):
+        ck.state(1)
+
+
+def test_missing_library_is_unavailable() -> None:
+    with CudaCheckpointer("libcuda-does-not-exist.so.1") as ck, pytest.raises(CudaUnavailable):
+        ck.state(1)
+
+
+def test_cli_run_toggle_and_state() -> None:
+    fake = FakeDriver([42])
+    with make(fake) as ck:
+        assert cuda_cli.run(cuda_cli.parse_args(["--get-state", "--pid", "42"]), ck) == "running"
+        assert cuda_cli.run(cuda_cli.parse_args(["--toggle", "--pid", "42"]), ck) is None
+        assert cuda_cli.run(cuda_cli.parse_args(["--get-state", "--pid", "42"]), ck) == "checkpointed"
+        cuda_cli.run(cuda_cli.parse_args(["--toggle", "--pid", "42", "--device-map", f"{U0}={U0}"]), ck)
+        assert fake.states[42] == 0 and fake.pairs[-1] == [(U0, U0)]
+        assert cuda_cli.run(cuda_cli.parse_args(["--get-restore-tid", "--pid", "42"]), ck) == "43"
+        with pytest.raises(CudaError, match="CUDA_ERROR_INVALID_VALUE"):
+            cuda_cli.run(cuda_cli.parse_args(["--action", "lock", "--pid", "9"]), ck)
