@@ -1,0 +1,208 @@
+"""The plugin image, run the way the chart runs it, against the sandbox's containerd.
+
+hack/build-plugin-image.sh builds the image (debootstrap rootfs, OCI archive)
+and imports it into the sandbox. The chart is rendered (tests/unit/chart_render)
+with its host paths pointed at the sandbox; the DaemonSet's pod becomes a CRI
+pod: privileged, host pid namespace, every hostPath volume a CRI mount at the
+same place, the Secret a host file, the ConfigMap environment variables. Then:
+containerd's log says the plugin connected, and a pod annotated
+rekindle.dev/checkpoint gets the control dir (REKINDLE_CONTROL_DIR) in its spec.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from runtime.containerd.cri import ContainerState, Mount, NamespaceMode, Pod, SecurityContext
+from runtime.containerd.proto import cri_api_pb2 as pb
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests" / "unit"))
+import chart_render  # noqa: E402
+
+BUSYBOX = "localhost/rekindle/busybox:1"
+STATE_DIR = Path("/var/lib/rekindle-e2e-image")  # the plugin's state dir, the same path on host and in the pod
+PROPAGATION = {None: pb.PROPAGATION_PRIVATE, "None": pb.PROPAGATION_PRIVATE,
+               "HostToContainer": pb.PROPAGATION_HOST_TO_CONTAINER, "Bidirectional": pb.PROPAGATION_BIDIRECTIONAL}
+
+
+def _version() -> str:
+    import tomllib
+    return tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+
+
+@pytest.fixture(scope="module")
+def plugin_image(sandbox) -> str:
+    """Build the image (the debootstrap base is cached under build/) and import it into the sandbox."""
+    if shutil.which("debootstrap") is None:
+        pytest.fail("debootstrap is missing: apt-get install debootstrap (hack/build-plugin-image.sh needs it)")
+    res = subprocess.run([str(REPO / "hack" / "build-plugin-image.sh"), "--import", sandbox.containerd_socket,
+                          "--ctr", sandbox.ctr], capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, f"build-plugin-image.sh failed:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
+    name = f"localhost/rekindle/plugin:{_version()}"
+    assert name in sandbox.cri.list_images()
+    return name
+
+
+def _ensure_shared(path: Path) -> None:
+    """Make the mount holding path shared, as / is on a systemd node.
+
+    The chart mounts containerd's state and root dirs with HostToContainer
+    propagation (so container rootfs mounts made later show up in the plugin),
+    and runc refuses that from a private mount. This machine's / is private, so
+    the sandbox dir becomes a shared recursive bind of itself (its existing
+    submounts are carried over; Sandbox.down unmounts it with the rest).
+    """
+    prop = subprocess.run(["findmnt", "-n", "-o", "TARGET,PROPAGATION", "--target", str(path)],
+                          capture_output=True, text=True, check=True).stdout.split()
+    if prop[-1] == "shared":
+        return
+    if prop[0] != str(path):
+        subprocess.run(["mount", "--rbind", str(path), str(path)], check=True)
+    subprocess.run(["mount", "--make-rshared", str(path)], check=True)
+
+
+def _rendered_pod_spec(sandbox, store: Path) -> tuple[dict, dict]:
+    values = {
+        "image": {"name": "localhost/rekindle/plugin", "pullPolicy": "Never"},
+        "nri": {"plugin": {"index": 90}, "socketDir": str(sandbox.nri_socket.parent)},
+        "containerd": {"stateDir": str(sandbox.state_dir), "rootDir": str(sandbox.root_dir)},
+        "stateDir": str(STATE_DIR),
+        "store": {"type": "hostPath", "hostPath": {"path": str(store)}},
+        "settings": {"logLevel": "debug", "logFormat": "json", "restoreTimeoutSeconds": 1800},
+    }
+    r = chart_render.render(values)
+    (ds,) = chart_render.by_kind(r["objects"], "DaemonSet")
+    (cm,) = chart_render.by_kind(r["objects"], "ConfigMap")
+    return ds["spec"]["template"]["spec"], cm["data"]
+
+
+def _cri_mounts(pod_spec: dict, container: dict, secret_dir: Path) -> list[Mount]:
+    """The container's volumeMounts as CRI mounts (what kubelet would hand to containerd)."""
+    volumes = {v["name"]: v for v in pod_spec["volumes"]}
+    mounts = []
+    for vm in container["volumeMounts"]:
+        vol = volumes[vm["name"]]
+        if "hostPath" in vol:
+            host = Path(vol["hostPath"]["path"])
+            if vol["hostPath"].get("type") == "DirectoryOrCreate":
+                host.mkdir(parents=True, exist_ok=True)
+            assert host.is_dir(), f"hostPath {host} of volume {vm['name']} does not exist"
+        elif "secret" in vol:
+            for item in vol["secret"]["items"]:
+                f = secret_dir / item["path"]
+                f.write_bytes(os.urandom(32))
+                f.chmod(vol["secret"].get("defaultMode", 0o644))
+            host = secret_dir
+        else:
+            pytest.fail(f"volume {vm['name']} has a kind this test cannot translate: {sorted(vol)}")
+        mounts.append(Mount(vm["mountPath"], str(host), readonly=bool(vm.get("readOnly")),
+                            propagation=PROPAGATION[vm.get("mountPropagation")]))
+    return mounts
+
+
+def _run_privileged_host_pid_pod(cri, name: str) -> Pod:
+    """RunPodSandbox like kubelet does for a privileged hostPID pod (CRIClient.run_pod_sandbox
+    makes unprivileged pods, and containerd refuses privileged containers in those)."""
+    uid = str(uuid.uuid4())
+    log_dir = cri.log_root / f"kube-system_{name}_{uid}"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    config = pb.PodSandboxConfig(
+        metadata=pb.PodSandboxMetadata(name=name, namespace="kube-system", uid=uid, attempt=0),
+        hostname=name, log_directory=str(log_dir),
+        linux=pb.LinuxPodSandboxConfig(security_context=pb.LinuxSandboxSecurityContext(
+            privileged=True, namespace_options=pb.NamespaceOption(network=pb.POD, pid=pb.NODE, ipc=pb.POD))))
+    resp = cri._call("RunPodSandbox", cri._rt.RunPodSandbox, pb.RunPodSandboxRequest(config=config), 120)
+    return Pod(resp.pod_sandbox_id, name, "kube-system", uid, log_dir, config, NamespaceMode.NODE)
+
+
+def _wait(pred, timeout: float, what: str, diag) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.5)
+    pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}\n{diag()}")
+
+
+def test_plugin_from_image_registers_and_adjusts_annotated_pods(sandbox, pod, plugin_image, tmp_path):
+    cri = sandbox.cri
+    shutil.rmtree(STATE_DIR, ignore_errors=True)  # a run that died may have left it
+    _ensure_shared(sandbox.dir)
+    store = tmp_path / "store"
+    pod_spec, config_env = _rendered_pod_spec(sandbox, store)
+    (plugin,) = pod_spec["containers"]
+    assert pod_spec["hostPID"] is True and plugin["securityContext"]["privileged"] is True
+
+    args = list(plugin["args"])
+    # The sandbox keeps containerd.sock beside nri.sock (mounted at /var/run/nri), not in its state dir.
+    i = args.index("--containerd-socket")
+    args[i + 1] = "/var/run/nri/" + Path(sandbox.containerd_socket).name
+    env = dict(config_env)
+    env.update({e["name"]: e["value"] for e in plugin.get("env", []) if "value" in e})
+    env["NODE_NAME"] = os.uname().nodename
+
+    secret_dir = tmp_path / "etc-rekindle"
+    secret_dir.mkdir()
+    mounts = _cri_mounts(pod_spec, plugin, secret_dir)
+    log_start = sandbox.log_path.stat().st_size if sandbox.log_path.exists() else 0
+
+    ppod = _run_privileged_host_pid_pod(cri, "rekindle-plugin-image")
+    try:
+        cid = sandbox.run_container(ppod, plugin["name"], plugin_image, command=plugin["command"], args=args,
+                                    env=env, mounts=mounts, security=SecurityContext(privileged=True))
+
+        def plugin_logs() -> str:
+            st = cri.container_status(cid)
+            return (f"plugin container {st.state.name} exit={st.exit_code} {st.reason} {st.message}\n"
+                    + "\n".join(cri.logs(cid, "both")[-60:]))
+
+        def new_containerd_log() -> str:
+            with open(sandbox.log_path, errors="replace") as f:
+                f.seek(log_start)
+                return f.read()
+
+        def connected() -> bool:
+            assert cri.container_status(cid).state is ContainerState.RUNNING, plugin_logs()
+            return re.search(r'90-rekindle\W{0,4} connected', new_containerd_log()) is not None
+
+        _wait(connected, 60, "containerd to log that plugin 90-rekindle connected",
+              lambda: plugin_logs() + "\n--- containerd log:\n" + new_containerd_log()[-4000:])
+
+        # An annotated pod gets the control dir, through the plugin in the image.
+        p = pod(annotations={"rekindle.dev/checkpoint": "x"})
+        wid = sandbox.run_container(p, "main", BUSYBOX, command=["/bin/sh", "-c", "exec sleep 3600"])
+        st = cri.container_status(wid, verbose=True)
+        spec_env = st.runtime_spec["process"]["env"]
+        assert "REKINDLE_CONTROL_DIR=/rekindle" in spec_env, plugin_logs()
+        dests = {m["destination"]: m for m in st.runtime_spec["mounts"]}
+        assert "/rekindle" in dests, plugin_logs()
+        control = Path(dests["/rekindle"]["source"])
+        assert control.is_relative_to(STATE_DIR / "control"), control
+        assert control.is_dir()
+        # the plugin installed the init from the image onto the host
+        assert (STATE_DIR / "bin" / "rekindle-init").exists(), plugin_logs()
+
+        # An unannotated pod is left alone.
+        q = pod()
+        qid = sandbox.run_container(q, "main", BUSYBOX, command=["/bin/sh", "-c", "exec sleep 3600"])
+        q_env = cri.container_status(qid, verbose=True).runtime_spec["process"]["env"]
+        assert not any(e.startswith("REKINDLE_CONTROL_DIR=") for e in q_env)
+
+        assert cri.container_status(cid).state is ContainerState.RUNNING, plugin_logs()
+    finally:
+        try:
+            cri.stop_pod(ppod.id)
+            cri.remove_pod(ppod.id)
+        finally:
+            shutil.rmtree(STATE_DIR, ignore_errors=True)
