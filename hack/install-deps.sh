@@ -7,7 +7,7 @@
 #   - containerd 2.1.9 from sid, extracted (not installed) under /opt/rekindle/containerd-2.1;
 #   - runc, CNI plugins (/usr/lib/cni), iptables, iproute2, util-linux, busybox-static,
 #     build-essential (static glibc for the init), python3-venv;
-#   - CRIU >= 4.1 (built by hack/build-criu.sh when missing or older).
+#   - CRIU >= 4.2 (built by hack/build-criu.sh when missing or older).
 # Versions: hack/versions.env (each overridable from the environment). Needs root.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)

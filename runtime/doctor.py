@@ -35,8 +35,8 @@ def check_criu(criu: str = "criu") -> Check:
         return Check("criu", False, f"{criu} not usable: {out[:200]}")
     version = next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Version")), "?")
     parts = tuple(int(p) for p in version.split(".")[:2] if p.isdigit())
-    if parts < (4, 1):
-        return Check("criu", False, f"CRIU {version} is too old (need >= 4.1; 3.17 fails on current kernels)")
+    if parts < (4, 2):
+        return Check("criu", False, f"CRIU {version} is too old (need >= 4.2: 3.17 fails on current kernels, 4.1 cannot dump TCP sockets on >= 6.16)")
     rc, out = _run([criu, "check"], timeout=30)
     return Check("criu", rc == 0, f"CRIU {version}: {out.splitlines()[-1] if out else rc}")
 

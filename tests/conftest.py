@@ -2,7 +2,7 @@
 
 - Tests under ``tests/e2e/`` are marked ``e2e``, under ``tests/gpu/`` ``gpu`` (no need to repeat it).
 - An ``e2e`` test (wherever it lives) is skipped, with the reason, when not run as root or when
-  containerd, runc or CRIU >= 4.1 is missing (``hack/setup.sh`` installs them).
+  containerd, runc or CRIU >= 4.2 is missing (``hack/setup.sh`` installs them).
 - ``--containerd 1.7|2.1`` (or ``$REKINDLE_E2E_RUNTIME``) picks the runtime of the ``sandbox``
   fixture (tests/e2e/conftest.py); default 1.7.
 """
@@ -20,7 +20,7 @@ import pytest
 
 TESTS = Path(__file__).resolve().parent
 MARK_BY_DIR = {"e2e": "e2e", "gpu": "gpu"}
-CRIU_MIN = (4, 1)
+CRIU_MIN = (4, 2)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

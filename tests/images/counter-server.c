@@ -11,6 +11,12 @@
  *
  *   GET /        -> "count=<n> pid=<pid> state=<first line of state.txt|missing> deleted=<yes|no>\n"
  *   GET /healthz -> "ok\n"
+ *   GET /verify  -> "warm=<checksum> verify=<ok|bad>\n" (re-reads the warm-up memory)
+ *
+ * WARMUP_MIB=N (default 0) makes start-up heavy on purpose, like a model server loading
+ * weights: N MiB are filled with a computed pattern (WARMUP_PASSES rounds, default 4) before
+ * the server listens. The memory stays live, so a restore must bring back N MiB; /verify
+ * proves it came back intact.
  *
  * HTTP/1.0, one request per connection, single-threaded. SIGTERM exits 0. One stdout line per
  * request, so container logs can be checked after a restore. Built static: runs in scratch.
@@ -36,6 +42,40 @@
 #define DELETE_ME "/etc/counter/delete-me"
 
 static unsigned long counter;
+static unsigned char *warm;
+static size_t warm_len;
+static unsigned long long warm_sum;
+
+/* Fill the warm-up memory: several passes of a xorshift stream, so it costs CPU like real
+ * start-up work and every page ends up with distinct content. */
+static unsigned long long checksum(const unsigned char *p, size_t n)
+{
+    unsigned long long h = 1469598103934665603ULL;
+    for (size_t i = 0; i < n; i += 64)
+        h = (h ^ *(const unsigned long long *)(p + i)) * 1099511628211ULL;
+    return h;
+}
+
+static void warm_up(size_t mib, int passes)
+{
+    warm_len = mib << 20;
+    warm = malloc(warm_len);
+    if (!warm) {
+        perror("counter-server: malloc");
+        exit(1);
+    }
+    unsigned long long x = 88172645463325252ULL;
+    for (int pass = 0; pass < passes; pass++)
+        for (size_t i = 0; i < warm_len; i += 8) {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            *(unsigned long long *)(warm + i) ^= x;
+        }
+    warm_sum = checksum(warm, warm_len);
+    printf("counter-server: warmed up %zu MiB in %d passes, checksum %016llx\n", mib, passes, warm_sum);
+    fflush(stdout);
+}
 
 static void on_sigterm(int sig)
 {
@@ -162,6 +202,12 @@ static void serve(int fd)
     } else if (strcmp(path, "/healthz") == 0) {
         printf("counter-server: GET /healthz -> ok\n");
         reply(fd, "200 OK", "ok\n");
+    } else if (strcmp(path, "/verify") == 0) {
+        char body[128];
+        int ok = warm == NULL || checksum(warm, warm_len) == warm_sum;
+        snprintf(body, sizeof(body), "warm=%016llx verify=%s\n", warm_sum, ok ? "ok" : "bad");
+        printf("counter-server: GET /verify -> %s", body);
+        reply(fd, ok ? "200 OK" : "500 Internal Server Error", body);
     } else if (strcmp(path, "/") == 0) {
         char state[200], body[400];
         read_state(state, sizeof(state));
@@ -205,6 +251,10 @@ int main(int argc, char **argv)
     write_file(STATE_DIR, "state.txt", line);
     if (unlink(DELETE_ME) < 0 && errno != ENOENT)
         fatal("unlink " DELETE_ME);
+
+    const char *mib = getenv("WARMUP_MIB"), *passes = getenv("WARMUP_PASSES");
+    if (mib && atol(mib) > 0)
+        warm_up((size_t)atol(mib), passes && atoi(passes) > 0 ? atoi(passes) : 4);
 
     int ls = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (ls < 0)
