@@ -40,9 +40,9 @@ def plot(rows: list[tuple[str, dict[str, Any]]], out: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
-    fig, ax = plt.subplots(figsize=(11, 1.6 + 1.5 * len(rows)))
+    fig, ax = plt.subplots(figsize=(11, 2.4 + 1.5 * len(rows)))
     ticks, labels, seen = [], [], set()
-    y = 0.0
+    y, longest = 0.0, 0.0
     for name, r in reversed(rows):
         ph = r["phases_s"]
         bars = [("cold start", [("cold_start", "cold start (spawn, import torch, fill)", "#999999")]),
@@ -57,6 +57,7 @@ def plot(rows: list[tuple[str, dict[str, Any]]], out: Path, title: str) -> None:
                 seen.add(label)
                 left += ph[key]
             ax.text(left, y, f" {left:.1f} s", va="center", fontsize=8)
+            longest = max(longest, left)
             ticks.append(y)
             labels.append(f"{name}: {kind}")
             y += 1
@@ -70,7 +71,8 @@ def plot(rows: list[tuple[str, dict[str, Any]]], out: Path, title: str) -> None:
     ax.set_yticks(ticks, labels, fontsize=8)
     ax.set_xlabel("seconds")
     ax.set_title(title)
-    ax.legend(fontsize=8, loc="lower right")
+    ax.set_xlim(0, longest * 1.12)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=4, frameon=False)
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
