@@ -19,6 +19,7 @@ Contract:
 from __future__ import annotations
 
 import argparse
+import json
 import difflib
 import logging
 import os
@@ -194,12 +195,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--socket-path", default=DEFAULT_SOCKET, help="NRI socket (default: %(default)s)")
     ap.add_argument("--dry-run", action="store_true", help="show the change, write nothing")
     ap.add_argument("--restart", action="store_true", help="systemctl restart containerd when the file changed")
+    ap.add_argument("--json", action="store_true",
+                    help='print {"changed", "restart_needed", "backup", "version", "path"} as JSON')
     args = ap.parse_args(argv)
     try:
         res = apply(args.config, args.socket_path, dry_run=args.dry_run)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    if args.json:
+        print(json.dumps({"path": str(res.path), "version": res.version, "changed": res.changed,
+                          "restart_needed": res.restart_needed,
+                          "backup": str(res.backup_path) if res.backup_path else None}))
+        return 0
     if args.dry_run:
         print(res.diff if res.changed else f"{res.path}: NRI already enabled; nothing to do", end="" if res.changed else "\n")
         return 0

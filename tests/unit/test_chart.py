@@ -266,7 +266,7 @@ def test_gpu_values_nri_toggle_init_container(gpu_render):
     (init,) = spec["initContainers"]
     assert init["securityContext"]["privileged"] is True
     script = init["command"][-1]
-    assert ("rekindle nri-toggle --config /host/etc/containerd/config.toml --socket-path /var/run/nri/nri.sock"
+    assert ("rekindle nri-toggle --json --config /host/etc/containerd/config.toml --socket-path /var/run/nri/nri.sock"
             in script)
     # restart only when the toggle changed something, in the host's mount namespace
     assert 'r["changed"] and r["restart_needed"]' in script
@@ -374,6 +374,6 @@ def test_toggle_script(gpu_render, tmp_path, toggle_output, restarted, rc):
     res = subprocess.run(["/bin/sh", "-ec", init["command"][2]], env=env, capture_output=True, text=True)
     assert res.returncode == rc, res.stderr
     log = calls.read_text().splitlines()
-    assert log[0] == ("rekindle nri-toggle --config /host/etc/containerd/config.toml "
+    assert log[0] == ("rekindle nri-toggle --json --config /host/etc/containerd/config.toml "
                       "--socket-path /var/run/nri/nri.sock")
     assert (log[1:] == ["nsenter --target 1 --mount -- systemctl restart containerd"]) is restarted

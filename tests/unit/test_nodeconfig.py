@@ -191,3 +191,18 @@ def test_main_reports_and_exits(tmp_path: Path, capsys: pytest.CaptureFixture[st
     cfg.write_text("version = 1\n")
     assert nodeconfig.main(["--config", str(cfg)]) == 1
     assert "migrate" in capsys.readouterr().err
+
+
+def test_main_json_reports_change_then_nothing(tmp_path, capsys):
+    """The chart's init container parses this JSON to decide on a containerd restart."""
+    import json
+
+    from runtime.nodeconfig import main
+    cfg = tmp_path / "config.toml"
+    cfg.write_text((DATA / "containerd-1.7.24-debian.toml").read_text())
+    assert main(["--json", "--config", str(cfg)]) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert first["changed"] and first["restart_needed"] and first["backup"] and first["version"] == 2
+    assert main(["--json", "--config", str(cfg)]) == 0
+    second = json.loads(capsys.readouterr().out)
+    assert (second["changed"], second["restart_needed"], second["backup"]) == (False, False, None)
