@@ -109,3 +109,87 @@ def test_counter_server_continues_in_another_pod(sandbox, pod, plugin):
     # Stopping the pod stops it.
     sandbox.cri.stop_container(b_cid, grace_seconds=5)
     assert sandbox.cri.container_status(b_cid).exit_code == 0
+
+
+def restore_pod(sandbox, pod, plugin, artifact: str, name: str, ns: str = "default", security=None):
+    b = pod(name, ns, annotations={"rekindle.dev/restore": artifact})
+    kwargs = {"security": security} if security else {}
+    cid = sandbox.run_container(b, "server", COUNTER, command=SERVER, **kwargs)
+    ip = sandbox.cri.pod_ip(b.id)
+    return b, cid, ip
+
+
+def assert_cold(sandbox, plugin, b, cid, ip, reason_part: str, ns: str = "default") -> dict:
+    st = wait_status(plugin, ns, b.name, "server", {"restored", "cold-start"})
+    assert st["phase"] == "cold-start", st
+    assert reason_part in st["reason"], st
+    wait_http(ip)
+    assert fields(get(ip))["count"] == "1"  # a fresh process, not a broken pod
+    log = plugin.log()
+    assert f"{ns}/{b.name}:server" in log and reason_part in log
+    return st
+
+
+def test_source_exits_when_annotated(sandbox, pod, plugin):
+    a, a_cid, a_ip = checkpoint_source(sandbox, pod, plugin, "exit-after", after="exit")
+    from runtime.containerd.cri import ContainerState
+    st = sandbox.cri.wait_container(a_cid, states=(ContainerState.EXITED,), timeout=20)
+    assert st.exit_code == 0  # the server's SIGTERM handler exits 0, the init passes it on
+    assert (plugin.control_dir(a.uid, "server") / "snapshot-complete").read_text().strip() == "exit-after"
+
+
+def test_flipped_byte_in_artifact_gives_cold_start(sandbox, pod, plugin):
+    checkpoint_source(sandbox, pod, plugin, "flipped")
+    pages = sorted((plugin.store / "default" / "flipped" / "criu").glob("pages-*.img"))[0]
+    data = bytearray(pages.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    pages.write_bytes(bytes(data))
+    b, cid, ip = restore_pod(sandbox, pod, plugin, "flipped", "dst-flipped")
+    st = assert_cold(sandbox, plugin, b, cid, ip, "content changed")
+    # The init ran the original command once, and says why.
+    assert "content changed" in (plugin.control_dir(b.uid, "server") / "cold-start").read_text()
+
+
+def test_tampered_manifest_is_refused(sandbox, pod, plugin):
+    checkpoint_source(sandbox, pod, plugin, "tampered")
+    manifest = plugin.store / "default" / "tampered" / "manifest.json"
+    doc = json.loads(manifest.read_text())
+    doc["security"]["uid"] = 0
+    doc["security"]["capabilities"] = sorted(set(doc["security"]["capabilities"]) | {"CAP_SYS_ADMIN"})
+    manifest.write_text(json.dumps(doc, sort_keys=True, separators=(",", ":")))
+    b, cid, ip = restore_pod(sandbox, pod, plugin, "tampered", "dst-tampered")
+    assert_cold(sandbox, plugin, b, cid, ip, "bad signature")
+    # Refused at create: the container was left untouched (no init in front of it).
+    out = sandbox.cri.exec_sync(cid, ["/bin/sh", "-c", "tr '\\0' ' ' < /proc/1/cmdline"], timeout=10).out
+    assert out.startswith("/usr/local/bin/counter-server")
+
+
+def test_artifact_of_another_namespace_is_invisible(sandbox, pod, plugin):
+    checkpoint_source(sandbox, pod, plugin, "team-x-model", ns="team-x")
+    b, cid, ip = restore_pod(sandbox, pod, plugin, "team-x-model", "dst-other-ns", ns="team-y")
+    assert_cold(sandbox, plugin, b, cid, ip, "team-y/team-x-model", ns="team-y")
+
+
+def test_restore_into_less_privileged_container_is_refused(sandbox, pod, plugin):
+    from runtime.containerd.cri import SecurityContext
+    checkpoint_source(sandbox, pod, plugin, "root-source")  # runs as root with default caps
+    b, cid, ip = restore_pod(sandbox, pod, plugin, "root-source", "dst-unprivileged",
+                             security=SecurityContext(run_as_user=1000, run_as_group=1000,
+                                                      drop_capabilities=["ALL"]))
+    st = wait_status(plugin, "default", b.name, "server", {"restored", "cold-start"})
+    assert st["phase"] == "cold-start" and "less privileged" in st["reason"], st
+    assert "uid" in st["reason"]
+
+
+def test_two_restores_of_one_artifact_at_once(sandbox, pod, plugin):
+    a, _, a_ip = checkpoint_source(sandbox, pod, plugin, "shared")
+    pods = [pod(f"dst-shared-{i}", annotations={"rekindle.dev/restore": "shared"}) for i in range(2)]
+    cids = [sandbox.cri.create_container(p, "server", COUNTER, command=SERVER) for p in pods]
+    for cid in cids:
+        sandbox.cri.start_container(cid)
+    for p in pods:
+        st = wait_status(plugin, "default", p.name, "server", {"restored", "cold-start"})
+        assert st["phase"] == "restored", st
+        ip = sandbox.cri.pod_ip(p.id)
+        wait_http(ip)
+        assert fields(get(ip))["count"] == "4"
