@@ -70,7 +70,7 @@ fi
 
 # --- base packages -----------------------------------------------------------------------
 base=(runc containernetworking-plugins iptables iproute2 util-linux busybox-static
-      build-essential python3 python3-venv curl xz-utils ca-certificates)
+      build-essential python3 python3-venv curl xz-utils ca-certificates debootstrap)
 missing=()
 for p in "${base[@]}"; do [ -n "$(installed_version "$p")" ] || missing+=("$p"); done
 if [ "${#missing[@]}" -gt 0 ]; then
