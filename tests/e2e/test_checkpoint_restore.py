@@ -193,3 +193,79 @@ def test_two_restores_of_one_artifact_at_once(sandbox, pod, plugin):
         ip = sandbox.cri.pod_ip(p.id)
         wait_http(ip)
         assert fields(get(ip))["count"] == "4"
+
+
+def _resign(plugin: PluginProcess, artifact_dir, replace: dict[str, bytes]) -> None:
+    """Swap files in an artifact and re-sign it with the node's key: an artifact that passes the
+    signature and digest checks but carries a hostile payload (defence in depth)."""
+    import hashlib
+
+    from runtime.manifest import Manifest, sign
+    manifest = Manifest.from_json((artifact_dir / "manifest.json").read_bytes())
+    for rel, data in replace.items():
+        (artifact_dir / rel).write_bytes(data)
+    files = []
+    for f in manifest.files:
+        data = (artifact_dir / f.path).read_bytes()
+        files.append(type(f)(f.path, len(data), hashlib.sha256(data).hexdigest()))
+    import dataclasses
+    raw = dataclasses.replace(manifest, files=tuple(files)).to_json()
+    (artifact_dir / "manifest.json").write_bytes(raw)
+    key = (plugin.state_dir / "hmac.key").read_bytes()
+    (artifact_dir / "manifest.json.sig").write_text(sign(raw, key))
+
+
+def _evil_tar(escape_name: str) -> bytes:
+    import io
+    import tarfile
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        def add(name: str, data: bytes = b"pwned\n", **kw) -> None:
+            info = tarfile.TarInfo(name)
+            for k, v in kw.items():
+                setattr(info, k, v)
+            info.size = len(data) if info.type == tarfile.REGTYPE else 0
+            tar.addfile(info, io.BytesIO(data) if info.type == tarfile.REGTYPE else None)
+        add("var/lib/counter/ok.txt")
+        add(f"../../../../../../../../tmp/{escape_name}")
+        add("escape-link", type=tarfile.SYMTYPE, linkname="/tmp")
+        add(f"escape-link/{escape_name}")
+    return buf.getvalue()
+
+
+def test_crafted_diff_with_traversal_entries_is_rejected(sandbox, pod, plugin, tmp_path):
+    import secrets
+    from pathlib import Path
+    checkpoint_source(sandbox, pod, plugin, "crafted")
+    escape = f"rekindle-escape-{secrets.token_hex(4)}"
+    _resign(plugin, plugin.store / "default" / "crafted", {"rootfs-diff.tar": _evil_tar(escape)})
+    b, cid, ip = restore_pod(sandbox, pod, plugin, "crafted", "dst-crafted")
+    st = assert_cold(sandbox, plugin, b, cid, ip, "crafted")
+    assert not Path("/tmp", escape).exists(), "an archive entry escaped the container rootfs"
+    rootfs_ls = sandbox.cri.exec_sync(cid, ["/bin/sh", "-c", "ls /var/lib/counter; ls -d /escape-link 2>&1"],
+                                      timeout=10).out
+    assert "ok.txt" not in rootfs_ls and "No such file" in rootfs_ls  # validated before anything was written
+    assert "rootfs" in st["reason"] or ".." in st["reason"], st
+
+
+def test_operator_cli_lists_inspects_verifies_and_deletes(sandbox, pod, plugin):
+    import subprocess
+    import sys
+    checkpoint_source(sandbox, pod, plugin, "cli-demo", ns="ops")
+    base = [sys.executable, "-m", "nri_plugin"]
+    paths = ["--store", str(plugin.store), "--state-dir", str(plugin.state_dir)]
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*base, *args, *paths], capture_output=True, text=True, timeout=60)
+
+    listed = cli("artifacts", "list", "--namespace", "ops")
+    assert listed.returncode == 0 and "cli-demo" in listed.stdout, listed
+    shown = cli("artifacts", "inspect", "--namespace", "ops", "cli-demo", "--verify")
+    assert shown.returncode == 0 and "all file digests match" in shown.stdout, shown
+    doc = json.loads(cli("artifacts", "inspect", "--namespace", "ops", "cli-demo", "--json").stdout)
+    assert doc["source"]["container"] == "server" and doc["criu"]["version"]
+    status = cli("status")
+    assert "ops/src-cli-demo:server  checkpoint cli-demo  published" in status.stdout, status.stdout
+    assert cli("artifacts", "delete", "--namespace", "ops", "cli-demo").returncode == 0
+    gone = cli("artifacts", "inspect", "--namespace", "ops", "cli-demo")
+    assert gone.returncode == 1 and gone.stderr.startswith("rekindle: error:"), gone

@@ -1,0 +1,109 @@
+"""The Rekindle handlers on NRI messages (no runtime): what each decision puts in the reply."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from nri_plugin.config import Settings
+from nri_plugin.events import RuntimeInfo
+from nri_plugin.handlers import RekindlePlugin
+from nri_plugin.jobs import Jobs
+from nri_plugin.proto import nri_api_pb2 as api
+from runtime.manifest import NodeFacts
+from runtime.status import Phase, StatusBook
+from runtime.store import ArtifactStore
+
+
+class NoEngine:
+    def checkpoint(self, work):
+        raise AssertionError("not expected")
+
+    restore = checkpoint
+    probe = checkpoint
+
+
+@pytest.fixture
+def make_plugin(tmp_path):
+    def make(version: str = "1.7.24~ds1") -> RekindlePlugin:
+        settings = Settings(state_dir=str(tmp_path / "state"), store=str(tmp_path / "store"))
+        status = StatusBook(settings.state_dir)
+        plugin = RekindlePlugin(settings, store=ArtifactStore(settings.store), key=b"k" * 32, status=status,
+                                jobs=Jobs(NoEngine(), status), specs=None,
+                                facts=NodeFacts("n", "6.18.0", "x86_64", "4.2.1", None))
+        plugin.configure("", RuntimeInfo.from_configure("containerd", version, has_timeouts=True))
+        return plugin
+    return make
+
+
+def _req(annotations: dict[str, str], name: str = "app"):
+    pod = api.PodSandbox(id="pod1", name="web", namespace="default", uid="0b6c-uid")
+    pod.annotations.update(annotations)
+    ctr = api.Container(id="c1", pod_sandbox_id="pod1", name=name, args=["/srv", "--port", "80"])
+    return pod, ctr
+
+
+def test_checkpoint_source_gets_control_dir_mounts_and_env(make_plugin):
+    plugin = make_plugin()
+    pod, ctr = _req({"rekindle.dev/checkpoint": "m"})
+    adj = plugin.create_container(pod, ctr).adjust
+    assert {m.destination: m.source for m in adj.mounts} == {
+        "/rekindle": f"{plugin.settings.state_dir}/control/0b6c-uid/app",
+        "/.rekindle/bin": f"{plugin.settings.state_dir}/bin"}
+    assert "ro" in next(m for m in adj.mounts if m.destination == "/.rekindle/bin").options
+    assert {e.key for e in adj.env} == {"REKINDLE_CONTROL_DIR", "SNAPSHOT_CONTROL_DIR", "DYN_SNAPSHOT_CONTROL_DIR"}
+    assert list(adj.args) == []  # NRI 0.6 ignores args: the swap happens in PostCreate
+
+
+def test_nri_0_10_runtime_gets_args_in_the_create_reply(make_plugin):
+    plugin = make_plugin("2.2.1")
+    pod, ctr = _req({"rekindle.dev/checkpoint": "m"})
+    args = list(plugin.create_container(pod, ctr).adjust.args)
+    assert args == ["/.rekindle/bin/rekindle-init", "--mode", "source", "--control", "/rekindle",
+                    "--timeout", "1800", "--", "/srv", "--port", "80"]
+
+
+def test_unannotated_and_other_container_get_empty_replies(make_plugin):
+    plugin = make_plugin()
+    assert not plugin.create_container(*_req({})).HasField("adjust")
+    pod, ctr = _req({"rekindle.dev/checkpoint": "m", "rekindle.dev/container": "other"})
+    assert not plugin.create_container(pod, ctr).HasField("adjust")
+
+
+def test_malformed_annotation_is_recorded_and_left_alone(make_plugin):
+    plugin = make_plugin()
+    pod, ctr = _req({"rekindle.dev/restore": "../x"})
+    assert not plugin.create_container(pod, ctr).HasField("adjust")
+    st = plugin.status.read("default", "web", "app")
+    assert st.phase is Phase.IGNORED and "rekindle.dev/restore" in st.reason
+
+
+def test_restore_of_missing_artifact_is_a_cold_start_with_reason(make_plugin):
+    plugin = make_plugin()
+    pod, ctr = _req({"rekindle.dev/restore": "nothing-here"})
+    assert not plugin.create_container(pod, ctr).HasField("adjust")
+    st = plugin.status.read("default", "web", "app")
+    assert st.phase is Phase.COLD_START and "nothing-here" in st.reason
+
+
+def test_stale_protocol_files_are_cleared_on_create(make_plugin):
+    plugin = make_plugin()
+    pod, ctr = _req({"rekindle.dev/checkpoint": "m"})
+    plugin.create_container(pod, ctr)
+    ctl = plugin.settings.state_dir + "/control/0b6c-uid/app"
+    for name in ("restore-complete", "restore-pid", "ready-for-checkpoint"):
+        open(f"{ctl}/{name}", "w").write("stale")
+    plugin.create_container(pod, ctr)  # the container is created again (restart)
+    import os
+    assert not any(os.path.exists(f"{ctl}/{n}") for n in ("restore-complete", "restore-pid", "ready-for-checkpoint"))
+
+
+def test_post_start_without_swap_schedules_nothing(make_plugin):
+    plugin = make_plugin()
+    pod, ctr = _req({"rekindle.dev/checkpoint": "m"})
+    plugin.create_container(pod, ctr)
+    plugin.post_create_container(pod, ctr)  # no containerd API: the swap fails open
+    asyncio.run(plugin.post_start_container(pod, ctr))
+    st = plugin.status.read("default", "web", "app")
+    assert st.phase is Phase.CHECKPOINT_FAILED and "containerd API" in st.reason
