@@ -132,3 +132,23 @@ def test_handshake_and_adjustment_on_containerd_2_1(sandbox_factory, pod, tmp_pa
         assert "REKINDLE" not in _exec(sb21, cid2, "env")
     finally:
         plugin.stop()
+
+
+def test_plugin_restart_resumes_a_pending_checkpoint(sandbox, plugin, pod):
+    """Killed while a source warms up, the plugin picks the source up again on Synchronize."""
+    import json
+    p = pod(annotations={"rekindle.dev/checkpoint": "resumed"})
+    cid = sandbox.run_container(p, "server", "localhost/rekindle/counter:1",
+                                command=["/usr/local/bin/counter-server", "8080"],
+                                env={"WARMUP_MIB": "256", "WARMUP_PASSES": "12"})
+    plugin.kill()  # before the workload is ready
+    plugin.start()
+    plugin.wait_log("resuming checkpoint watch after plugin restart")
+    status = plugin.state_dir / "status" / "default" / p.name / "server.json"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if status.exists() and json.loads(status.read_text())["phase"] in ("published", "checkpoint-failed"):
+            break
+        time.sleep(0.2)
+    assert json.loads(status.read_text())["phase"] == "published", plugin.log()[-3000:]
+    assert (plugin.store / "default" / "resumed" / "manifest.json").exists()
