@@ -240,7 +240,7 @@ def test_crafted_diff_with_traversal_entries_is_rejected(sandbox, pod, plugin, t
     escape = f"rekindle-escape-{secrets.token_hex(4)}"
     _resign(plugin, plugin.store / "default" / "crafted", {"rootfs-diff.tar": _evil_tar(escape)})
     b, cid, ip = restore_pod(sandbox, pod, plugin, "crafted", "dst-crafted")
-    st = assert_cold(sandbox, plugin, b, cid, ip, "crafted")
+    st = assert_cold(sandbox, plugin, b, cid, ip, "not a normalised relative path inside the rootfs")
     assert not Path("/tmp", escape).exists(), "an archive entry escaped the container rootfs"
     rootfs_ls = sandbox.cri.exec_sync(cid, ["/bin/sh", "-c", "ls /var/lib/counter; ls -d /escape-link 2>&1"],
                                       timeout=10).out

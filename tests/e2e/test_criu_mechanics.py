@@ -255,7 +255,7 @@ def _pidns_members(info: ContainerInfo) -> list[int]:
 
 def test_dump_result(env: Env) -> None:
     d = env.dump
-    assert d.root_ns_pid >= 2 and d.shell_job  # rekindle-init does not setsid the workload
+    assert d.root_ns_pid >= 2 and not d.shell_job  # rekindle-init gives the workload its own session
     dests = {e.destination: e for e in d.mount_plan}
     for dest in ("/.rekindle/bin", "/rekindle", "/data", "/etc/marker"):
         assert dests[dest].type == "bind"
