@@ -16,7 +16,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from runtime import control
 from runtime.status import ContainerStatus, Phase, StatusBook
@@ -66,6 +66,7 @@ class Jobs:
         self.engine = engine
         self.status = status
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._running: set[str] = set()  # container ids whose engine call is under way
         self._slots = asyncio.Semaphore(max_parallel)
 
     def start(self, work: Work) -> None:
@@ -106,10 +107,18 @@ class Jobs:
         self._loop = loop
 
     def cancel(self, container_id: str, reason: str) -> None:
-        task = self._tasks.pop(container_id, None)
-        if task is not None and not task.done():
-            log.info("cancelling work on %s: %s", container_id[:12], reason)
-            task.cancel()
+        """Stop waiting for a container. Engine work already running is left to finish: its
+        thread cannot be interrupted, and its outcome must still be recorded (an exit-after
+        checkpoint stops its own source, which is what triggers this)."""
+        task = self._tasks.get(container_id)
+        if task is None or task.done():
+            return
+        if container_id in self._running:
+            log.info("%s on %s; letting the running checkpoint/restore finish", reason, container_id[:12])
+            return
+        log.info("cancelling work on %s: %s", container_id[:12], reason)
+        self._tasks.pop(container_id, None)
+        task.cancel()
 
     async def shutdown(self) -> None:
         tasks = list(self._tasks.values())
@@ -128,7 +137,7 @@ class Jobs:
         self._set(work, Phase.CHECKPOINTING, "")
         try:
             async with self._slots:
-                timings = await asyncio.to_thread(self.engine.checkpoint, work)
+                timings = await self._engine(self.engine.checkpoint, work)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - every failure is reported to the pod
@@ -157,7 +166,7 @@ class Jobs:
         self._set(work, Phase.RESTORING, "")
         try:
             async with self._slots:
-                timings = await asyncio.to_thread(self.engine.restore, work)
+                timings = await self._engine(self.engine.restore, work)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - every failure ends in the cold start
@@ -171,6 +180,13 @@ class Jobs:
         work.timings.update(timings)
         self._set(work, Phase.RESTORED, "")
         log.info("%s: restored from %s (%s)", work.who, work.artifact, _fmt(work.timings))
+
+    async def _engine(self, fn: Any, work: Work) -> dict[str, float]:
+        self._running.add(work.container_id)
+        try:
+            return await asyncio.to_thread(fn, work)
+        finally:
+            self._running.discard(work.container_id)
 
     def _set(self, work: Work, phase: Phase, reason: str) -> None:
         try:

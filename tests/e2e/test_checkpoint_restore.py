@@ -67,12 +67,21 @@ def fields(body: str) -> dict[str, str]:
     return dict(re.findall(r"(\w+)=(.*?)(?= \w+=|$)", body.strip()))
 
 
-def checkpoint_source(sandbox, pod, plugin, name: str, ns: str = "default", after: str | None = None):
+def checkpoint_source(sandbox, pod, plugin, name: str, ns: str = "default", after: str | None = None,
+                      probe: str | None = None, shm_marker: str | None = None):
     ann = {"rekindle.dev/checkpoint": name}
     if after:
         ann["rekindle.dev/after-checkpoint"] = after
+    command = SERVER
+    if probe:
+        ann["rekindle.dev/ready-probe"] = probe
+        # No ready file from the workload: only the probe can say it is ready.
+        command = ["/bin/sh", "-c", "unset REKINDLE_CONTROL_DIR; exec " + " ".join(SERVER)]
+    if shm_marker:
+        # Written before the server listens, so it is in /dev/shm when the checkpoint runs.
+        command = ["/bin/sh", "-c", f"printf '{shm_marker}' > /dev/shm/marker; exec " + " ".join(SERVER)]
     a = pod(f"src-{name}", ns, annotations=ann)
-    cid = sandbox.run_container(a, "server", COUNTER, command=SERVER)
+    cid = sandbox.run_container(a, "server", COUNTER, command=command)
     ip = sandbox.cri.pod_ip(a.id)
     wait_http(ip)
     for _ in range(3):
@@ -83,7 +92,8 @@ def checkpoint_source(sandbox, pod, plugin, name: str, ns: str = "default", afte
 
 
 def test_counter_server_continues_in_another_pod(sandbox, pod, plugin):
-    a, a_cid, a_ip = checkpoint_source(sandbox, pod, plugin, "counter-a")
+    a, a_cid, a_ip = checkpoint_source(sandbox, pod, plugin, "counter-a",
+                                       shm_marker="shm content survives\n")
     assert fields(get(a_ip))["count"] == "4"  # the source keeps running by default
 
     b = pod("dst-counter-a", annotations={"rekindle.dev/restore": "counter-a"})
@@ -101,6 +111,9 @@ def test_counter_server_continues_in_another_pod(sandbox, pod, plugin):
     assert got["deleted"] == "yes", got
     for phase in ("verify", "rootfs_apply", "criu_restore"):
         assert phase in st["timings"]
+    # /dev/shm (the pod's shm, an external mount) came along.
+    shm = sandbox.cri.exec_sync(b_cid, ["/bin/cat", "/dev/shm/marker"], timeout=10)
+    assert shm.out == "shm content survives\n", shm
     # exec reaches the restored process; its output goes to B's log.
     res = sandbox.cri.exec_sync(b_cid, ["/bin/sh", "-c", "ps -o pid,args"], timeout=10)
     assert "counter-server" in res.out
@@ -269,3 +282,10 @@ def test_operator_cli_lists_inspects_verifies_and_deletes(sandbox, pod, plugin):
     assert cli("artifacts", "delete", "--namespace", "ops", "cli-demo").returncode == 0
     gone = cli("artifacts", "inspect", "--namespace", "ops", "cli-demo")
     assert gone.returncode == 1 and gone.stderr.startswith("rekindle: error:"), gone
+
+
+def test_http_ready_probe_in_the_pod_network_namespace(sandbox, pod, plugin):
+    a, _, _ = checkpoint_source(sandbox, pod, plugin, "probed", probe="http://:8080/healthz")
+    log = plugin.log()
+    assert "ready (http://127.0.0.1:8080/healthz)" in log
+    assert not (plugin.control_dir(a.uid, "server") / "ready-for-checkpoint").exists()
