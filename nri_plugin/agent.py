@@ -12,6 +12,7 @@ import os
 import shutil
 import signal
 import tempfile
+from pathlib import Path
 from typing import Any
 
 from runtime import checkpoint as checkpoint_flow
@@ -157,7 +158,7 @@ def _control_of(settings: Settings, container_id: str) -> control.ControlDir | N
     info = resolve_container(settings.containerd_state, container_id)
     for m in info.spec_mounts:
         if m.get("destination") == control.CONTAINER_PATH and m.get("source"):
-            return control.ControlDir(__import__("pathlib").Path(m["source"]))
+            return control.ControlDir(Path(m["source"]))
     return None
 
 

@@ -37,14 +37,13 @@ def _paths(p: argparse.ArgumentParser) -> None:
     p.add_argument("--containerd-socket", default=d.containerd_socket, help="containerd socket (default: %(default)s)")
 
 
-def _settings(args: argparse.Namespace, **extra: str):
+def _settings(args: argparse.Namespace):
     from .config import Settings
     fields = {k: getattr(args, k) for k in ("state_dir", "store", "hmac_key_file", "containerd_state",
                                               "containerd_socket") if hasattr(args, k)}
     for k in ("name", "idx", "socket_path", "init_binary"):
         if hasattr(args, k):
             fields[k] = getattr(args, k)
-    fields.update(extra)
     return Settings(**fields)
 
 
@@ -149,12 +148,21 @@ def cmd_artifacts(args: argparse.Namespace) -> int:
     if args.action == "list":
         rows = store.list(args.namespace)
         if args.json:
-            print(json.dumps([r.__dict__ if hasattr(r, "__dict__") else _asdict(r) for r in rows], default=str, indent=2))
-        else:
-            for r in rows:
-                print(_listing_line(r))
-            if not rows:
-                print("no artifacts")
+            print(json.dumps([{"namespace": r.namespace, "name": r.name, "problem": r.problem,
+                               "created_at": r.manifest.created_at if r.manifest else None,
+                               "bytes": sum(f.size for f in r.manifest.files) if r.manifest else None}
+                              for r in rows], indent=2))
+            return 0
+        for r in rows:
+            if r.manifest is None:
+                print(f"{r.namespace}/{r.name}  BROKEN: {r.problem}")
+            else:
+                m = r.manifest
+                size = sum(f.size for f in m.files) / 2**20
+                print(f"{r.namespace}/{r.name}  {m.created_at}  {size:.1f} MiB  from {m.source.pod or '?'}"
+                      f"  image {m.source.image or '?'}" + ("  cuda" if m.cuda else ""))
+        if not rows:
+            print("no artifacts")
         return 0
     if args.action == "delete":
         store.delete(args.namespace, args.name)
@@ -180,15 +188,6 @@ def cmd_artifacts(args: argparse.Namespace) -> int:
         print("  verified: all file digests match" if args.verify else "  (signature ok; --verify checks digests)")
     return 0
 
-
-def _asdict(obj: object) -> dict[str, object]:
-    from dataclasses import asdict, is_dataclass
-    return asdict(obj) if is_dataclass(obj) else {"value": str(obj)}
-
-
-def _listing_line(row: object) -> str:
-    d = _asdict(row)
-    return "  ".join(f"{k}={v}" for k, v in d.items())
 
 
 def cmd_status(args: argparse.Namespace) -> int:

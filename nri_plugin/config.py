@@ -7,7 +7,7 @@ start-up with all problems listed at once, while a bad annotation only affects i
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from runtime.errors import ConfigError
@@ -37,8 +37,6 @@ class Settings:
     containerd_namespace: str = "k8s.io"
     init_binary: str = ""            # where to install the init from; default: first that exists
     criu_bin: str = "criu"
-    host_proc: str = "/proc"
-    extra: dict[str, str] = field(default_factory=dict)
 
     @property
     def key_path(self) -> Path:

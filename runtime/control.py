@@ -40,13 +40,19 @@ _UID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9-]{0,127}$")
 _CTR = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
 
-def control_dir_for(state_dir: str | os.PathLike[str], pod_uid: str, container: str) -> ControlDir:
-    """The control dir of one container; both components validated (they come from the pod)."""
+def pod_control_root(state_dir: str | os.PathLike[str], pod_uid: str) -> Path:
+    """The parent of a pod's control dirs (validated uid)."""
     if not _UID.match(pod_uid):
         raise AnnotationError("pod.uid", f"unusable pod uid {pod_uid!r}")
+    return Path(state_dir) / "control" / pod_uid
+
+
+def control_dir_for(state_dir: str | os.PathLike[str], pod_uid: str, container: str) -> ControlDir:
+    """The control dir of one container; both components validated (they come from the pod)."""
+    root = pod_control_root(state_dir, pod_uid)
     if len(container) > 63 or not _CTR.match(container):
         raise AnnotationError("container.name", f"unusable container name {container!r}")
-    return ControlDir(Path(state_dir) / "control" / pod_uid / container)
+    return ControlDir(root / container)
 
 
 class ControlDir:
