@@ -31,6 +31,7 @@ sys.path.insert(0, str(REPO))
 
 from runtime.containerd.cri import CRIClient  # noqa: E402
 from runtime.sandbox import DEFAULT_DIR, Runtime, Sandbox, SandboxConfig  # noqa: E402
+from runtime.status import Phase, StatusBook  # noqa: E402
 
 IMAGE = "localhost/rekindle/counter:1"
 COMMAND = ["/usr/local/bin/counter-server", "8080"]
@@ -56,17 +57,10 @@ def wait_serving(ip: str, t0: float, timeout: float = 300) -> float:
 
 
 def wait_status(state: Path, ns: str, pod: str, ctr: str, phases: set[str], timeout: float = 600) -> dict:
-    path = state / "status" / ns / pod / f"{ctr}.json"
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            doc = json.loads(path.read_text())
-            if doc["phase"] in phases:
-                return doc
-        except (OSError, ValueError):
-            pass
-        time.sleep(0.1)
-    raise SystemExit(f"demo: {ns}/{pod} never reached {phases}")
+    st = StatusBook(state).wait(ns, pod, ctr, {Phase(p) for p in phases}, timeout)
+    if st is None or st.phase.value not in phases:
+        raise SystemExit(f"demo: {ns}/{pod} never reached {phases}")
+    return json.loads(st.to_json())
 
 
 def run_pod(cri: CRIClient, name: str, env: dict[str, str], annotations: dict[str, str] | None = None):

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from runtime import control
+from runtime.errors import RekindleError
 from runtime.status import ContainerStatus, Phase, StatusBook
 
 from .policy import Intent, ProbeKind, ReadyProbe, Role
@@ -135,21 +136,9 @@ class Jobs:
         log.info("%s: ready (%s) after %.1fs; checkpointing to %s", work.who, how,
                  work.timings["wait_ready"], work.artifact)
         self._set(work, Phase.CHECKPOINTING, "")
-        try:
-            async with self._slots:
-                timings = await self._engine(self.engine.checkpoint, work)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - every failure is reported to the pod
-            reason = str(exc) or type(exc).__name__
-            log.error("%s: checkpoint %s failed: %s", work.who, work.artifact, reason,
-                      exc_info=not _expected(exc))
-            work.control.write(control.CHECKPOINT_FAILED, reason + "\n")
-            self._set(work, Phase.CHECKPOINT_FAILED, reason)
-            return
-        work.timings.update(timings)
-        self._set(work, Phase.PUBLISHED, "")
-        log.info("%s: published %s/%s (%s)", work.who, work.namespace, work.artifact, _fmt(work.timings))
+        if await self._run(self.engine.checkpoint, work, Phase.PUBLISHED, Phase.CHECKPOINT_FAILED,
+                           control.CHECKPOINT_FAILED):
+            log.info("%s: published %s/%s (%s)", work.who, work.namespace, work.artifact, _fmt(work.timings))
 
     async def _wait_ready(self, work: Work) -> str:
         probe = work.intent.ready_probe
@@ -164,29 +153,31 @@ class Jobs:
 
     async def _restore(self, work: Work) -> None:
         self._set(work, Phase.RESTORING, "")
-        try:
-            async with self._slots:
-                timings = await self._engine(self.engine.restore, work)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - every failure ends in the cold start
-            reason = str(exc) or type(exc).__name__
-            log.error("%s: restore from %s failed: %s; cold start", work.who, work.artifact, reason,
-                      exc_info=not _expected(exc))
-            if not work.control.exists(control.RESTORE_COMPLETE):
-                work.control.write(control.RESTORE_FAILED, reason + "\n")
-            self._set(work, Phase.COLD_START, reason)
-            return
-        work.timings.update(timings)
-        self._set(work, Phase.RESTORED, "")
-        log.info("%s: restored from %s (%s)", work.who, work.artifact, _fmt(work.timings))
+        # On failure the init reads restore-failed and starts the original command: the cold start.
+        if await self._run(self.engine.restore, work, Phase.RESTORED, Phase.COLD_START, control.RESTORE_FAILED):
+            log.info("%s: restored from %s (%s)", work.who, work.artifact, _fmt(work.timings))
 
-    async def _engine(self, fn: Any, work: Work) -> dict[str, float]:
+    async def _run(self, fn: Any, work: Work, ok: Phase, failed: Phase, failure_file: str) -> bool:
+        """Run one engine call; record and report its outcome (the file tells the container)."""
         self._running.add(work.container_id)
         try:
-            return await asyncio.to_thread(fn, work)
+            async with self._slots:
+                timings = await asyncio.to_thread(fn, work)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - every failure is reported to the pod
+            reason = str(exc) or type(exc).__name__
+            log.error("%s: %s %s failed: %s", work.who, "checkpoint" if work.mode == "source" else "restore from",
+                      work.artifact, reason, exc_info=not isinstance(exc, RekindleError))
+            if not work.control.exists(control.RESTORE_COMPLETE):
+                work.control.write(failure_file, reason + "\n")
+            self._set(work, failed, reason)
+            return False
         finally:
             self._running.discard(work.container_id)
+        work.timings.update(timings)
+        self._set(work, ok, "")
+        return True
 
     def _set(self, work: Work, phase: Phase, reason: str) -> None:
         try:
@@ -196,11 +187,6 @@ class Jobs:
                 container_id=work.container_id, pod_uid=work.pod_uid, timings=dict(work.timings)))
         except (OSError, ValueError) as exc:
             log.error("%s: cannot record status: %s", work.who, exc)
-
-
-def _expected(exc: BaseException) -> bool:
-    from runtime.errors import RekindleError
-    return isinstance(exc, RekindleError)
 
 
 def _fmt(timings: dict[str, float]) -> str:

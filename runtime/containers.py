@@ -254,7 +254,8 @@ def overlay_upperdir(mounts: list[MountInfo]) -> str:
     raise NamespaceError("overlay rootfs has no upperdir (read-only rootfs?)")
 
 
-def _read_stdio(pid: int) -> tuple[str, str, str]:
+def read_stdio(pid: int) -> tuple[str, str, str]:
+    """What fds 0-2 of ``pid`` point at (``pipe:[ino]``, a path, or '' when unreadable)."""
     out = []
     for fd in range(3):
         try:
@@ -285,7 +286,7 @@ def inspect_bundle(bundle: str, container_id: str | None = None) -> ContainerInf
         namespaces = {k: _ns_ref(init_pid, k) for k in NAMESPACES if os.path.exists(f"{PROC}/{init_pid}/ns/{k}")}
         upper = overlay_upperdir(read_mountinfo(init_pid))
         version, cgroups = cgroup_paths(init_pid)
-        stdio = _read_stdio(init_pid)
+        stdio = read_stdio(init_pid)
     except (FileNotFoundError, ProcessLookupError) as e:
         raise ContainerNotFound(f"container {cid}: init pid {init_pid} vanished: {e}") from e
     info = ContainerInfo(

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from runtime import criu as criu_mod
 from runtime import namespaces as ns
-from runtime.containers import ContainerInfo, Pid, process_tree, read_mountinfo, workload_root
+from runtime.containers import ContainerInfo, Pid, process_tree, read_mountinfo, read_stdio, workload_root
 from runtime.criu import DumpOptions, MountPlanEntry, RestoreOptions
 from runtime.errors import CriuError, NamespaceError
 
@@ -84,15 +84,6 @@ def _is_shell_job(tree: list[int]) -> bool:
     return False
 
 
-def _stdio(host_pid: int) -> tuple[str, str, str]:
-    out = []
-    for fd in range(3):
-        try:
-            out.append(os.readlink(f"/proc/{host_pid}/fd/{fd}"))
-        except OSError:
-            out.append("")
-    return out[0], out[1], out[2]
-
 
 def dump_workload(
     info: ContainerInfo,
@@ -109,7 +100,7 @@ def dump_workload(
     plan = criu_mod.plan_external_mounts(mounts, info.spec, info.rootfs)
     tree = process_tree(root.host)
     shell_job = _is_shell_job(tree)
-    stdio = _stdio(root.host)
+    stdio = read_stdio(root.host)
     shm = next((m.get("source") for m in info.spec_mounts
                 if os.path.normpath(m.get("destination", "")) == "/dev/shm"
                 and any(e.destination == "/dev/shm" and e.type == "bind" for e in plan)), None)

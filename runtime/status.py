@@ -81,6 +81,17 @@ class StatusBook:
         except (FileNotFoundError, ValueError, KeyError, TypeError):
             return None
 
+    def wait(self, namespace: str, pod: str, container: str, phases: set[Phase],
+             timeout: float, poll: float = 0.1) -> ContainerStatus | None:
+        """The record once it reaches one of ``phases``; the last one seen (or None) on timeout."""
+        deadline = time.monotonic() + timeout
+        last = None
+        while True:
+            last = self.read(namespace, pod, container) or last
+            if last is not None and last.phase in phases or time.monotonic() >= deadline:
+                return last
+            time.sleep(poll)
+
     def list(self) -> list[ContainerStatus]:
         out = []
         for path in sorted(self.root.glob("*/*/*.json")):

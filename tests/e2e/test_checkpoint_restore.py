@@ -47,19 +47,12 @@ def wait_http(ip: str, timeout: float = 20.0) -> None:
 
 
 def wait_status(plugin: PluginProcess, ns: str, pod: str, ctr: str, phases: set[str], timeout: float = 60.0) -> dict:
-    path = plugin.state_dir / "status" / ns / pod / f"{ctr}.json"
-    deadline = time.monotonic() + timeout
-    doc: dict = {}
-    while time.monotonic() < deadline:
-        try:
-            doc = json.loads(path.read_text())
-            if doc["phase"] in phases:
-                return doc
-        except (OSError, ValueError):
-            pass
-        time.sleep(0.2)
-    raise AssertionError(f"status of {ns}/{pod}:{ctr} is {doc.get('phase')} ({doc.get('reason')}), "
-                         f"wanted {phases}\nplugin log:\n{plugin.log()[-4000:]}")
+    from runtime.status import Phase, StatusBook
+    st = StatusBook(plugin.state_dir).wait(ns, pod, ctr, {Phase(p) for p in phases}, timeout)
+    if st is None or st.phase.value not in phases:
+        raise AssertionError(f"status of {ns}/{pod}:{ctr} is {st.phase.value if st else None} "
+                             f"({st.reason if st else ''}), wanted {phases}\nplugin log:\n{plugin.log()[-4000:]}")
+    return json.loads(st.to_json())
 
 
 def fields(body: str) -> dict[str, str]:
