@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -41,7 +42,7 @@ def _settings(args: argparse.Namespace):
     from .config import Settings
     fields = {k: getattr(args, k) for k in ("state_dir", "store", "hmac_key_file", "containerd_state",
                                               "containerd_socket") if hasattr(args, k)}
-    for k in ("name", "idx", "socket_path", "init_binary"):
+    for k in ("name", "idx", "socket_path", "init_binary", "restore_timeout"):
         if hasattr(args, k):
             fields[k] = getattr(args, k)
     return Settings(**fields)
@@ -61,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--idx", default="50", help="plugin index, two digits (default: %(default)s)")
     p.add_argument("--init-binary", default="", help="rekindle-init to install into <state-dir>/bin")
     p.add_argument("--max-parallel", type=int, default=2, help="checkpoints/restores at once (default: %(default)s)")
+    p.add_argument("--restore-timeout", type=int, default=int(os.environ.get("REKINDLE_RESTORE_TIMEOUT", "1800")),
+                   help="default rekindle.dev/restore-timeout, seconds ($REKINDLE_RESTORE_TIMEOUT, else 1800)")
     p.set_defaults(func=cmd_plugin)
 
     p = sub.add_parser("checkpoint", help="checkpoint a running container (its init must be in source mode)")
@@ -235,7 +238,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         logs.setup(verbose=False, fmt="text")
     else:
         args = parser.parse_args(argv)
-        logs.setup(verbose=args.verbose, fmt=args.log_format)
+        verbose = args.verbose or os.environ.get("REKINDLE_LOG_LEVEL", "").lower() == "debug"
+        logs.setup(verbose=verbose, fmt=args.log_format)
     try:
         return int(args.func(args) or 0)
     except RekindleError as exc:

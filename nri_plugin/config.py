@@ -37,6 +37,7 @@ class Settings:
     containerd_namespace: str = "k8s.io"
     init_binary: str = ""            # where to install the init from; default: first that exists
     criu_bin: str = "criu"
+    restore_timeout: int = 1800     # default of the rekindle.dev/restore-timeout annotation
 
     @property
     def key_path(self) -> Path:
@@ -64,6 +65,8 @@ class Settings:
                             ("--containerd-state", self.containerd_state)):
             if not os.path.isabs(path):
                 problems.append(f"{label} must be an absolute path, got {path!r}")
+        if not 1 <= self.restore_timeout <= 86400:
+            problems.append(f"--restore-timeout must be 1..86400 seconds, got {self.restore_timeout}")
         if self.init_source() is None:
             problems.append("no rekindle-init binary found (build it with `make`, or pass --init-binary)")
         return problems

@@ -106,7 +106,8 @@ def parse_probe(value: str) -> ReadyProbe:
     return ReadyProbe(ProbeKind(parts.scheme), host, port, parts.path or "/")
 
 
-def decide(annotations: dict[str, str], container_name: str) -> Intent | None:
+def decide(annotations: dict[str, str], container_name: str,
+           default_timeout: int = DEFAULT_RESTORE_TIMEOUT) -> Intent | None:
     """The intent for ``container_name`` from its pod's annotations, if any."""
     ours = {k: v for k, v in annotations.items() if k.startswith(PREFIX)}
     if not ours:
@@ -138,7 +139,7 @@ def decide(annotations: dict[str, str], container_name: str) -> Intent | None:
         after = AfterCheckpoint(after_raw)
     except ValueError:
         raise AnnotationError(AFTER_CHECKPOINT, f"must be keep-running or exit, got {after_raw!r}") from None
-    timeout_raw = ours.get(RESTORE_TIMEOUT, str(DEFAULT_RESTORE_TIMEOUT))
+    timeout_raw = ours.get(RESTORE_TIMEOUT, str(default_timeout))
     if not timeout_raw.isdigit() or not 1 <= int(timeout_raw) <= MAX_RESTORE_TIMEOUT:
         raise AnnotationError(RESTORE_TIMEOUT, f"must be whole seconds in 1..{MAX_RESTORE_TIMEOUT}, got {timeout_raw!r}")
     if role is Role.RESTORE and (READY_PROBE in ours or AFTER_CHECKPOINT in ours):

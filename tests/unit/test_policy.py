@@ -66,3 +66,8 @@ def test_decide_parses_probe_after_and_timeout():
     assert (intent.ready_probe.kind, intent.ready_probe.host, intent.ready_probe.port,
             intent.ready_probe.path) == (ProbeKind.HTTP, "127.0.0.1", 8080, "/healthz")
     assert decide({RS: "m", "rekindle.dev/restore-timeout": "30"}, "a").restore_timeout == 30
+
+
+def test_node_default_restore_timeout_applies_unless_annotated():
+    assert decide({RS: "m"}, "a", default_timeout=90).restore_timeout == 90
+    assert decide({RS: "m", "rekindle.dev/restore-timeout": "30"}, "a", default_timeout=90).restore_timeout == 30
