@@ -141,12 +141,29 @@ def _counter_layer() -> list[Entry]:
             File("/etc/counter/delete-me", b"this file is deleted by the workload\n")]
 
 
+def host_usr_rootfs() -> list[Entry]:
+    """An empty merged-/usr rootfs: the node's /usr (or parts of it) is bind-mounted over it.
+
+    For GPU workloads that run the node's own Python and driver (runtime.containerd.gpu):
+    bin, sbin, lib and lib64 point into /usr as on the node (Debian/Ubuntu merged /usr).
+    """
+    entries: list[Entry] = [Symlink(n, f"usr/{n}") for n in ("bin", "sbin", "lib", "lib64")]
+    for d in ("usr/bin", "usr/sbin", "usr/lib", "usr/lib64", "usr/local/nvidia", "opt", "etc", "root",
+              "var", "run", "proc", "sys", "dev", "workload"):
+        entries.append(Dir(d, 0o700 if d == "root" else 0o755))
+    entries.append(Dir("tmp", 0o1777))
+    entries.append(File("/etc/passwd", b"root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/:/bin/false\n"))
+    entries.append(File("/etc/group", b"root:x:0:\nnogroup:x:65534:\n"))
+    return entries
+
+
 IMAGES: list[ImageSpec] = [
     ImageSpec("localhost/rekindle/pause:1", lambda: [busybox_rootfs(applets=False) + [Symlink("bin/sleep", "/bin/busybox")]],
               entrypoint=["/bin/sh", "-c", PAUSE_SCRIPT]),
     ImageSpec("localhost/rekindle/busybox:1", lambda: [busybox_rootfs()], cmd=["/bin/sh"]),
     ImageSpec("localhost/rekindle/counter:1", lambda: [busybox_rootfs(), _counter_layer()],
               cmd=["/usr/local/bin/counter-server"], requires=(REPO_ROOT / "build/counter-server",)),
+    ImageSpec("localhost/rekindle/host-usr:1", lambda: [host_usr_rootfs()], cmd=["/bin/sh"]),
 ]
 
 

@@ -41,6 +41,10 @@ log = logging.getLogger(__name__)
 DEFAULT_DIR = Path(os.environ.get("REKINDLE_SANDBOX", "/var/lib/rekindle-sandbox"))
 CONTAINERD21_PREFIX = Path(os.environ.get("REKINDLE_CONTAINERD21_PREFIX", "/opt/rekindle/containerd-2.1"))
 CNI_BIN_DIR = Path(os.environ.get("REKINDLE_CNI_BIN_DIR", "/usr/lib/cni"))
+# Where containerd 1.7, its runc shim and ctr live; a node without the package (a GPU node set up
+# by hack/gpu-node-setup.sh) points this at an unpacked bundle, which then goes first in PATH so
+# the shim and the runc it starts are the bundle's too.
+CONTAINERD17_BIN_DIR = Path(os.environ.get("REKINDLE_CONTAINERD_BIN_DIR", "/usr/bin"))
 PAUSE_IMAGE = "localhost/rekindle/pause:1"
 # runc's state root as the runc v2 shim uses it for the k8s.io namespace (containerd's default).
 RUNC_ROOT = Path("/run/containerd/runc/k8s.io")
@@ -59,7 +63,7 @@ class Runtime(enum.Enum):
 
     @property
     def bin_dir(self) -> Path:
-        return Path("/usr/bin") if self is Runtime.V1_7 else CONTAINERD21_PREFIX / "usr/bin"
+        return CONTAINERD17_BIN_DIR if self is Runtime.V1_7 else CONTAINERD21_PREFIX / "usr/bin"
 
     @property
     def containerd(self) -> Path:
@@ -202,8 +206,16 @@ state = {_q(p.state)}
     return head + "\n[plugins]" + nri + cri
 
 
-def render_cni_conflist(cfg: SandboxConfig) -> str:
-    """A bridge network with host-local IPAM (leases under the sandbox) and portmap."""
+def render_cni_conflist(cfg: SandboxConfig, portmap: bool | None = None) -> str:
+    """A bridge network with host-local IPAM (leases under the sandbox) and portmap.
+
+    portmap needs iptables; without it or the plugin on the node (None: look on PATH and in the
+    CNI bin dir) the chain is the bridge alone (no masquerading either way), so pods still get
+    their addresses.
+    """
+    if portmap is None:
+        portmap = (shutil.which("iptables", path=f"{os.environ.get('PATH', '')}:{SYSTEM_PATH}") is not None
+                   and (Path(cfg.cni_bin_dir) / "portmap").exists())
     conf = {
         "cniVersion": "1.0.0",
         "name": f"rekindle-{cfg.bridge}",
@@ -213,9 +225,10 @@ def render_cni_conflist(cfg: SandboxConfig) -> str:
              "ipam": {"type": "host-local", "ranges": [[{"subnet": cfg.subnet}]],
                       "routes": [{"dst": "0.0.0.0/0"}],
                       "dataDir": str(SandboxPaths(cfg.dir).cni_ipam_dir)}},
-            {"type": "portmap", "capabilities": {"portMappings": True}},
         ],
     }
+    if portmap:
+        conf["plugins"].append({"type": "portmap", "capabilities": {"portMappings": True}})
     return json.dumps(conf, indent=2) + "\n"
 
 
@@ -448,7 +461,8 @@ class Sandbox:
             stale.unlink(missing_ok=True)
         env = dict(os.environ)
         # The 2.1 daemon must find its own shim first; 1.7 must not see the 2.1 one.
-        env["PATH"] = f"{cfg.runtime.bin_dir}:{SYSTEM_PATH}" if cfg.runtime is Runtime.V2_1 else SYSTEM_PATH
+        own = cfg.runtime is Runtime.V2_1 or cfg.runtime.bin_dir != Path("/usr/bin")
+        env["PATH"] = f"{cfg.runtime.bin_dir}:{SYSTEM_PATH}" if own else SYSTEM_PATH
         env.pop("CONTAINERD_ADDRESS", None)
         with open(p.log, "ab") as logf:
             logf.write(f"---- rekindle sandbox: starting containerd {cfg.runtime.value} at {time.ctime()}\n".encode())
@@ -502,7 +516,8 @@ class Sandbox:
         # Containers whose shim outlived containerd: force-delete them through runc.
         for bundle in sorted(p.bundles.glob("*")) if p.bundles.exists() else []:
             if (RUNC_ROOT / bundle.name).exists():
-                subprocess.run(["runc", "--root", str(RUNC_ROOT), "delete", "--force", bundle.name],
+                runc = shutil.which("runc", path=f"{self.config.runtime.bin_dir}:{SYSTEM_PATH}") or "runc"
+                subprocess.run([runc, "--root", str(RUNC_ROOT), "delete", "--force", bundle.name],
                                capture_output=True)
         for pid in self._shim_pids():
             try:
