@@ -26,6 +26,7 @@ from typing import Any
 from runtime import control
 from runtime.errors import AnnotationError, RekindleError
 from runtime.manifest import Manifest, NodeFacts, SecurityProfile, check_compatibility, check_privilege
+from runtime.restore import target_facts
 from runtime.status import ContainerStatus, Phase, StatusBook
 from runtime.store import ArtifactStore
 
@@ -141,7 +142,10 @@ class RekindlePlugin:
         artifact = self.store.open(pod.namespace, intent.artifact, self.key)
         image = ctr.annotations.get(IMAGE_NAME_ANNOTATION, "")
         image_ref = self.image_ref(image) if (self.image_ref and image) else ""
-        reasons = check_compatibility(artifact.manifest, self.facts, image=image, image_ref=image_ref or "")
+        # GPUs: those this container was given (its /dev/nvidiaN devices), not all of the node's.
+        devices = [{"path": d.path, "major": d.major, "minor": d.minor} for d in ctr.linux.devices]
+        facts = target_facts(self.facts, {"linux": {"devices": devices}})
+        reasons = check_compatibility(artifact.manifest, facts, image=image, image_ref=image_ref or "")
         if reasons:
             raise RekindleError("incompatible: " + "; ".join(reasons))
         return artifact.manifest
