@@ -1,0 +1,289 @@
+"""A PyTorch server holding GPU memory, checkpointed in pod A by annotation and restored into pod B,
+through the real sandbox (containerd 1.7 + runc + CRIU + CNI) and the real plugin, on a GPU node.
+
+The pods get their GPU as the NVIDIA device plugin gives it (device nodes + the driver's
+libraries, runtime.containerd.gpu); the image is the empty merged-/usr rootfs
+``localhost/rekindle/host-usr:1`` with the node's /usr and Python environment (PyTorch) mounted
+read-only. The workload is tests/gpu/workloads/gpu_holder.py, mounted at /workload; it talks
+through its control dir (checksums.json, verify-request / verify-result.json).
+
+Variables: ``REKINDLE_GPU_TEST_GIB`` (GiB held, default 16), ``REKINDLE_GPU_E2E_XGPU_GIB``
+(GiB for the cross-GPU case, default 4), ``REKINDLE_GPU_E2E_DIR`` (plugin state and artifact
+store; default /dev/shm/rekindle-gpu-e2e: the CRIU images are as large as the GPU state),
+``REKINDLE_GPU_E2E_OUT`` (where each test writes its timings JSON; default that dir).
+On a GPU node without containerd, run hack/gpu-e2e.sh (bundle setup + this file).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from runtime.containerd.cri import ContainerState, Mount, Pod
+from runtime.gpus import node_gpus
+from runtime.sandbox import Runtime, Sandbox, SandboxConfig
+
+pytestmark = pytest.mark.gpu
+
+REPO = Path(__file__).resolve().parents[2]
+WORKLOADS = Path(__file__).resolve().parent / "workloads"
+IMAGE = "localhost/rekindle/host-usr:1"
+GIB = float(os.environ.get("REKINDLE_GPU_TEST_GIB", "16"))
+XGPU_GIB = float(os.environ.get("REKINDLE_GPU_E2E_XGPU_GIB", "4"))
+WORK = Path(os.environ.get("REKINDLE_GPU_E2E_DIR", "/dev/shm/rekindle-gpu-e2e"))
+OUT = Path(os.environ.get("REKINDLE_GPU_E2E_OUT", str(WORK)))
+CONTAINER = "holder"
+
+
+def _why_skip() -> str | None:
+    if os.geteuid() != 0:
+        return "the GPU e2e test needs root (containerd, CRIU)"
+    if not node_gpus():
+        return "no NVIDIA GPU on this node (/proc/driver/nvidia/gpus is empty)"
+    try:
+        ctypes.CDLL(os.environ.get("REKINDLE_LIBCUDA") or "libcuda.so.1")
+    except OSError as e:
+        return f"libcuda is not loadable: {e}"
+    if importlib.util.find_spec("torch") is None:
+        return "torch is not installed (the workload runs the node's PyTorch)"
+    if not Runtime.V1_7.containerd.exists():
+        return f"{Runtime.V1_7.containerd} missing (on a bare GPU node run hack/gpu-node-setup.sh)"
+    from runtime.criu import CRIU
+    missing = [t for t in ("runc", CRIU, "nsenter", "unshare") if shutil.which(t) is None]
+    if missing:
+        return f"missing {', '.join(missing)} (on a bare GPU node run hack/gpu-node-setup.sh)"
+    if not (REPO / "build" / "rekindle-init").exists():
+        return "build/rekindle-init missing (make)"
+    return None
+
+
+_SKIP = _why_skip()
+if _SKIP:
+    pytest.skip(_SKIP, allow_module_level=True)
+
+sys.path.insert(0, str(REPO / "tests" / "e2e"))
+from plugin_process import PluginProcess  # noqa: E402
+
+from runtime.containerd.gpu import gpu_devices_and_mounts, gpu_env, host_python_mounts  # noqa: E402
+
+sys.path.insert(0, str(WORKLOADS))
+import gpu_holder  # noqa: E402  (client helpers only; torch is not imported)
+
+
+# --- fixtures -------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def sandbox() -> Iterator[Sandbox]:
+    sb = Sandbox(SandboxConfig(runtime=Runtime.V1_7))
+    started = not sb.is_running()
+    sb.up()
+    yield sb
+    if started and os.environ.get("REKINDLE_E2E_KEEP") != "1":
+        sb.down()
+
+
+@pytest.fixture(scope="module")
+def cri(sandbox: Sandbox):
+    c = sandbox.cri(timeout=120.0)
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def plugin(sandbox: Sandbox) -> Iterator[PluginProcess]:
+    shutil.rmtree(WORK, ignore_errors=True)
+    WORK.mkdir(parents=True)
+    OUT.mkdir(parents=True, exist_ok=True)
+    handle = SimpleNamespace(nri_socket=sandbox.paths.nri_socket, containerd_socket=sandbox.address,
+                             state_dir=sandbox.paths.state)
+    p = PluginProcess(handle, WORK / "plugin")
+    p.start(wait=False)
+    p.wait_log("synchronized:", timeout=90.0)
+    yield p
+    p.stop()
+    shutil.copy(p.log_path, OUT / "plugin.log")
+
+
+@pytest.fixture
+def pods(cri) -> Iterator[list[Pod]]:
+    made: list[Pod] = []
+    yield made
+    for p in reversed(made):
+        try:
+            cri.stop_pod(p.id)
+            cri.remove_pod(p.id)
+        except Exception as e:  # noqa: BLE001 - cleanup must go on
+            print(f"cleanup of pod {p.name}: {e}", file=sys.stderr)
+
+
+# --- helpers --------------------------------------------------------------------------------
+
+def workload_mounts() -> list[Mount]:
+    return [*host_python_mounts(), Mount("/workload", str(WORKLOADS), readonly=True)]
+
+
+def run_gpu_container(cri, pod: Pod, gpu: int, command: list[str]) -> str:
+    devices, mounts = gpu_devices_and_mounts(gpu)
+    cid = cri.create_container(pod, CONTAINER, IMAGE, command=command, env=gpu_env(),
+                               mounts=[*mounts, *workload_mounts()], devices=devices)
+    cri.start_container(cid)
+    return cid
+
+
+def holder_command(gib: float) -> list[str]:
+    return [sys.executable, "/workload/gpu_holder.py", "--gib", str(gib)]
+
+
+def wait_file(path: Path, timeout: float, alive: Any = None) -> float:
+    t0 = time.monotonic()
+    while not path.exists():
+        if alive is not None and not alive():
+            raise AssertionError(f"the container exited before {path} appeared")
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"{path} did not appear in {timeout:.0f}s")
+        time.sleep(0.05)
+    return time.monotonic() - t0
+
+
+def wait_status(plugin: PluginProcess, pod: Pod, phases: set[str], timeout: float) -> dict:
+    path = plugin.state_dir / "status" / pod.namespace / pod.name / f"{CONTAINER}.json"
+    deadline = time.monotonic() + timeout
+    doc: dict = {}
+    while time.monotonic() < deadline:
+        try:
+            doc = json.loads(path.read_text())
+            if doc["phase"] in phases:
+                return doc
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"status of {pod.name}:{CONTAINER} is {doc.get('phase')} ({doc.get('reason')}), "
+                         f"wanted {phases}\nplugin log:\n{plugin.log()[-6000:]}")
+
+
+def running(cri, cid: str):
+    return lambda: cri.container_status(cid).state in (ContainerState.RUNNING, ContainerState.CREATED)
+
+
+def gpu_memory() -> dict[str, int]:
+    """MiB used per GPU UUID (nvidia-smi), empty without it."""
+    if shutil.which("nvidia-smi") is None:
+        return {}
+    out = subprocess.run(["nvidia-smi", "--query-gpu=uuid,memory.used", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, timeout=30).stdout
+    return {u.strip(): int(m) for u, m in (ln.split(",") for ln in out.splitlines() if "," in ln)}
+
+
+def container_logs(cri, cid: str) -> str:
+    try:
+        return "\n".join(cri.logs(cid, "stdout") + cri.logs(cid, "stderr"))
+    except Exception as e:  # noqa: BLE001
+        return f"(no logs: {e})"
+
+
+def checkpoint_and_restore(cri, plugin: PluginProcess, pods: list[Pod], name: str, gib: float,
+                           src_gpu: int, dst_gpu: int) -> dict[str, Any]:
+    """Pod A on src_gpu checkpointed by annotation, pod B on dst_gpu restored; returns the record."""
+    rec: dict[str, Any] = {"artifact": name, "gib": gib, "source_gpu": src_gpu, "target_gpu": dst_gpu,
+                           "gpus": [g.uuid for g in node_gpus()]}
+    a = cri.run_pod_sandbox(f"gpu-src-{name}", annotations={"rekindle.dev/checkpoint": name})
+    pods.append(a)
+    t0 = time.monotonic()
+    a_cid = run_gpu_container(cri, a, src_gpu, holder_command(gib))
+    a_dir = plugin.control_dir(a.uid, CONTAINER)
+    try:
+        rec["cold_start_s"] = round(wait_file(a_dir / "checksums.json", 600, running(cri, a_cid)), 3)
+    except AssertionError:
+        print(container_logs(cri, a_cid), file=sys.stderr)
+        raise
+    ready = json.loads((a_dir / "checksums.json").read_text())
+    rec["holder"] = {k: ready[k] for k in ("import_torch_s", "fill_s")}
+    rec["bytes"] = ready["checksums"]["bytes"]
+    st = wait_status(plugin, a, {"published", "checkpoint-failed"}, 600)
+    rec["checkpoint_status_s"] = round(time.monotonic() - t0, 3)
+    assert st["phase"] == "published", st
+    rec["checkpoint"] = st["timings"]
+    try:
+        rec["checkpoint_control_timings"] = json.loads((a_dir / "timings.json").read_text())
+    except (OSError, ValueError):
+        pass
+    artifact = plugin.store / "default" / name
+    rec["artifact_bytes"] = sum(f.stat().st_size for f in artifact.rglob("*") if f.is_file())
+    # The source was resumed and still computes the same.
+    src = gpu_holder.request_verify(a_dir, timeout=120)
+    assert src["same"], src
+    rec["memory_before_restore_mib"] = gpu_memory()
+
+    b = cri.run_pod_sandbox(f"gpu-dst-{name}", annotations={"rekindle.dev/restore": name})
+    pods.append(b)
+    t1 = time.monotonic()
+    b_cid = run_gpu_container(cri, b, dst_gpu, holder_command(gib))
+    st = wait_status(plugin, b, {"restored", "cold-start"}, 600)
+    rec["restore_status_s"] = round(time.monotonic() - t1, 3)
+    rec["restore"] = st["timings"]
+    if st["phase"] != "restored":
+        rec["restore_failure"] = st.get("reason")
+        (OUT / f"gpu-e2e-{name}.json").write_text(json.dumps(rec, indent=1) + "\n")
+    assert st["phase"] == "restored", st
+    b_dir = plugin.control_dir(b.uid, CONTAINER)
+    got = gpu_holder.request_verify(b_dir, timeout=120)
+    rec["restore_to_first_answer_s"] = round(time.monotonic() - t1, 3)
+    rec["verify_after_restore"] = {k: got[k] for k in ("same", "compute_s")}
+    rec["memory_after_restore_mib"] = gpu_memory()
+    assert got["same"], got
+    assert got["checksums"] == ready["checksums"], (got["checksums"], ready["checksums"])
+    assert cri.container_status(b_cid).state is ContainerState.RUNNING
+    (OUT / f"gpu-e2e-{name}.json").write_text(json.dumps(rec, indent=1) + "\n")
+    print(json.dumps(rec, indent=1))
+    shutil.rmtree(artifact, ignore_errors=True)  # the store is in memory
+    return rec
+
+
+# --- tests ----------------------------------------------------------------------------------
+
+def test_torch_sees_its_gpu_in_a_container(cri, pods):
+    """The image + mounts + devices are enough for PyTorch to compute on the pod's GPU."""
+    pod = cri.run_pod_sandbox("gpu-probe")
+    pods.append(pod)
+    code = ("import time; t=time.monotonic(); import torch; i=time.monotonic()-t; "
+            "x=torch.ones(1<<20, device='cuda'); "
+            "print('torch', torch.__version__, 'gpus', torch.cuda.device_count(), torch.cuda.get_device_name(0), "
+            "'sum', float(x.sum()), 'import_s', round(i, 2), flush=True)")
+    t0 = time.monotonic()
+    cid = run_gpu_container(cri, pod, 0, [sys.executable, "-c", code])
+    st = cri.wait_container(cid, states=(ContainerState.EXITED,), timeout=300)
+    logs = container_logs(cri, cid)
+    print(f"probe: exit {st.exit_code} in {time.monotonic() - t0:.2f}s\n{logs}")
+    assert st.exit_code == 0, logs
+    assert "sum 1048576.0" in logs, logs
+    if "gpus 1 " not in logs:
+        warnings.warn(f"the container sees more than its own GPU: {logs}")
+
+
+def test_gpu_server_restored_into_another_pod(cri, plugin, pods):
+    rec = checkpoint_and_restore(cri, plugin, pods, "gpu-holder", GIB, 0, 0)
+    assert rec["bytes"] >= int(GIB * (1 << 30)) * 0.99
+
+
+def test_gpu_server_restored_onto_another_gpu(cri, plugin, pods):
+    gpus = node_gpus()
+    if len(gpus) < 2:
+        pytest.skip(f"restore onto another GPU needs 2 GPUs; this node has {len(gpus)}")
+    rec = checkpoint_and_restore(cri, plugin, pods, "gpu-holder-x", XGPU_GIB, 0, 1)
+    before, after = rec["memory_before_restore_mib"], rec["memory_after_restore_mib"]
+    dst = gpus[1].uuid
+    if before and after:
+        assert after[dst] - before[dst] >= XGPU_GIB * 1024 * 0.9, (before, after)
