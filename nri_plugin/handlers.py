@@ -85,7 +85,7 @@ class RekindlePlugin:
             if pod is None or ctr.state != api.CONTAINER_RUNNING or not is_swapped(list(ctr.args)):
                 continue
             try:
-                intent = decide(dict(pod.annotations), ctr.name)
+                intent = decide(dict(pod.annotations), ctr.name, self.settings.restore_timeout)
                 if intent is None:
                     continue
                 ctl = control.control_dir_for(self.settings.state_dir, pod.uid, ctr.name)
@@ -98,7 +98,7 @@ class RekindlePlugin:
     def create_container(self, pod: api.PodSandbox, ctr: api.Container) -> api.CreateContainerResponse:
         empty = api.CreateContainerResponse()
         try:
-            intent = decide(dict(pod.annotations), ctr.name)
+            intent = decide(dict(pod.annotations), ctr.name, self.settings.restore_timeout)
         except AnnotationError as exc:
             log.warning("%s: %s; container starts unadjusted", who(pod, ctr), exc)
             self._record(pod, ctr, None, Phase.IGNORED, str(exc))
@@ -202,7 +202,7 @@ class RekindlePlugin:
 
     def remove_pod_sandbox(self, pod: api.PodSandbox) -> None:
         try:
-            root = control.control_dir_for(self.settings.state_dir, pod.uid, "x").path.parent
+            root = control.pod_control_root(self.settings.state_dir, pod.uid)
         except AnnotationError:
             return
         if root.is_dir():

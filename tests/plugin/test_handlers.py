@@ -107,3 +107,29 @@ def test_post_start_without_swap_schedules_nothing(make_plugin):
     asyncio.run(plugin.post_start_container(pod, ctr))
     st = plugin.status.read("default", "web", "app")
     assert st.phase is Phase.CHECKPOINT_FAILED and "containerd API" in st.reason
+
+
+def test_node_default_restore_timeout_reaches_the_init(tmp_path):
+    settings = Settings(state_dir=str(tmp_path / "s"), store=str(tmp_path / "st"), restore_timeout=120)
+    status = StatusBook(settings.state_dir)
+    plugin = RekindlePlugin(settings, store=ArtifactStore(settings.store), key=b"k" * 32, status=status,
+                            jobs=Jobs(NoEngine(), status), specs=None,
+                            facts=NodeFacts("n", "6.18.0", "x86_64", "4.2.1", None))
+    plugin.configure("", RuntimeInfo.from_configure("containerd", "2.2.1", has_timeouts=True))
+    args = list(plugin.create_container(*_req({"rekindle.dev/checkpoint": "m"})).adjust.args)
+    assert args[args.index("--timeout") + 1] == "120"
+
+
+def test_restore_precheck_compares_gpus_the_container_was_given(monkeypatch):
+    """A node with two GPUs, a container given one: an artifact from a one-GPU container fits."""
+    from runtime import gpus as gpus_mod
+    from runtime.manifest import CudaFacts, CudaInfo, Gpu
+    from runtime.restore import target_facts
+    monkeypatch.setattr(gpus_mod, "node_gpus", lambda proc_gpus=None: [
+        gpus_mod.NodeGpu(0, "GPU-aaaaaaaa-0000-0000-0000-000000000000", "H200"),
+        gpus_mod.NodeGpu(1, "GPU-bbbbbbbb-0000-0000-0000-000000000000", "H200")])
+    facts = NodeFacts("n", "6.18.0", "x86_64", "4.2.1",
+                      CudaFacts("580.1", (Gpu("GPU-aaaaaaaa-0000-0000-0000-000000000000", "H200"),
+                                          Gpu("GPU-bbbbbbbb-0000-0000-0000-000000000000", "H200"))))
+    narrowed = target_facts(facts, {"linux": {"devices": [{"path": "/dev/nvidia1", "major": 195, "minor": 1}]}})
+    assert [g.uuid[:12] for g in narrowed.cuda.gpus] == ["GPU-bbbbbbbb"]
