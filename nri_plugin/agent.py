@@ -18,7 +18,8 @@ from typing import Any
 from runtime import checkpoint as checkpoint_flow
 from runtime import control
 from runtime import restore as restore_flow
-from runtime.manifest import NodeFacts, load_or_create_key
+from runtime.compat import NodeFacts
+from runtime.manifest import load_or_create_key
 from runtime.probe import probe as run_probe
 from runtime.status import StatusBook
 from runtime.store import ArtifactStore

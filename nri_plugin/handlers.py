@@ -25,7 +25,9 @@ from typing import Any
 
 from runtime import control
 from runtime.errors import AnnotationError, RekindleError
-from runtime.manifest import Manifest, NodeFacts, SecurityProfile, check_compatibility, check_privilege
+from runtime.compat import NodeFacts, check_compatibility
+from runtime.manifest import Manifest
+from runtime.security import SecurityProfile, check_privilege
 from runtime.restore import target_facts
 from runtime.status import ContainerStatus, Phase, StatusBook
 from runtime.store import ArtifactStore

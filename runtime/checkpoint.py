@@ -29,8 +29,8 @@ from . import control as control_mod
 from . import overlay
 from .containers import ContainerInfo, process_tree, resolve_container, workload_root
 from .gpus import spec_devices, visible_gpus
-from .manifest import (CriuInfo, CudaInfo, Gpu, Manifest, MountInfo, NodeInfo, ProcessInfo,
-                       SecurityProfile, Source)
+from .manifest import CriuInfo, CudaInfo, Gpu, Manifest, MountInfo, NodeInfo, ProcessInfo, Source
+from .security import SecurityProfile
 from .mechanics import dump_workload
 from .store import ArtifactStore
 

@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 PROG = "cuda-checkpoint"
 ACTIONS = ("lock", "checkpoint", "restore", "unlock")
 
-HELP = f"""\
+HELP = """\
 CUDA checkpoint and restore utility (Rekindle, driver API through libcuda).
 
 Operations:

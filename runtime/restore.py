@@ -32,7 +32,9 @@ from .containers import ContainerInfo, process_tree, resolve_container
 from .criu import MountPlanEntry
 from .errors import ArtifactRejected, RekindleError
 from .gpus import NVIDIA_MAJOR, spec_devices, visible_gpus
-from .manifest import CudaFacts, Gpu, NodeFacts, SecurityProfile, check_compatibility, check_privilege
+from .compat import CudaFacts, NodeFacts, check_compatibility
+from .manifest import Gpu
+from .security import SecurityProfile, check_privilege
 from .mechanics import restore_into
 from .namespaces import host_pid_of
 from .store import ArtifactStore

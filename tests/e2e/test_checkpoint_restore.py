@@ -151,7 +151,7 @@ def test_flipped_byte_in_artifact_gives_cold_start(sandbox, pod, plugin):
     data[len(data) // 2] ^= 0xFF
     pages.write_bytes(bytes(data))
     b, cid, ip = restore_pod(sandbox, pod, plugin, "flipped", "dst-flipped")
-    st = assert_cold(sandbox, plugin, b, cid, ip, "content changed")
+    assert_cold(sandbox, plugin, b, cid, ip, "content changed")
     # The init ran the original command once, and says why.
     assert "content changed" in (plugin.control_dir(b.uid, "server") / "cold-start").read_text()
 

@@ -138,7 +138,7 @@ def test_plugin_restart_resumes_a_pending_checkpoint(sandbox, plugin, pod):
     """Killed while a source warms up, the plugin picks the source up again on Synchronize."""
     import json
     p = pod(annotations={"rekindle.dev/checkpoint": "resumed"})
-    cid = sandbox.run_container(p, "server", "localhost/rekindle/counter:1",
+    sandbox.run_container(p, "server", "localhost/rekindle/counter:1",
                                 command=["/usr/local/bin/counter-server", "8080"],
                                 env={"WARMUP_MIB": "256", "WARMUP_PASSES": "12"})
     plugin.kill()  # before the workload is ready

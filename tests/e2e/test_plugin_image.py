@@ -11,7 +11,6 @@ rekindle.dev/checkpoint gets the control dir (REKINDLE_CONTROL_DIR) in its spec.
 
 from __future__ import annotations
 
-import base64
 import os
 import re
 import shutil

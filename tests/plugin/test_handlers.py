@@ -11,7 +11,7 @@ from nri_plugin.events import RuntimeInfo
 from nri_plugin.handlers import RekindlePlugin
 from nri_plugin.jobs import Jobs
 from nri_plugin.proto import nri_api_pb2 as api
-from runtime.manifest import NodeFacts
+from runtime.compat import NodeFacts
 from runtime.status import Phase, StatusBook
 from runtime.store import ArtifactStore
 
@@ -123,7 +123,8 @@ def test_node_default_restore_timeout_reaches_the_init(tmp_path):
 def test_restore_precheck_compares_gpus_the_container_was_given(monkeypatch):
     """A node with two GPUs, a container given one: an artifact from a one-GPU container fits."""
     from runtime import gpus as gpus_mod
-    from runtime.manifest import CudaFacts, CudaInfo, Gpu
+    from runtime.compat import CudaFacts
+    from runtime.manifest import Gpu
     from runtime.restore import target_facts
     monkeypatch.setattr(gpus_mod, "node_gpus", lambda proc_gpus=None: [
         gpus_mod.NodeGpu(0, "GPU-aaaaaaaa-0000-0000-0000-000000000000", "H200"),

@@ -11,11 +11,12 @@ from typing import Any
 import pytest
 
 from runtime.errors import ArtifactRejected, ConfigError
+from runtime.compat import CudaFacts, NodeFacts, check_compatibility
 from runtime.manifest import (
-    CriuInfo, CudaFacts, CudaInfo, FileEntry, Gpu, Manifest, MountInfo, NodeFacts, NodeInfo,
-    ProcessInfo, SecurityProfile, Source, check_compatibility, check_privilege,
+    CriuInfo, CudaInfo, FileEntry, Gpu, Manifest, MountInfo, NodeInfo, ProcessInfo, Source,
     load_or_create_key, sign, verify,
 )
+from runtime.security import SecurityProfile, check_privilege
 
 KEY = b"k" * 32
 SHA = "ab" * 32

@@ -1,0 +1,110 @@
+"""Whether an artifact can be restored on this node into a given container.
+
+:func:`check_compatibility` lists every reason it cannot (architecture, CRIU version, image,
+CUDA driver, GPU count and models); a kernel major.minor difference is only a warning unless
+asked for. :class:`NodeFacts` describes the node, with the GPUs narrowed to the target
+container's when the caller knows them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import subprocess
+from dataclasses import dataclass
+
+from runtime.manifest import Gpu, Manifest
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class CudaFacts:
+    """The CUDA driver and the GPUs visible to the target container, in device order."""
+
+    driver_version: str
+    gpus: tuple[Gpu, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class NodeFacts:
+    hostname: str
+    kernel: str
+    arch: str
+    criu_version: str | None
+    cuda: CudaFacts | None
+
+    @classmethod
+    def detect(cls, criu_version: str | None = None, cuda: CudaFacts | None = None) -> NodeFacts:
+        """Facts of this node. ``criu_version`` None runs ``criu --version`` (None on failure);
+        ``cuda`` is passed in by the caller (the cuda module owns libcuda)."""
+        uts = os.uname()
+        return cls(hostname=uts.nodename, kernel=uts.release, arch=uts.machine,
+                   criu_version=criu_version or _criu_version(), cuda=cuda)
+
+
+def _criu_version() -> str | None:
+    try:
+        out = subprocess.run(["criu", "--version"], capture_output=True, text=True, timeout=5,
+                             check=True).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.warning("criu --version failed: %s", exc)
+        return None
+    match = re.search(r"Version:\s*(\S+)", out)
+    return match.group(1) if match else None
+
+
+def _version_tuple(text: str) -> tuple[int, ...] | None:
+    match = re.match(r"(\d+(?:\.\d+)*)", text)
+    return tuple(int(p) for p in match.group(1).split(".")) if match else None
+
+
+def _major_minor(kernel: str) -> tuple[int, ...] | str:
+    version = _version_tuple(kernel)
+    return version[:2] if version else kernel
+
+
+def check_compatibility(manifest: Manifest, facts: NodeFacts, *, image: str, image_ref: str,
+                        strict_kernel: bool = False) -> list[str]:
+    """Every reason ``manifest`` cannot be restored on ``facts`` into a container of
+    ``image``/``image_ref``. A kernel major.minor difference is logged as a warning and listed
+    only with ``strict_kernel``; every other difference is listed."""
+    reasons: list[str] = []
+    src = manifest.node
+    if src.arch != facts.arch:
+        reasons.append(f"architecture differs: artifact {src.arch}, node {facts.arch}")
+    if _major_minor(src.kernel) != _major_minor(facts.kernel):
+        message = f"kernel differs: artifact {src.kernel}, node {facts.kernel}"
+        if strict_kernel:
+            reasons.append(message)
+        else:
+            log.warning("artifact %s/%s: %s", manifest.namespace, manifest.name, message)
+    want = _version_tuple(manifest.criu.version)
+    have = _version_tuple(facts.criu_version or "")
+    if have is None or want is None:
+        reasons.append(f"CRIU version unknown: artifact {manifest.criu.version!r}, "
+                       f"node {facts.criu_version!r}")
+    elif have < want:
+        reasons.append(f"CRIU {facts.criu_version} is older than the artifact's "
+                       f"{manifest.criu.version}")
+    if manifest.source.image != image:
+        reasons.append(f"image differs: artifact {manifest.source.image}, target {image}")
+    if manifest.source.image_ref != image_ref:
+        reasons.append(f"image digest differs: artifact {manifest.source.image_ref}, "
+                       f"target {image_ref or 'unknown'}")
+    cuda = manifest.cuda
+    if cuda is not None:
+        if facts.cuda is None:
+            reasons.append("artifact uses CUDA, node has no CUDA driver")
+        else:
+            if cuda.driver_version != facts.cuda.driver_version:
+                reasons.append(f"CUDA driver differs: artifact {cuda.driver_version}, "
+                               f"node {facts.cuda.driver_version}")
+            if len(cuda.gpus) != len(facts.cuda.gpus):
+                reasons.append(f"GPU count differs: artifact {len(cuda.gpus)}, "
+                               f"target {len(facts.cuda.gpus)}")
+            for i, (a, b) in enumerate(zip(cuda.gpus, facts.cuda.gpus)):
+                if a.name != b.name:
+                    reasons.append(f"GPU {i} model differs: artifact {a.name}, target {b.name}")
+    return reasons
