@@ -102,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("doctor", help="check this node's prerequisites")
     _common(p); _paths(p)
+    p.add_argument("--socket-path", default="/var/run/nri/nri.sock", help="NRI socket (default: %(default)s)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_doctor)
 
@@ -215,7 +216,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         print(json.dumps([c.__dict__ for c in checks], indent=2))
     else:
         for c in checks:
-            print(f"[{'ok' if c.ok else 'FAIL'}] {c.name}: {c.detail}")
+            mark = "ok" if c.ok else ("FAIL" if c.required else "warn")
+            print(f"[{mark:>4}] {c.name}: {c.detail}")
     return 0 if all(c.ok or not c.required for c in checks) else 1
 
 
