@@ -26,8 +26,9 @@ class NoEngine:
 
 @pytest.fixture
 def make_plugin(tmp_path):
-    def make(version: str = "1.7.24~ds1") -> RekindlePlugin:
-        settings = Settings(state_dir=str(tmp_path / "state"), store=str(tmp_path / "store"))
+    def make(version: str = "1.7.24~ds1", restore_timeout: int = 1800) -> RekindlePlugin:
+        settings = Settings(state_dir=str(tmp_path / "state"), store=str(tmp_path / "store"),
+                            restore_timeout=restore_timeout)
         status = StatusBook(settings.state_dir)
         plugin = RekindlePlugin(settings, store=ArtifactStore(settings.store), key=b"k" * 32, status=status,
                                 jobs=Jobs(NoEngine(), status), specs=None,
@@ -109,13 +110,8 @@ def test_post_start_without_swap_schedules_nothing(make_plugin):
     assert st.phase is Phase.CHECKPOINT_FAILED and "containerd API" in st.reason
 
 
-def test_node_default_restore_timeout_reaches_the_init(tmp_path):
-    settings = Settings(state_dir=str(tmp_path / "s"), store=str(tmp_path / "st"), restore_timeout=120)
-    status = StatusBook(settings.state_dir)
-    plugin = RekindlePlugin(settings, store=ArtifactStore(settings.store), key=b"k" * 32, status=status,
-                            jobs=Jobs(NoEngine(), status), specs=None,
-                            facts=NodeFacts("n", "6.18.0", "x86_64", "4.2.1", None))
-    plugin.configure("", RuntimeInfo.from_configure("containerd", "2.2.1", has_timeouts=True))
+def test_node_default_restore_timeout_reaches_the_init(make_plugin):
+    plugin = make_plugin("2.2.1", restore_timeout=120)
     args = list(plugin.create_container(*_req({"rekindle.dev/checkpoint": "m"})).adjust.args)
     assert args[args.index("--timeout") + 1] == "120"
 
