@@ -21,13 +21,11 @@ import importlib.util
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -74,10 +72,9 @@ _SKIP = _why_skip()
 if _SKIP:
     pytest.skip(_SKIP, allow_module_level=True)
 
-sys.path.insert(0, str(REPO / "tests" / "e2e"))
-from plugin_process import PluginProcess  # noqa: E402
-
-from runtime.containerd.gpu import gpu_devices_and_mounts, gpu_env, host_python_mounts  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_pods  # noqa: E402
+from gpu_pods import PluginProcess, container_logs, gpu_memory, running, wait_file  # noqa: E402
 
 sys.path.insert(0, str(WORKLOADS))
 import gpu_holder  # noqa: E402  (client helpers only; torch is not imported)
@@ -107,11 +104,7 @@ def plugin(sandbox: Sandbox) -> Iterator[PluginProcess]:
     shutil.rmtree(WORK, ignore_errors=True)
     WORK.mkdir(parents=True)
     OUT.mkdir(parents=True, exist_ok=True)
-    handle = SimpleNamespace(nri_socket=sandbox.paths.nri_socket, containerd_socket=sandbox.address,
-                             state_dir=sandbox.paths.state)
-    p = PluginProcess(handle, WORK / "plugin")
-    p.start(wait=False)
-    p.wait_log("synchronized:", timeout=90.0)
+    p = gpu_pods.start_plugin(sandbox, WORK / "plugin")
     yield p
     p.stop()
     shutil.copy(p.log_path, OUT / "plugin.log")
@@ -132,66 +125,19 @@ def pods(cri) -> Iterator[list[Pod]]:
 # --- helpers --------------------------------------------------------------------------------
 
 def workload_mounts() -> list[Mount]:
-    return [*host_python_mounts(), Mount("/workload", str(WORKLOADS), readonly=True)]
+    return [Mount("/workload", str(WORKLOADS), readonly=True)]
 
 
 def run_gpu_container(cri, pod: Pod, gpu: int, command: list[str]) -> str:
-    devices, mounts = gpu_devices_and_mounts(gpu)
-    cid = cri.create_container(pod, CONTAINER, IMAGE, command=command, env=gpu_env(),
-                               mounts=[*mounts, *workload_mounts()], devices=devices)
-    cri.start_container(cid)
-    return cid
+    return gpu_pods.run_gpu_container(cri, pod, gpu, command, workload_mounts(), CONTAINER)
 
 
 def holder_command(gib: float) -> list[str]:
     return [sys.executable, "/workload/gpu_holder.py", "--gib", str(gib)]
 
 
-def wait_file(path: Path, timeout: float, alive: Any = None) -> float:
-    t0 = time.monotonic()
-    while not path.exists():
-        if alive is not None and not alive():
-            raise AssertionError(f"the container exited before {path} appeared")
-        if time.monotonic() - t0 > timeout:
-            raise AssertionError(f"{path} did not appear in {timeout:.0f}s")
-        time.sleep(0.05)
-    return time.monotonic() - t0
-
-
 def wait_status(plugin: PluginProcess, pod: Pod, phases: set[str], timeout: float) -> dict:
-    path = plugin.state_dir / "status" / pod.namespace / pod.name / f"{CONTAINER}.json"
-    deadline = time.monotonic() + timeout
-    doc: dict = {}
-    while time.monotonic() < deadline:
-        try:
-            doc = json.loads(path.read_text())
-            if doc["phase"] in phases:
-                return doc
-        except (OSError, ValueError):
-            pass
-        time.sleep(0.1)
-    raise AssertionError(f"status of {pod.name}:{CONTAINER} is {doc.get('phase')} ({doc.get('reason')}), "
-                         f"wanted {phases}\nplugin log:\n{plugin.log()[-6000:]}")
-
-
-def running(cri, cid: str):
-    return lambda: cri.container_status(cid).state in (ContainerState.RUNNING, ContainerState.CREATED)
-
-
-def gpu_memory() -> dict[str, int]:
-    """MiB used per GPU UUID (nvidia-smi), empty without it."""
-    if shutil.which("nvidia-smi") is None:
-        return {}
-    out = subprocess.run(["nvidia-smi", "--query-gpu=uuid,memory.used", "--format=csv,noheader,nounits"],
-                         capture_output=True, text=True, timeout=30).stdout
-    return {u.strip(): int(m) for u, m in (ln.split(",") for ln in out.splitlines() if "," in ln)}
-
-
-def container_logs(cri, cid: str) -> str:
-    try:
-        return "\n".join(cri.logs(cid, "stdout") + cri.logs(cid, "stderr"))
-    except Exception as e:  # noqa: BLE001
-        return f"(no logs: {e})"
+    return gpu_pods.wait_status(plugin, pod, CONTAINER, phases, timeout)
 
 
 def checkpoint_and_restore(cri, plugin: PluginProcess, pods: list[Pod], name: str, gib: float,
