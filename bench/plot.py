@@ -2,9 +2,10 @@
 
 Usage: ``python -m bench.plot RESULT.json [MORE.json ...] -o chart.png``
 
-One group of horizontal bars per (file, size): the cold start; the restore path stacked by phase
-(CRIU restore, CUDA restore, unlock); the checkpoint path stacked (lock, CUDA checkpoint, CRIU
-dump); and the speed-of-light restore time. Needs matplotlib (``pip install .[bench]``).
+One group of horizontal bars per (file, size): the cold start (stacked by the worker's phases when
+the result has them: bench/llm_restore.py); the restore path stacked by phase (verify, CRIU restore,
+CUDA restore, unlock, rest); the checkpoint path stacked (lock, CUDA checkpoint, CRIU dump,
+publish); and the speed-of-light restore time. Needs matplotlib (``pip install .[bench]``).
 """
 
 from __future__ import annotations
@@ -18,10 +19,15 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-RESTORE = [("criu_restore", "CRIU restore", "#4c72b0"), ("cuda_restore", "CUDA restore (H2D)", "#55a868"),
-           ("cuda_unlock", "CUDA unlock", "#8172b2")]
+RESTORE = [("verify", "verify (hash)", "#dd8452"), ("criu_restore", "CRIU restore", "#4c72b0"),
+           ("cuda_restore", "CUDA restore (H2D)", "#55a868"), ("cuda_unlock", "CUDA unlock", "#8172b2"),
+           ("restore_other", "restore: rest", "#bbbbbb")]
 CHECKPOINT = [("cuda_lock", "CUDA lock", "#ccb974"), ("cuda_checkpoint", "CUDA checkpoint (D2H)", "#c44e52"),
-              ("criu_dump", "CRIU dump", "#64b5cd")]
+              ("criu_dump", "CRIU dump", "#64b5cd"), ("publish", "publish (hash)", "#937860")]
+# bench/llm_restore.py: the cold start by the worker's phases (else one cold_start bar).
+COLD = [("cold_import", "import torch + transformers", "#666666"), ("cold_load", "load weights to GPU", "#8c8c8c"),
+        ("cold_eager_generate", "first eager generate", "#a6a6a6"),
+        ("cold_compile_warmup", "torch.compile warm-up", "#c0c0c0"), ("cold_other", "cold start: rest", "#dddddd")]
 
 
 def load(paths: list[Path]) -> list[tuple[str, dict[str, Any]]]:
@@ -30,7 +36,10 @@ def load(paths: list[Path]) -> list[tuple[str, dict[str, Any]]]:
         doc = json.loads(p.read_text())
         gpu = doc["gpus"][0]["name"] if doc.get("gpus") else "GPU"
         for r in doc["results"]:
-            rows.append((f"{gpu}, {r['gib']:g} GiB" + ("" if doc.get("criu") else " (no CRIU)"), r))
+            name = r.get("label") or f"{gpu}, {r['gib']:g} GiB"
+            same = sum(1 for n, _ in rows if n.split(" #")[0] == name)
+            name += f" #{same + 1}" if same else ""
+            rows.append((name + ("" if doc.get("criu") else " (no CRIU)"), r))
     return rows
 
 
@@ -45,7 +54,9 @@ def plot(rows: list[tuple[str, dict[str, Any]]], out: Path, title: str) -> None:
     y, longest = 0.0, 0.0
     for name, r in reversed(rows):
         ph = r["phases_s"]
-        bars = [("cold start", [("cold_start", "cold start (spawn, import torch, fill)", "#999999")]),
+        cold = COLD if any(k in ph for k, _, _ in COLD) else [
+            ("cold_start", "cold start (spawn, import torch, fill)", "#999999")]
+        bars = [("cold start", cold),
                 ("restore", RESTORE), ("checkpoint", CHECKPOINT)]
         for kind, parts in bars:
             left = 0.0
@@ -72,7 +83,7 @@ def plot(rows: list[tuple[str, dict[str, Any]]], out: Path, title: str) -> None:
     ax.set_xlabel("seconds")
     ax.set_title(title)
     ax.set_xlim(0, longest * 1.12)
-    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=4, frameon=False)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=3, frameon=False)
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
