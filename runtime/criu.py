@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -41,6 +42,7 @@ CRIU = os.environ.get("REKINDLE_CRIU") or next(
     (p for p in ("/usr/local/sbin/criu", "/usr/local/bin/criu") if os.access(p, os.X_OK)), "criu"
 )
 NET_KEY = "extnet"
+SETPRIV = shutil.which("setpriv") or ""
 
 
 @dataclass(frozen=True)
@@ -142,7 +144,7 @@ def run_criu(
     """Run criu (prefixed by ``wrapper``); return its wall time. CriuError on failure or timeout."""
     op = "dump" if isinstance(opts, DumpOptions) else "restore"
     os.makedirs(opts.work_dir or opts.images_dir, exist_ok=True)
-    argv = [*wrapper, *criu_argv(opts, criu)]
+    argv = [*_dies_with_parent(), *wrapper, *_dies_with_parent(), *criu_argv(opts, criu)]
     lp = log_path(opts)
     log.info("criu %s: %s", op, " ".join(argv))
     t0 = time.monotonic()
@@ -162,6 +164,16 @@ def run_criu(
         raise CriuError(op, f"exit {proc.returncode}: {log_errors(lp)}" + (f" [{' | '.join(tail)}]" if tail else ""), lp)
     log.info("criu %s done in %.3fs", op, seconds)
     return seconds
+
+
+def _dies_with_parent() -> list[str]:
+    """A prefix that makes what it runs get SIGKILL when its parent dies.
+
+    Used twice: before the wrapper (so the nsenter parent dies with the agent) and right before
+    criu (whose parent is that nsenter). An agent killed mid-restore then leaves no CRIU behind
+    that could finish the restore after the init has fallen back to the cold start.
+    """
+    return [SETPRIV, "--pdeathsig", "KILL", "--"] if SETPRIV else []
 
 
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:

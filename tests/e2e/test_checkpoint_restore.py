@@ -282,3 +282,55 @@ def test_http_ready_probe_in_the_pod_network_namespace(sandbox, pod, plugin):
     log = plugin.log()
     assert "ready (http://127.0.0.1:8080/healthz)" in log
     assert not (plugin.control_dir(a.uid, "server") / "ready-for-checkpoint").exists()
+
+
+def _criu_restores(artifact: str) -> list[int]:
+    import os
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if argv and argv[0].endswith(b"criu") and b"restore" in argv and any(
+                f"/{artifact}/criu".encode() in a for a in argv):
+            found.append(int(pid))
+    return found
+
+
+def _wait_criu_restore(artifact: str, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if _criu_restores(artifact):
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_plugin_killed_during_a_restore_leaves_a_cold_start_not_a_stuck_pod(sandbox, pod, plugin):
+    """The agent dies mid-restore (CRIU dies with it): when it comes back it fails that restore,
+    once, and the init kills whatever CRIU left and starts the original command."""
+    warm = {"WARMUP_MIB": "1024", "WARMUP_PASSES": "2"}  # CRIU takes seconds: time to kill the agent
+    a = pod("src-interrupted", annotations={"rekindle.dev/checkpoint": "interrupted"})
+    sandbox.run_container(a, "server", COUNTER, command=SERVER, env=warm)
+    wait_http(sandbox.cri.pod_ip(a.id), timeout=60)
+    assert wait_status(plugin, "default", a.name, "server", {"published", "checkpoint-failed"})["phase"] == "published"
+    b = pod("dst-interrupted", annotations={"rekindle.dev/restore": "interrupted"})
+    cid = sandbox.run_container(b, "server", COUNTER, command=SERVER, env=warm)
+    wait_status(plugin, "default", b.name, "server", {"restoring"}, timeout=20)
+    assert _wait_criu_restore("interrupted", timeout=20), "criu restore never started"
+    plugin.kill()  # mid-CRIU: CRIU must die with the agent, not finish behind the init's back
+    # CRIU needs seconds for this restore; killed with the agent, it is gone at once.
+    deadline = time.monotonic() + 1.0
+    while _criu_restores("interrupted") and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not _criu_restores("interrupted"), "criu outlived the agent"
+    plugin.start()
+    st = wait_status(plugin, "default", b.name, "server", {"restored", "cold-start"})
+    assert st["phase"] == "cold-start" and "agent restarted during the restore" in st["reason"], st
+    ip = sandbox.cri.pod_ip(b.id)
+    wait_http(ip, timeout=60)
+    assert fields(get(ip))["count"] == "1"
+    time.sleep(2)  # anything CRIU could still have restored would show up by now
+    out = sandbox.cri.exec_sync(cid, ["/bin/sh", "-c", "ps -o comm | grep -cx counter-server"], timeout=10)
+    assert out.out.strip() == "1", out  # exactly one server process (the init's argv names it too)

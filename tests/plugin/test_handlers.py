@@ -130,3 +130,20 @@ def test_restore_precheck_compares_gpus_the_container_was_given(monkeypatch):
                                           Gpu("GPU-bbbbbbbb-0000-0000-0000-000000000000", "H200"))))
     narrowed = target_facts(facts, {"linux": {"devices": [{"path": "/dev/nvidia1", "major": 195, "minor": 1}]}})
     assert [g.uuid[:12] for g in narrowed.cuda.gpus] == ["GPU-bbbbbbbb"]
+
+
+def test_second_restore_attempt_in_the_same_pod_starts_cold(make_plugin):
+    """Fail once: a pod whose restore already ran (or fell back) is not restored again when
+    its container is recreated; a new pod (new uid) is."""
+    from runtime.status import ContainerStatus
+    plugin = make_plugin()
+    pod, ctr = _req({"rekindle.dev/restore": "m"})
+    plugin.status.write(ContainerStatus(namespace="default", pod="web", container="app", role="restore",
+                                        artifact="m", phase=Phase.COLD_START, reason="criu restore failed",
+                                        pod_uid=pod.uid))
+    assert not plugin.create_container(pod, ctr).HasField("adjust")
+    st = plugin.status.read("default", "web", "app")
+    assert st.phase is Phase.COLD_START and "already attempted" in st.reason and "criu restore failed" in st.reason
+    pod.uid = "another-pod-uid"
+    plugin.create_container(pod, ctr)  # gets as far as the store: no artifact named m
+    assert "already attempted" not in plugin.status.read("default", "web", "app").reason
