@@ -116,6 +116,10 @@ def checkpoint(req: CheckpointRequest, store: ArtifactStore, key: bytes, *,
                 gpus = [Gpu(g.uuid, g.name) for g in cuda.gpus()]
             ns_of = {h: _ns_pid(h) for h in cuda_host}
             cuda_info = CudaInfo(cuda.driver_version(), tuple(gpus), tuple(sorted(ns_of.values())))
+            stale = cuda.release(cuda_host)
+            if stale:
+                log.warning("CUDA processes %s were left locked or checkpointed (an earlier agent died "
+                            "mid-checkpoint); resumed them first", stale)
             with t.phase("cuda_checkpoint"):
                 cuda.checkpoint_all(cuda_host, lock_timeout_ms=CUDA_LOCK_TIMEOUT_MS)
         try:

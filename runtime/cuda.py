@@ -215,6 +215,25 @@ class CudaCheckpointer:
 
         return self._run(probe)
 
+    def release(self, pids: Iterable[int]) -> list[int]:
+        """Bring processes left locked or checkpointed (an agent that died mid-checkpoint) back
+        to running; returns the pids that needed it."""
+        pids = list(pids)
+
+        def seq(d: Driver) -> list[int]:
+            released = []
+            for p in pids:
+                state = ProcessState(d.get_state(p))
+                if state is ProcessState.CHECKPOINTED:
+                    d.restore(p, [])
+                    state = ProcessState.LOCKED
+                if state is ProcessState.LOCKED:
+                    d.unlock(p)
+                    released.append(p)
+            return released
+
+        return self._run(seq)
+
     def gpus(self) -> list[Gpu]:
         def read(d: Driver) -> list[Gpu]:
             out = []

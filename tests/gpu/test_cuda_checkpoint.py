@@ -174,6 +174,20 @@ def test_lock_unlock(ckpt: CudaCheckpointer, holder: tuple) -> None:
     _verify(work)
 
 
+def test_release_brings_back_a_process_left_checkpointed_or_locked(ckpt: CudaCheckpointer, holder: tuple) -> None:
+    """What a restarted agent does before checkpointing a source its predecessor left behind."""
+    proc, work, _ = holder
+    ckpt.checkpoint_all([proc.pid], 10_000)
+    assert ckpt.find_cuda_pids([proc.pid]) == [proc.pid]  # still found while checkpointed
+    assert ckpt.release([proc.pid]) == [proc.pid]
+    assert ckpt.state(proc.pid) == ProcessState.RUNNING
+    ckpt.lock([proc.pid], 10_000)
+    assert ckpt.release([proc.pid]) == [proc.pid]
+    assert ckpt.state(proc.pid) == ProcessState.RUNNING
+    assert ckpt.release([proc.pid]) == []  # running: nothing to do
+    _verify(work)
+
+
 def test_restore_with_explicit_identity_pairs(ckpt: CudaCheckpointer, holder: tuple) -> None:
     """Exercises CUcheckpointRestoreArgs.gpuPairs on a real driver: every GPU mapped to itself."""
     proc, work, _ = holder
