@@ -334,3 +334,27 @@ def test_plugin_killed_during_a_restore_leaves_a_cold_start_not_a_stuck_pod(sand
     time.sleep(2)  # anything CRIU could still have restored would show up by now
     out = sandbox.cri.exec_sync(cid, ["/bin/sh", "-c", "ps -o comm | grep -cx counter-server"], timeout=10)
     assert out.out.strip() == "1", out  # exactly one server process (the init's argv names it too)
+
+
+def test_checkpoint_and_restore_on_containerd_2_1(sandbox_factory, pod, tmp_path):
+    """The same flow on containerd 2.1.9 (NRI 0.8: the entrypoint swap is the spec update too)."""
+    sb21 = sandbox_factory("2.1")
+    plugin21 = PluginProcess(sb21, tmp_path / "plugin21")
+    plugin21.start()
+    try:
+        a = pod("src-on-21", annotations={"rekindle.dev/checkpoint": "on-21"}, on=sb21)
+        sb21.run_container(a, "server", COUNTER, command=SERVER)
+        a_ip = sb21.cri.pod_ip(a.id)
+        wait_http(a_ip)
+        for _ in range(3):
+            get(a_ip)
+        assert wait_status(plugin21, "default", a.name, "server", {"published", "checkpoint-failed"})["phase"] == "published"
+        b = pod("dst-on-21", annotations={"rekindle.dev/restore": "on-21"}, on=sb21)
+        sb21.run_container(b, "server", COUNTER, command=SERVER)
+        st = wait_status(plugin21, "default", b.name, "server", {"restored", "cold-start"})
+        assert st["phase"] == "restored", st
+        b_ip = sb21.cri.pod_ip(b.id)
+        wait_http(b_ip)
+        assert fields(get(b_ip))["count"] == "4"
+    finally:
+        plugin21.stop()
