@@ -77,6 +77,8 @@ def _rendered_pod_spec(sandbox, store: Path) -> tuple[dict, dict]:
         "nri": {"plugin": {"index": 90}, "socketDir": str(sandbox.nri_socket.parent)},
         "containerd": {"stateDir": str(sandbox.state_dir), "rootDir": str(sandbox.root_dir)},
         "stateDir": str(STATE_DIR),
+        # Pod volumes would live under /var/lib/kubelet on a node; here, inside the shared sandbox dir.
+        "hostBindSources": [str(sandbox.dir / "kubelet")],
         "store": {"type": "hostPath", "hostPath": {"path": str(store)}},
         "settings": {"logLevel": "debug", "logFormat": "json", "restoreTimeoutSeconds": 1800},
     }

@@ -136,6 +136,12 @@ def test_plugin_command_is_the_cli_contract(default_render):
     ]  # logLevel info: no --verbose
 
 
+def test_gpu_values_add_the_driver_dir_as_bind_source(gpu_render):
+    ds = _daemonset(gpu_render)
+    m = _mounts(_plugin(ds), ds["spec"]["template"]["spec"])
+    assert m["/run/nvidia"][1]["hostPath"]["path"] == "/run/nvidia"
+
+
 def test_mounts(default_render):
     ds = _daemonset(default_render)
     spec = ds["spec"]["template"]["spec"]
@@ -147,6 +153,7 @@ def test_mounts(default_render):
         "/host/proc": "/proc",
         "/sys/fs/cgroup": "/sys/fs/cgroup",
         "/var/lib/rekindle": "/var/lib/rekindle",
+        "/var/lib/kubelet": "/var/lib/kubelet",  # pod volumes: bind sources CRIU re-creates
     }
     for path, host in expected_host.items():
         mount, vol = m[path]
@@ -154,6 +161,8 @@ def test_mounts(default_render):
     assert m["/var/run/nri"][0]["readOnly"] is True
     assert m["/var/lib/containerd"][0]["readOnly"] is True
     assert m["/run/containerd"][0]["mountPropagation"] == "HostToContainer"
+    assert m["/var/lib/kubelet"][0]["mountPropagation"] == "HostToContainer"
+    assert m["/var/lib/kubelet"][0]["readOnly"] is True
     assert not m["/var/lib/rekindle"][0].get("readOnly")
     # the store is the chart's RWX claim
     store_mount, store_vol = m["/var/lib/rekindle/store"]
