@@ -193,6 +193,10 @@ def restore_into(
             join_ns=[("ipc", "/proc/1/ns/ipc"), ("uts", "/proc/1/ns/uts")],
             external_mounts=externals,
             shell_job=criu_mod.image_is_shell_job(images_dir),
+            # The mount-v2 engine copies sharing groups from the target rootfs, which fails
+            # (EINVAL) when CRIU runs in the plugin's pod and sees that mount as a propagated
+            # slave; the compatibility engine works from the host and from the pod alike.
+            extra=["--mntns-compat-mode"],
         )
         wrapper = ns.in_pid_ns_argv(target.init_pid, [])
         if cgroups_first:

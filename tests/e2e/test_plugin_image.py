@@ -30,6 +30,8 @@ sys.path.insert(0, str(REPO / "tests" / "unit"))
 import chart_render  # noqa: E402
 
 BUSYBOX = "localhost/rekindle/busybox:1"
+COUNTER = "localhost/rekindle/counter:1"
+SERVER = ["/usr/local/bin/counter-server", "8080"]
 STATE_DIR = Path("/var/lib/rekindle-e2e-image")  # the plugin's state dir, the same path on host and in the pod
 PROPAGATION = {None: pb.PROPAGATION_PRIVATE, "None": pb.PROPAGATION_PRIVATE,
                "HostToContainer": pb.PROPAGATION_HOST_TO_CONTAINER, "Bidirectional": pb.PROPAGATION_BIDIRECTIONAL}
@@ -127,6 +129,15 @@ def _run_privileged_host_pid_pod(cri, name: str) -> Pod:
     return Pod(resp.pod_sandbox_id, name, "kube-system", uid, log_dir, config, NamespaceMode.NODE)
 
 
+def _http(ip: str, path: str) -> str | None:
+    import urllib.request
+    try:
+        with urllib.request.urlopen(f"http://{ip}:8080{path}", timeout=2) as r:
+            return r.read().decode()
+    except OSError:
+        return None
+
+
 def _wait(pred, timeout: float, what: str, diag) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -199,6 +210,25 @@ def test_plugin_from_image_registers_and_adjusts_annotated_pods(sandbox, pod, pl
         qid = sandbox.run_container(q, "main", BUSYBOX, command=["/bin/sh", "-c", "exec sleep 3600"])
         q_env = cri.container_status(qid, verbose=True).runtime_spec["process"]["env"]
         assert not any(e.startswith("REKINDLE_CONTROL_DIR=") for e in q_env)
+
+        # Checkpoint and restore, with CRIU and the engine running inside the plugin's pod.
+        from runtime.status import Phase, StatusBook
+        book = StatusBook(STATE_DIR)
+        src = pod("img-src", annotations={"rekindle.dev/checkpoint": "from-image"})
+        sandbox.run_container(src, "server", COUNTER, command=SERVER)
+        src_ip = cri.pod_ip(src.id)
+        _wait(lambda: _http(src_ip, "/healthz") is not None, 30, "the source server", plugin_logs)
+        for _ in range(3):
+            _http(src_ip, "/")
+        st = book.wait("default", src.name, "server", {Phase.PUBLISHED, Phase.CHECKPOINT_FAILED}, 60)
+        assert st is not None and st.phase is Phase.PUBLISHED, (st, plugin_logs())
+        dst = pod("img-dst", annotations={"rekindle.dev/restore": "from-image"})
+        sandbox.run_container(dst, "server", COUNTER, command=SERVER)
+        st = book.wait("default", dst.name, "server", {Phase.RESTORED, Phase.COLD_START}, 60)
+        assert st is not None and st.phase is Phase.RESTORED, (st, plugin_logs())
+        dst_ip = cri.pod_ip(dst.id)
+        _wait(lambda: _http(dst_ip, "/healthz") is not None, 30, "the restored server", plugin_logs)
+        assert "count=4 " in _http(dst_ip, "/"), plugin_logs()
 
         assert cri.container_status(cid).state is ContainerState.RUNNING, plugin_logs()
     finally:
