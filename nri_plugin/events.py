@@ -84,10 +84,6 @@ class RuntimeInfo:
         """ContainerAdjustment.args exists from NRI 0.10 (containerd 2.2)."""
         return self.nri >= (0, 10, 0)
 
-    @property
-    def sends_split_sync(self) -> bool:
-        return self.nri >= (0, 8, 0)
-
     def __str__(self) -> str:
         return f"{self.name} {self.version} (NRI {'.'.join(map(str, self.nri))})"
 

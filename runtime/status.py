@@ -100,13 +100,3 @@ class StatusBook:
             except (ValueError, KeyError, TypeError):
                 continue
         return out
-
-    def remove_pod(self, namespace: str, pod: str) -> None:
-        d = self.root / namespace / pod
-        if d.is_dir():
-            for f in d.glob("*.json"):
-                f.unlink(missing_ok=True)
-            try:
-                d.rmdir()
-            except OSError:
-                pass
