@@ -1,32 +1,45 @@
 #!/usr/bin/env bash
-# Build CRIU from Debian's upstream tarball and install it as <prefix>/sbin/criu.
+# Build CRIU from Debian's source package and install it as <prefix>/sbin/criu.
 #
 # Debian 12 ships CRIU 3.17, which fails on current kernels ("vdso: Unexpected rt vDSO area
-# bounds"); trixie's 4.1.1 source builds fine against bookworm's libraries. Only the `criu`
-# binary is built (no docs, no plugins). Ends with `criu check`, which must pass.
-# Needs root. Versions, URL and checksum come from hack/versions.env.
+# bounds"), and trixie's 4.1.1 cannot dump TCP sockets on kernels >= 6.16; sid's 4.2.1 source
+# builds against bookworm's libraries. The source comes through apt from the deb-src entries
+# hack/lib/apt-sources.sh derives from the machine's configured sources (no host is named
+# here); apt checks the tarball against the signed Sources index. Only the `criu` binary is
+# built (no docs, no plugins). Ends with `criu check` unless REKINDLE_CRIU_SKIP_CHECK=1.
+# Needs root; version and prefix come from hack/versions.env.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 # shellcheck source=versions.env
 . "$here/versions.env"
 
 say() { echo "[build-criu] $*"; }
+die() { echo "[build-criu] error: $*" >&2; exit 1; }
 
 build_deps=(build-essential pkg-config libprotobuf-c-dev protobuf-c-compiler protobuf-compiler
-            python3-protobuf libnl-3-dev libnet1-dev libcap-dev libbsd-dev libgnutls28-dev
-            libnftables-dev uuid-dev libaio-dev curl xz-utils ca-certificates)
+            libprotobuf-dev python3-protobuf libnl-3-dev libnet1-dev libcap-dev libbsd-dev
+            libgnutls28-dev libnftables-dev uuid-dev libaio-dev xz-utils ca-certificates)
 say "installing build dependencies"
 DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${build_deps[@]}" >/dev/null
 
 work=$(mktemp -d "${TMPDIR:-/tmp}/criu-build.XXXXXX")
 trap 'rm -rf "$work"' EXIT
-tarball="$work/criu_${REKINDLE_CRIU_VERSION}.orig.tar.xz"
-say "downloading $REKINDLE_CRIU_URL"
-curl -fsSL --retry 3 -o "$tarball" "$REKINDLE_CRIU_URL"
-echo "$REKINDLE_CRIU_SHA256  $tarball" | sha256sum -c --quiet -
-tar -xJf "$tarball" -C "$work"
+chown _apt "$work" 2>/dev/null || true  # apt fetches as _apt where it can
+
+# Only the upstream tarball is needed (Debian's patches are for its packaging), so take its
+# URI and checksum from apt and fetch that one file with apt's own transport.
+spec="criu=$REKINDLE_CRIU_DEB_VERSION"
+line=$(cd "$work" && apt-get source --print-uris -qq "$spec" 2>/dev/null | grep -E "\.orig\.tar\.[a-z]+' " | head -n1) \
+    || true
+[ -n "$line" ] || die "apt has no source for $spec (is deb-src for sid configured? hack/install-deps.sh adds it)"
+read -r uri file _size hash <<<"$line"
+uri=${uri//\'/}
+say "fetching $file through apt"
+/usr/lib/apt/apt-helper -q download-file "$uri" "$work/$file" "$hash" >/dev/null \
+    || die "download of $file failed"
+tar -xf "$work/$file" -C "$work"
 src=$(find "$work" -mindepth 1 -maxdepth 1 -type d -name 'criu-*' | head -n1)
-[ -n "$src" ] || { echo "no criu-* directory in the tarball" >&2; exit 1; }
+[ -n "$src" ] || die "no criu-* directory in $file"
 
 say "building criu $REKINDLE_CRIU_VERSION (log: $work/build.log)"
 if ! make -C "$src" -j"$(nproc)" criu >"$work/build.log" 2>&1; then

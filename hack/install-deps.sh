@@ -2,7 +2,9 @@
 # Install the node's system dependencies from Debian's archive, idempotently.
 #
 # On Debian 12 (bookworm):
-#   - apt sources for trixie/sid/experimental at low pin priority (bookworm stays the default);
+#   - apt sources (deb and deb-src) for trixie/sid/experimental at low pin priority, from the
+#     site that already serves the machine's release (hack/lib/apt-sources.sh; bookworm stays
+#     the default);
 #   - containerd 1.7.24 from trixie (the primary runtime; NRI 0.6.1), its service left stopped;
 #   - containerd 2.1.9 from sid, extracted (not installed) under /opt/rekindle/containerd-2.1;
 #   - runc, CNI plugins (/usr/lib/cni), iptables, iproute2, util-linux, busybox-static,
@@ -22,31 +24,15 @@ die() { echo "[install-deps] error: $*" >&2; exit 1; }
 command -v apt-get >/dev/null || die "needs a Debian system (apt-get)"
 
 # --- apt sources and pins ----------------------------------------------------------------
+# shellcheck source=lib/apt-sources.sh
+. "$here/lib/apt-sources.sh"
 sources_changed=0
-write_if_changed() {  # write_if_changed PATH CONTENT
-    if [ ! -f "$1" ] || [ "$(cat "$1")" != "$2" ]; then
-        printf '%s\n' "$2" >"$1"
-        sources_changed=1
-        say "wrote $1"
-    fi
-}
-write_if_changed /etc/apt/sources.list.d/rekindle-trixie.sources "Types: deb
-URIs: http://deb.debian.org/debian
-Suites: trixie sid experimental
-Components: main
-Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg"
-# Low priorities: nothing is pulled from these suites unless asked for by name/version.
-write_if_changed /etc/apt/preferences.d/rekindle-pin "Package: *
-Pin: release n=trixie
-Pin-Priority: 100
-
-Package: *
-Pin: release n=sid
-Pin-Priority: 50
-
-Package: *
-Pin: release n=experimental
-Pin-Priority: 10"
+if ensure_extra_suites; then
+    sources_changed=1
+    say "wrote $REKINDLE_APT_SOURCES and $REKINDLE_APT_PIN"
+else
+    [ $? -eq 1 ] || die "cannot derive the Debian archive from the configured apt sources"
+fi
 
 apt_updated=0
 apt_update() {
@@ -70,7 +56,7 @@ fi
 
 # --- base packages -----------------------------------------------------------------------
 base=(runc containernetworking-plugins iptables iproute2 util-linux busybox-static
-      build-essential python3 python3-venv curl xz-utils ca-certificates debootstrap)
+      build-essential python3 python3-venv xz-utils ca-certificates debootstrap)
 missing=()
 for p in "${base[@]}"; do [ -n "$(installed_version "$p")" ] || missing+=("$p"); done
 if [ "${#missing[@]}" -gt 0 ]; then
