@@ -12,14 +12,16 @@
 # build/rekindle-init) and the project with its Python dependencies (pip, from
 # the project's wheel); drop docs, locales and apt lists; pack it with
 # runtime/images.py as localhost/rekindle/plugin:<version>.
-# Needs root, debootstrap and network access to a Debian mirror and PyPI.
+# Needs root, debootstrap, the Debian archive apt is configured with, and PyPI.
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 py=${PYTHON:-$root/.venv/bin/python}
 [ -x "$py" ] || py=python3
-mirror=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
+# shellcheck source=lib/apt-sources.sh
+. "$root/hack/lib/apt-sources.sh"
+mirror=${DEBIAN_MIRROR:-$(debian_archive_uri)}
 suite=${DEBIAN_SUITE:-bookworm}
 criu=${CRIU:-/usr/local/sbin/criu}
 work=${PLUGIN_IMAGE_DIR:-$root/build/plugin-image}
