@@ -2,7 +2,8 @@
 # Regenerate the protobuf modules from the upstream .proto files that Debian ships:
 #   NRI api.proto 0.8.0 (golang-github-containerd-nri-dev, sid) + the NRI 0.10 `args` field,
 #   CRI api.proto       (golang-github-kubernetes-cri-api-dev, trixie),
-#   containerd containers.proto (golang-github-containerd-containerd-dev, bookworm).
+#   containerd containers.proto (golang-github-containerd-containerd-dev, bookworm),
+#   CRIU's image schemas (CRIU's source package, the version hack/versions.env pins).
 # gogoproto imports and options are stripped (they only steer Go code generation).
 # The generated *_pb2.py files are committed; run this only to refresh them.
 set -euo pipefail
@@ -33,4 +34,19 @@ strip_gogo "$src/github.com/containerd/containerd/api/services/containers/v1/con
 "$PY" -m grpc_tools.protoc -I . --python_out=. "$nri" nri_plugin/proto/ttrpc.proto
 "$PY" -m grpc_tools.protoc -I . --python_out=. --grpc_python_out=. \
     runtime/containerd/proto/cri_api.proto runtime/containerd/proto/containers.proto
-echo "generated: $(ls nri_plugin/proto/*_pb2.py runtime/containerd/proto/*_pb2*.py | tr '\n' ' ')"
+
+# CRIU's image schemas (pagemap, mm, vma, pstree and their options), from CRIU's source package
+# as apt fetches it (the deb-src entries of hack/lib/apt-sources.sh). Imports between the
+# generated modules are made package-relative.
+. hack/versions.env
+line=$(cd "$work" && apt-get source --print-uris -qq "criu=$REKINDLE_CRIU_DEB_VERSION" | grep -E "\.orig\.tar\.[a-z]+' " | head -n1)
+read -r uri file _size hash <<<"$line"
+/usr/lib/apt/apt-helper -q download-file "${uri//\'/}" "$work/$file" "$hash" >/dev/null
+tar -xf "$work/$file" -C "$work"
+imgs=$(find "$work" -maxdepth 3 -type d -path '*/criu-*/images' | head -n1)
+out=runtime/criu_proto
+mkdir -p "$out"
+"$PY" -m grpc_tools.protoc -I "$imgs" --python_out="$out" \
+    "$imgs/opts.proto" "$imgs/vma.proto" "$imgs/mm.proto" "$imgs/pagemap.proto" "$imgs/pstree.proto"
+sed -i -E 's/^import ([a-z_]+_pb2) as /from . import \1 as /' "$out"/*_pb2.py
+echo "generated: $(ls nri_plugin/proto/*_pb2.py runtime/containerd/proto/*_pb2*.py "$out"/*_pb2.py | tr '\n' ' ')"

@@ -21,6 +21,7 @@ from runtime import restore as restore_flow
 from runtime.compat import NodeFacts
 from runtime.manifest import load_or_create_key
 from runtime.probe import probe as run_probe
+from runtime.rollback import GenerationBook
 from runtime.status import StatusBook
 from runtime.store import ArtifactStore
 
@@ -71,6 +72,7 @@ class NodeEngine:
         self.cuda = cuda
         self.facts = facts
         self.image_ref = image_ref
+        self.generations = GenerationBook(settings.state_dir)
 
     def checkpoint(self, work: Work) -> dict[str, float]:
         req = checkpoint_flow.CheckpointRequest(
@@ -87,8 +89,10 @@ class NodeEngine:
             containerd_state=self.settings.containerd_state, container_id=work.container_id,
             namespace=work.namespace, name=work.artifact, image=work.image,
             image_ref=(self.image_ref(work.image) if self.image_ref and work.image else "") or "",
-            log_dir=os.path.join(self.settings.state_dir, "logs"))
-        return restore_flow.restore(req, self.store, self.key, self.facts, control=work.control, cuda=self.cuda)
+            log_dir=os.path.join(self.settings.state_dir, "logs"),
+            path=restore_flow.RestorePath(self.settings.restore_path))
+        return restore_flow.restore(req, self.store, self.key, self.facts, control=work.control, cuda=self.cuda,
+                                    generations=self.generations)
 
     def probe(self, netns: str, probe: ReadyProbe) -> bool:
         return run_probe(netns, probe.kind.value, probe.host, probe.port, probe.path)
@@ -137,7 +141,10 @@ def run_plugin(settings: Settings, max_parallel: int = 2) -> int:
         jobs = Jobs(engine, status, max_parallel=max_parallel)
         jobs.bind_loop(loop)
         plugin = RekindlePlugin(settings, store=store, key=key, status=status, jobs=jobs,
-                                specs=specs, facts=facts, image_ref=image_ref)
+                                specs=specs, facts=facts, image_ref=image_ref,
+                                generations=engine.generations)
+        # Leftovers of dead publishes (this node's, or anyone's past the bound): off the loop.
+        loop.run_in_executor(None, _sweep, store)
         fd = os.environ.get("NRI_PLUGIN_SOCKET")
         stub = Stub(plugin, Identity(os.environ.get("NRI_PLUGIN_NAME", settings.name),
                                      os.environ.get("NRI_PLUGIN_IDX", settings.idx)),
@@ -151,6 +158,15 @@ def run_plugin(settings: Settings, max_parallel: int = 2) -> int:
 
     asyncio.run(main())
     return 0
+
+
+def _sweep(store: ArtifactStore) -> None:
+    try:
+        removed = store.sweep()
+        if removed:
+            log.info("store sweep removed %d leftovers (%d bytes)", len(removed), sum(r.bytes for r in removed))
+    except Exception as exc:  # noqa: BLE001 - a sweep is housekeeping; never fatal
+        log.warning("store sweep failed: %s", exc)
 
 
 def _control_of(settings: Settings, container_id: str) -> control.ControlDir | None:
@@ -177,6 +193,7 @@ def restore_once(settings: Settings, container_id: str, namespace: str, name: st
     store, key, facts, engine, specs, image_ref = _engine(settings)
     req = restore_flow.RestoreRequest(
         containerd_state=settings.containerd_state, container_id=container_id, namespace=namespace,
-        name=name, image="", image_ref="", log_dir=os.path.join(settings.state_dir, "logs"))
+        name=name, image="", image_ref="", log_dir=os.path.join(settings.state_dir, "logs"),
+        path=restore_flow.RestorePath(settings.restore_path))
     return restore_flow.restore(req, store, key, facts, control=_control_of(settings, container_id),
-                                cuda=engine.cuda, check_image=False)
+                                cuda=engine.cuda, check_image=False, generations=engine.generations)

@@ -38,14 +38,29 @@ def _paths(p: argparse.ArgumentParser) -> None:
     p.add_argument("--containerd-socket", default=d.containerd_socket, help="containerd socket (default: %(default)s)")
 
 
+def _restore_path(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--restore-path", choices=("bulk", "stock"),
+                   default=os.environ.get("REKINDLE_RESTORE_PATH", "bulk"),
+                   help="bulk: large page runs filled beside CRIU on many threads; stock: CRIU "
+                        "restores every page ($REKINDLE_RESTORE_PATH, else bulk)")
+
+
 def _settings(args: argparse.Namespace):
     from .config import Settings
     fields = {k: getattr(args, k) for k in ("state_dir", "store", "hmac_key_file", "containerd_state",
                                               "containerd_socket") if hasattr(args, k)}
-    for k in ("name", "idx", "socket_path", "init_binary", "restore_timeout"):
+    for k in ("name", "idx", "socket_path", "init_binary", "restore_timeout", "restore_path"):
         if hasattr(args, k):
             fields[k] = getattr(args, k)
     return Settings(**fields)
+
+
+def _duration(text: str) -> float:
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    num, unit = text[:-1], text[-1:]
+    if unit not in units or not num.isascii() or not num.isdigit():
+        raise argparse.ArgumentTypeError(f"want a number and s, m, h or d, e.g. 7d: {text!r}")
+    return int(num) * units[unit]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-parallel", type=int, default=2, help="checkpoints/restores at once (default: %(default)s)")
     p.add_argument("--restore-timeout", type=int, default=int(os.environ.get("REKINDLE_RESTORE_TIMEOUT", "1800")),
                    help="default rekindle.dev/restore-timeout, seconds ($REKINDLE_RESTORE_TIMEOUT, else 1800)")
+    _restore_path(p)
     p.set_defaults(func=cmd_plugin)
 
     p = sub.add_parser("checkpoint", help="checkpoint a running container (its init must be in source mode)")
@@ -79,19 +95,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--container-id", required=True)
     p.add_argument("--namespace", required=True)
     p.add_argument("--name", required=True)
+    _restore_path(p)
     p.set_defaults(func=cmd_restore)
 
     p = sub.add_parser("artifacts", help="list, inspect or delete artifacts in the store")
     asub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
-    for action, helptext in (("list", "list artifacts"), ("inspect", "show an artifact's manifest"),
-                             ("delete", "delete an artifact")):
+    for action, helptext in (("list", "list artifacts (signatures checked)"),
+                             ("inspect", "show an artifact's manifest"), ("delete", "delete an artifact"),
+                             ("prune", "remove old artifacts, old versions and leftovers")):
         ap = asub.add_parser(action, help=helptext)
         _common(ap); _paths(ap)
-        ap.add_argument("--namespace", default=None if action == "list" else "default")
-        if action != "list":
+        ap.add_argument("--namespace", default=None if action in ("list", "prune") else "default")
+        if action in ("inspect", "delete"):
             ap.add_argument("name")
         if action == "inspect":
             ap.add_argument("--verify", action="store_true", help="also check every file's digest")
+        if action == "list":
+            ap.add_argument("--all", action="store_true",
+                            help="also staging dirs, trash and unreferenced versions, with size and owner")
+        if action == "delete":
+            ap.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
+                            help="wait this long for restores reading it to finish (default: refuse)")
+        if action == "prune":
+            ap.add_argument("--older-than", type=_duration, default=None, metavar="AGE",
+                            help="delete artifacts published longer ago than AGE (e.g. 7d, 12h)")
+            ap.add_argument("--keep-last", type=int, default=None, metavar="N",
+                            help="keep only the newest N versions of each name")
+            ap.add_argument("--leftovers", action="store_true",
+                            help="also sweep abandoned staging dirs, trash and unreferenced versions")
         ap.add_argument("--json", action="store_true", help="machine-readable output")
         ap.set_defaults(func=cmd_artifacts)
 
@@ -144,54 +175,94 @@ def cmd_restore(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_artifacts(args: argparse.Namespace) -> int:
+def _key(settings) -> bytes:  # type: ignore[no-untyped-def]
     from runtime.manifest import load_or_create_key
+    return load_or_create_key(str(settings.key_path))
+
+
+def _age(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f}{unit}"
+    return f"{seconds:.0f}s"
+
+
+def cmd_artifacts(args: argparse.Namespace) -> int:
     from runtime.store import ArtifactStore
     settings = _settings(args)
     store = ArtifactStore(settings.store)
     if args.action == "list":
-        rows = store.list(args.namespace)
-        if args.json:
-            print(json.dumps([{"namespace": r.namespace, "name": r.name, "problem": r.problem,
-                               "created_at": r.manifest.created_at if r.manifest else None,
-                               "bytes": sum(f.size for f in r.manifest.files) if r.manifest else None}
-                              for r in rows], indent=2))
-            return 0
-        for r in rows:
-            if r.manifest is None:
-                print(f"{r.namespace}/{r.name}  BROKEN: {r.problem}")
-            else:
-                m = r.manifest
-                size = sum(f.size for f in m.files) / 2**20
-                print(f"{r.namespace}/{r.name}  {m.created_at}  {size:.1f} MiB  from {m.source.pod or '?'}"
-                      f"  image {m.source.image or '?'}" + ("  cuda" if m.cuda else ""))
-        if not rows:
-            print("no artifacts")
-        return 0
+        return _list(store, _key(settings), args)
     if args.action == "delete":
-        store.delete(args.namespace, args.name)
+        store.delete(args.namespace, args.name, wait=args.wait)
         print(f"deleted {args.namespace}/{args.name}")
         return 0
-    key = load_or_create_key(str(settings.key_path))
-    artifact = store.open(args.namespace, args.name, key)
-    if args.verify:
-        artifact.verify_files()
-    doc = json.loads(artifact.manifest.to_json())
+    if args.action == "prune":
+        if args.older_than is None and args.keep_last is None and not args.leftovers:
+            raise SystemExit("rekindle artifacts prune: say what to prune: --older-than, --keep-last or --leftovers")
+        done = store.prune(args.namespace, older_than=args.older_than, keep_last=args.keep_last)
+        swept = store.sweep(args.namespace) if args.leftovers else []
+        if args.json:
+            print(json.dumps({"removed": done, "swept": [f"{r.namespace}/{r.entry}" for r in swept]}, indent=2))
+        else:
+            for item in done:
+                print(f"removed {item}")
+            for r in swept:
+                print(f"swept {r.kind} {r.namespace}/{r.entry} ({r.bytes / 2**20:.1f} MiB)")
+            if not done and not swept:
+                print("nothing to prune")
+        return 0
+    with store.open(args.namespace, args.name, _key(settings)) as artifact:
+        if args.verify:
+            artifact.verify_files()
+        doc = json.loads(artifact.manifest.to_json())
+        m = artifact.manifest
     if args.json:
         print(json.dumps(doc, indent=2, sort_keys=True))
-    else:
-        m = artifact.manifest
-        size = sum(f.size for f in m.files)
-        print(f"{m.namespace}/{m.name}  created {m.created_at}  {len(m.files)} files, {size / 2**20:.1f} MiB")
-        print(f"  source   {m.source.pod} ({m.source.container}), image {m.source.image}")
-        print(f"  node     {m.node.hostname} kernel {m.node.kernel} {m.node.arch}, CRIU {m.criu.version}")
-        if m.cuda:
-            print(f"  cuda     driver {m.cuda.driver_version}, GPUs {', '.join(g.name for g in m.cuda.gpus)}")
-        print(f"  security uid {m.security.uid} caps {len(m.security.capabilities)} seccomp {m.security.seccomp}")
-        print("  timings  " + ", ".join(f"{k} {v:.2f}s" for k, v in m.timings.items()))
-        print("  verified: all file digests match" if args.verify else "  (signature ok; --verify checks digests)")
+        return 0
+    size = sum(f.size for f in m.files)
+    print(f"{m.namespace}/{m.name}  created {m.created_at}  generation {m.generation}  {len(m.files)} files, "
+          f"{size / 2**20:.1f} MiB")
+    print(f"  source   {m.source.pod} ({m.source.container}), image {m.source.image}")
+    print(f"  node     {m.node.hostname} kernel {m.node.kernel} {m.node.arch}, CRIU {m.criu.version}")
+    if m.cuda:
+        print(f"  cuda     driver {m.cuda.driver_version}, GPUs {', '.join(g.name for g in m.cuda.gpus)}")
+    print(f"  security uid {m.security.uid} caps {len(m.security.capabilities)} seccomp {m.security.seccomp}")
+    print("  timings  " + ", ".join(f"{k} {v:.2f}s" for k, v in m.timings.items()))
+    print("  verified: all file digests match" if args.verify else "  (signature ok; --verify checks digests)")
     return 0
 
+
+def _list(store, key: bytes, args: argparse.Namespace) -> int:  # type: ignore[no-untyped-def]
+    rows = store.list(args.namespace, key=key)
+    extra = store.leftovers(args.namespace) if args.all else []
+    if args.json:
+        doc = [{"namespace": r.namespace, "name": r.name, "ok": r.problem is None, "problem": r.problem,
+                "version": r.version or None,
+                "generation": r.manifest.generation if r.manifest else None,
+                "created_at": r.manifest.created_at if r.manifest else None,
+                "bytes": sum(f.size for f in r.manifest.files) if r.manifest else None}
+               for r in rows]
+        if args.all:
+            doc += [{"namespace": x.namespace, "name": x.entry, "kind": x.kind, "bytes": x.bytes,
+                     "age_seconds": round(x.age, 1),
+                     "owner": (f"{x.owner.node} pid {x.owner.pid}" if x.owner else None)} for x in extra]
+        print(json.dumps(doc, indent=2))
+        return 0
+    for r in rows:
+        if r.manifest is None:
+            print(f"{r.namespace}/{r.name}  BAD: {r.problem}")
+        else:
+            m = r.manifest
+            size = sum(f.size for f in m.files) / 2**20
+            print(f"{r.namespace}/{r.name}  {m.created_at}  {size:.1f} MiB  from {m.source.pod or '?'}"
+                  f"  image {m.source.image or '?'}" + ("  cuda" if m.cuda else ""))
+    for x in extra:
+        owner = f"  owner {x.owner.node} pid {x.owner.pid}" if x.owner else ""
+        print(f"{x.namespace}/{x.entry}  {x.kind}  {x.bytes / 2**20:.1f} MiB  age {_age(x.age)}{owner}")
+    if not rows and not extra:
+        print("no artifacts")
+    return 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:

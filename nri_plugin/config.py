@@ -38,6 +38,7 @@ class Settings:
     init_binary: str = ""            # where to install the init from; default: first that exists
     criu_bin: str = "criu"
     restore_timeout: int = 1800     # default of the rekindle.dev/restore-timeout annotation
+    restore_path: str = "bulk"      # bulk (pages filled beside CRIU) or stock (CRIU restores all)
 
     @property
     def key_path(self) -> Path:
@@ -67,6 +68,8 @@ class Settings:
                 problems.append(f"{label} must be an absolute path, got {path!r}")
         if not 1 <= self.restore_timeout <= 86400:
             problems.append(f"--restore-timeout must be 1..86400 seconds, got {self.restore_timeout}")
+        if self.restore_path not in ("bulk", "stock"):
+            problems.append(f"--restore-path must be bulk or stock, got {self.restore_path!r}")
         if self.init_source() is None:
             problems.append("no rekindle-init binary found (build it with `make`, or pass --init-binary)")
         return problems

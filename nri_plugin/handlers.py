@@ -29,6 +29,7 @@ from runtime.compat import NodeFacts, check_compatibility
 from runtime.manifest import Manifest
 from runtime.security import SecurityProfile, check_privilege
 from runtime.restore import target_facts
+from runtime.rollback import GenerationBook
 from runtime.status import ContainerStatus, Phase, StatusBook
 from runtime.store import ArtifactStore
 
@@ -60,7 +61,7 @@ def who(pod: api.PodSandbox, ctr: api.Container) -> str:
 class RekindlePlugin:
     def __init__(self, settings: Settings, *, store: ArtifactStore, key: bytes, status: StatusBook,
                  jobs: Jobs, specs: SpecAccess | None, facts: NodeFacts,
-                 image_ref: Any = None) -> None:
+                 image_ref: Any = None, generations: GenerationBook | None = None) -> None:
         self.settings = settings
         self.store = store
         self.key = key
@@ -69,6 +70,7 @@ class RekindlePlugin:
         self.specs = specs
         self.facts = facts
         self.image_ref = image_ref  # callable(image name) -> digest, or None
+        self.generations = generations  # rollback check (runtime.rollback)
         self.runtime: RuntimeInfo | None = None
         self.strategy = Strategy.SPEC_UPDATE
         self._pending: dict[str, Pending] = {}
@@ -141,16 +143,19 @@ class RekindlePlugin:
         if prev and prev.pod_uid == pod.uid and prev.phase in (Phase.COLD_START, Phase.RESTORED, Phase.RESTORING):
             raise RekindleError(f"a restore was already attempted for this pod ({prev.phase.value}"
                                 f"{': ' + prev.reason if prev.reason else ''}); not retrying")
-        artifact = self.store.open(pod.namespace, intent.artifact, self.key)
+        with self.store.open(pod.namespace, intent.artifact, self.key) as artifact:
+            manifest = artifact.manifest
+        if self.generations is not None:
+            self.generations.check(pod.namespace, intent.artifact, manifest.generation)
         image = ctr.annotations.get(IMAGE_NAME_ANNOTATION, "")
         image_ref = self.image_ref(image) if (self.image_ref and image) else ""
         # GPUs: those this container was given (its /dev/nvidiaN devices), not all of the node's.
         devices = [{"path": d.path, "major": d.major, "minor": d.minor} for d in ctr.linux.devices]
         facts = target_facts(self.facts, {"linux": {"devices": devices}})
-        reasons = check_compatibility(artifact.manifest, facts, image=image, image_ref=image_ref or "")
+        reasons = check_compatibility(manifest, facts, image=image, image_ref=image_ref or "")
         if reasons:
             raise RekindleError("incompatible: " + "; ".join(reasons))
-        return artifact.manifest
+        return manifest
 
     # ------------------------------------------------------------------ post-create
     def post_create_container(self, pod: api.PodSandbox, ctr: api.Container) -> None:

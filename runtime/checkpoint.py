@@ -1,15 +1,19 @@
 """The checkpoint flow: one running container -> one published artifact.
 
 Steps, each timed (the timings go into the manifest and the container's status):
-  1. resolve the container (bundle, init pid, overlay upperdir) and its workload tree;
-  2. CUDA: find the tree's CUDA processes, lock all, checkpoint all (device memory -> host);
-  3. CRIU dump of the workload tree (--leave-running), netns and mounts external;
-  4. CUDA: resume the source (restore + unlock), unless it is to exit;
-  5. capture the writable layer (and /dev/shm when it is an external mount);
-  6. manifest (identity, node, CRIU, CUDA, security fingerprint, mount plan, digests), signed,
-     published atomically;
-  7. tell the source (``snapshot-complete``) and stop it if asked.
-Any failure raises; the staging dir is removed, nothing appears under the artifact's name.
+  1. inspect: resolve the container (bundle, init pid, overlay upperdir) and its workload tree;
+  2. cuda_checkpoint: find the tree's CUDA processes, lock all, checkpoint all (device memory
+     -> host); the driver's new host staging mappings are noted (they get huge pages on restore);
+  3. criu_dump: CRIU dumps the tree and leaves it stopped (netns and mounts external);
+  4. rootfs_capture / shm_capture: the writable layer and /dev/shm, while the tree is still
+     stopped, so files and memory are one instant;
+  5. resume: SIGCONT, then CUDA restore + unlock (unless the source is to exit);
+  6. split: the large private anonymous page runs move beside CRIU's images (runtime.bulk);
+  7. publish: manifest (identity, node, CRIU, CUDA, security fingerprint, digests), signed,
+     published as a new version of the name;
+  8. tell the source (``snapshot-complete``) and stop it if asked.
+Any failure raises; the source is resumed (never left stopped or CUDA-locked), the staging dir is
+removed, nothing appears under the artifact's name.
 """
 
 from __future__ import annotations
@@ -20,30 +24,26 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from . import control as control_mod
-from . import overlay
-from .containers import ContainerInfo, process_tree, resolve_container, workload_root
-from .gpus import spec_devices, visible_gpus
-from .manifest import CriuInfo, CudaInfo, Gpu, Manifest, MountInfo, NodeInfo, ProcessInfo, Source
-from .security import SecurityProfile
-from .mechanics import dump_workload
-from .store import ArtifactStore
+from runtime import bulk
+from runtime import control as control_mod
+from runtime import layout
+from runtime import overlay
+from runtime.containers import ContainerInfo, process_tree, resolve_container, workload_root
+from runtime.gpus import spec_devices, visible_gpus
+from runtime.manifest import CriuInfo, CudaInfo, Gpu, Manifest, MountInfo, NodeInfo, ProcessInfo, Source
+from runtime.mechanics import dump_workload
+from runtime.security import SecurityProfile
+from runtime.store import ArtifactStore
+from runtime.timings import Timings
 
 log = logging.getLogger(__name__)
 
-CRIU_DIR = "criu"
-ROOTFS_TAR = "rootfs-diff.tar"
-ROOTFS_DELETIONS = "rootfs-deletions.json"
-SHM_TAR = "shm.tar"
-SHM_DELETIONS = "shm-deletions.json"
-RESTORE_PLAN = "restore-plan.json"
 ORIGINAL_ARGS_ANNOTATION = "rekindle.dev/original-args"
 CUDA_LOCK_TIMEOUT_MS = 30_000
+HUGE_MIN = 2 << 20  # staging mappings smaller than this gain nothing from huge pages
 
 
 @dataclass(frozen=True)
@@ -59,17 +59,7 @@ class CheckpointRequest:
     image_ref: str
     exit_after: bool
     log_dir: str
-
-
-class Timings(dict[str, float]):
-    @contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        t0 = time.monotonic()
-        try:
-            yield
-        finally:
-            self[name] = round(time.monotonic() - t0, 3)
-            log.info("phase %s: %.3fs", name, self[name])
+    split: bool = True  # move bulk pages beside CRIU (runtime.bulk)
 
 
 def _original_args(spec: dict[str, Any]) -> list[str]:
@@ -91,6 +81,21 @@ def capture_excludes(info: ContainerInfo) -> list[str]:
                    control_mod.CONTAINER_PATH, os.path.dirname(control_mod.INIT_DIR_IN_CONTAINER)})
 
 
+def anon_mappings(pid: int) -> set[tuple[int, int]]:
+    """(start, end) of every private anonymous writable mapping of ``pid``."""
+    out = set()
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) == 5 and fields[1].startswith("rw") and fields[1][3] == "p" and fields[4] == "0":
+                    start, end = (int(x, 16) for x in fields[0].split("-"))
+                    out.add((start, end))
+    except OSError:
+        pass
+    return out
+
+
 def checkpoint(req: CheckpointRequest, store: ArtifactStore, key: bytes, *,
                control: control_mod.ControlDir | None = None, cuda: Any = None) -> dict[str, float]:
     t = Timings()
@@ -105,46 +110,55 @@ def checkpoint(req: CheckpointRequest, store: ArtifactStore, key: bytes, *,
 
     cuda_host: list[int] = []
     cuda_info: CudaInfo | None = None
+    huge: dict[int, list[tuple[int, int]]] = {}
     if cuda is not None:
         with t.phase("cuda_find"):
             cuda_host = cuda.find_cuda_pids(tree)
     with store.stage(req.namespace, req.name) as staging:
-        images = os.path.join(staging.path, CRIU_DIR)
+        images = os.path.join(staging.path, layout.CRIU_DIR)
+        ns_of = {h: ns_pid(h) for h in cuda_host}
         if cuda_host:
             gpus = [Gpu(g.uuid, g.name) for g in visible_gpus(spec_devices(info.spec))]
             if not gpus:  # a container given every GPU (privileged): what CUDA sees
                 gpus = [Gpu(g.uuid, g.name) for g in cuda.gpus()]
-            ns_of = {h: _ns_pid(h) for h in cuda_host}
             cuda_info = CudaInfo(cuda.driver_version(), tuple(gpus), tuple(sorted(ns_of.values())))
             stale = cuda.release(cuda_host)
             if stale:
                 log.warning("CUDA processes %s were left locked or checkpointed (an earlier agent died "
                             "mid-checkpoint); resumed them first", stale)
+            before = {h: anon_mappings(h) for h in cuda_host}
             with t.phase("cuda_checkpoint"):
                 cuda.checkpoint_all(cuda_host, lock_timeout_ms=CUDA_LOCK_TIMEOUT_MS)
+            for h in cuda_host:  # the driver's host copy of device memory: new mappings
+                new = sorted(r for r in anon_mappings(h) - before[h] if r[1] - r[0] >= HUGE_MIN)
+                if new:
+                    huge[ns_of[h]] = new
         try:
             with t.phase("criu_dump"):
-                dump = dump_workload(info, images, leave_running=True, work_dir=work_dir)
+                dump = dump_workload(info, images, leave_running=True, leave_stopped=True, work_dir=work_dir)
+            # One instant: the files and /dev/shm are read while the tree is still stopped.
+            with t.phase("rootfs_capture"):
+                overlay.capture(info.upperdir, os.path.join(staging.path, layout.ROOTFS_TAR),
+                                os.path.join(staging.path, layout.ROOTFS_DELETIONS),
+                                exclude=capture_excludes(info))
+            if dump.shm_source:
+                with t.phase("shm_capture"):
+                    overlay.capture(dump.shm_source, os.path.join(staging.path, layout.SHM_TAR),
+                                    os.path.join(staging.path, layout.SHM_DELETIONS), exclude=())
         finally:
+            bulk.signal_all(_tree(root.host), signal.SIGCONT)  # whatever CRIU left stopped
             if cuda_host and not req.exit_after:
                 with t.phase("cuda_resume_source"):
                     cuda.restore_all(cuda_host)
-        with t.phase("rootfs_capture"):
-            overlay.capture(info.upperdir, os.path.join(staging.path, ROOTFS_TAR),
-                            os.path.join(staging.path, ROOTFS_DELETIONS), exclude=capture_excludes(info))
-        if dump.shm_source:
-            with t.phase("shm_capture"):
-                overlay.capture(dump.shm_source, os.path.join(staging.path, SHM_TAR),
-                                os.path.join(staging.path, SHM_DELETIONS), exclude=())
-        plan = {
-            "stdio": list(dump.stdio),
-            "shell_job": dump.shell_job,
-            "mounts": [{"key": m.key, "destination": m.destination, "type": m.type,
-                        "mount_point": m.mount_point} for m in dump.mount_plan],
-            "shm": bool(dump.shm_source),
-        }
-        with open(os.path.join(staging.path, RESTORE_PLAN), "w") as f:
-            json.dump(plan, f, sort_keys=True, indent=1)
+        files: tuple[layout.BulkFile, ...] = ()
+        if req.split:
+            with t.phase("split"):
+                files, _stats = bulk.split(staging.path, huge)
+        plan = layout.RestorePlan(
+            stdio=tuple(dump.stdio), shell_job=dump.shell_job,
+            mounts=tuple(dump.mount_plan), shm=bool(dump.shm_source), bulk=files)
+        with open(os.path.join(staging.path, layout.RESTORE_PLAN), "wb") as f:
+            f.write(plan.to_json())
         uts = os.uname()
         manifest = Manifest(
             name=req.name, namespace=req.namespace,
@@ -175,7 +189,14 @@ def checkpoint(req: CheckpointRequest, store: ArtifactStore, key: bytes, *,
     return dict(t)
 
 
-def _ns_pid(host_pid: int) -> int:
+def _tree(host_pid: int) -> list[int]:
+    try:
+        return process_tree(host_pid)
+    except Exception:  # noqa: BLE001 - the source died: nothing to resume
+        return []
+
+
+def ns_pid(host_pid: int) -> int:
     with open(f"/proc/{host_pid}/status") as f:
         for line in f:
             if line.startswith("NSpid:"):

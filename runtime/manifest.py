@@ -2,7 +2,7 @@
 
 Contract:
 
-- :class:`Manifest` (``format_version`` 1) mirrors docs/design.md "Artifact". Every record is a
+- :class:`Manifest` (``format_version`` 2) mirrors docs/design.md "Artifact". Every record is a
   frozen dataclass validated on construction. :meth:`Manifest.to_json` gives canonical bytes
   (sorted keys, compact separators, UTF-8); :meth:`Manifest.from_json` treats its input as
   untrusted: exact key sets, strict JSON types (a bool is not an int), no duplicate keys, no
@@ -21,25 +21,23 @@ import dataclasses
 import datetime
 import hashlib
 import hmac
-import json
 import logging
 import math
 import os
 import re
 import secrets
 import stat
-import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
+from runtime import strict_json
 from runtime.errors import ArtifactRejected, ConfigError
 from runtime.security import SecurityProfile
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MAX_MANIFEST_BYTES = 16 * 1024 * 1024
 KEY_BYTES = 32
 SIG_PREFIX = "hmac-sha256:"
@@ -131,10 +129,14 @@ class Manifest:
     mounts: tuple[MountInfo, ...]
     files: tuple[FileEntry, ...]
     timings: Mapping[str, float]
+    # Set by the store at publish: increases with every publish of a name (microseconds since
+    # the epoch, or the previous version's + 1), so a node can refuse a rollback.
+    generation: int = 0
     format_version: int = FORMAT_VERSION
 
     def __post_init__(self) -> None:
-        _check(self.format_version == FORMAT_VERSION, "format_version must be 1")
+        _check(self.format_version == FORMAT_VERSION, f"format_version must be {FORMAT_VERSION}")
+        _check(self.generation >= 0, "generation must not be negative")
         try:
             datetime.datetime.fromisoformat(self.created_at)
         except ValueError:
@@ -146,17 +148,14 @@ class Manifest:
 
     def to_json(self) -> bytes:
         """Canonical bytes: sorted keys, compact separators, UTF-8, no NaN."""
-        return canonical_json(_to_obj(self))
+        return strict_json.canonical_json(strict_json.to_obj(self))
 
     @classmethod
     def from_json(cls, data: bytes, *, artifact: str = "manifest") -> Manifest:
         """Parse untrusted bytes; any problem raises ArtifactRejected(artifact, reason)."""
-        if len(data) > MAX_MANIFEST_BYTES:
-            raise ArtifactRejected(artifact, f"manifest larger than {MAX_MANIFEST_BYTES} bytes")
         try:
-            obj = json.loads(data.decode("utf-8"), object_pairs_hook=_no_duplicates,
-                             parse_constant=_no_constants)
-        except (UnicodeDecodeError, ValueError) as exc:
+            obj = strict_json.loads(data, max_bytes=MAX_MANIFEST_BYTES)
+        except ValueError as exc:
             raise ArtifactRejected(artifact, f"manifest is not valid JSON: {exc}") from exc
         if not isinstance(obj, dict):
             raise ArtifactRejected(artifact, "manifest is not a JSON object")
@@ -166,73 +165,9 @@ class Manifest:
                 artifact, f"unsupported manifest format_version {version!r} (this build reads "
                 f"{FORMAT_VERSION})")
         try:
-            return typing.cast(Manifest, _from_obj(cls, obj, "manifest"))
+            return typing.cast(Manifest, strict_json.from_obj(cls, obj, "manifest"))
         except (TypeError, ValueError) as exc:
             raise ArtifactRejected(artifact, f"invalid manifest: {exc}") from exc
-
-
-def canonical_json(obj: Any) -> bytes:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
-                      allow_nan=False).encode("utf-8")
-
-
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise ValueError(f"duplicate key {k!r}")
-        out[k] = v
-    return out
-
-
-def _no_constants(name: str) -> Any:
-    raise ValueError(f"{name} is not allowed")
-
-
-def _to_obj(value: Any) -> Any:
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _to_obj(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, (tuple, list)):
-        return [_to_obj(v) for v in value]
-    if isinstance(value, Mapping):
-        return {str(k): _to_obj(v) for k, v in value.items()}
-    return value
-
-
-def _from_obj(tp: Any, value: Any, where: str) -> Any:
-    """Convert JSON to ``tp`` with strict types; raise TypeError/ValueError naming ``where``."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        return None if value is None else _from_obj(args[0], value, where)
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, dict):
-            raise TypeError(f"{where}: expected an object")
-        hints = typing.get_type_hints(tp)
-        names = {f.name for f in dataclasses.fields(tp)}
-        if set(value) != names:
-            extra, missing = sorted(set(value) - names), sorted(names - set(value))
-            raise ValueError(f"{where}: unknown keys {extra}, missing keys {missing}")
-        return tp(**{n: _from_obj(hints[n], value[n], f"{where}.{n}") for n in names})
-    if origin is tuple:
-        if not isinstance(value, list):
-            raise TypeError(f"{where}: expected a list")
-        inner = typing.get_args(tp)[0]
-        return tuple(_from_obj(inner, v, f"{where}[{i}]") for i, v in enumerate(value))
-    if origin in (Mapping, dict):
-        if not isinstance(value, dict):
-            raise TypeError(f"{where}: expected an object")
-        inner = typing.get_args(tp)[1]
-        return {k: _from_obj(inner, v, f"{where}.{k}") for k, v in value.items()}
-    if tp is float:
-        if type(value) not in (int, float):
-            raise TypeError(f"{where}: expected a number")
-        return float(value)
-    if tp in (str, int, bool):
-        if type(value) is not tp:
-            raise TypeError(f"{where}: expected {tp.__name__}")
-        return value
-    raise TypeError(f"{where}: unsupported type {tp!r}")  # pragma: no cover
 
 
 # --- signature and key -------------------------------------------------------------------------

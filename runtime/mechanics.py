@@ -35,8 +35,10 @@ from dataclasses import dataclass
 from runtime import criu as criu_mod
 from runtime import namespaces as ns
 from runtime.containers import ContainerInfo, Pid, process_tree, read_mountinfo, read_stdio, workload_root
-from runtime.criu import DumpOptions, MountPlanEntry, RestoreOptions
+from runtime.bulk import kill_all, wait_stopped
+from runtime.criu import DumpOptions, RestoreOptions
 from runtime.errors import CriuError, NamespaceError
+from runtime.layout import MountPlanEntry
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +50,7 @@ PID_WAIT = 3.0  # seconds to wait for image pids still held by dying processes
 class DumpResult:
     root_ns_pid: int
     root_host_pid: int
+    tree: tuple[int, ...]  # host pids; stopped when the dump was asked to leave them stopped
     mount_plan: list[MountPlanEntry]
     criu_version: str
     seconds: float
@@ -61,6 +64,7 @@ class DumpResult:
 class RestoreResult:
     ns_pid: int
     host_pid: int
+    tree: tuple[int, ...]  # host pids of the restored tree, every thread stopped
     seconds: float
     criu_seconds: float
     log_path: str
@@ -91,8 +95,12 @@ def dump_workload(
     leave_running: bool = True,
     work_dir: str | None = None,
     timeout: float = 1800.0,
+    leave_stopped: bool = False,
 ) -> DumpResult:
-    """Dump the workload tree of ``info`` (its init's single child) into ``images_dir``."""
+    """Dump the workload tree of ``info`` (its init's single child) into ``images_dir``.
+
+    ``leave_stopped``: the tree stays stopped after the dump, so the caller can capture the
+    writable layer and /dev/shm at the same instant as the memory, then resume it (SIGCONT)."""
     root: Pid = workload_root(info)
     if os.stat(f"/proc/{root.host}/ns/pid").st_ino != info.namespaces["pid"].inode:
         raise NamespaceError(f"workload {root.host} is not in container {info.id}'s pid namespace")
@@ -109,6 +117,7 @@ def dump_workload(
         pid=root.ns,
         work_dir=work_dir,
         leave_running=leave_running,
+        leave_stopped=leave_stopped,
         netns_inode=os.stat(f"/proc/{root.host}/ns/net").st_ino,
         external_mounts=plan,
         shell_job=shell_job,
@@ -118,7 +127,9 @@ def dump_workload(
     log.info("dump container %s: root %s, %d processes, %d external mounts, shell_job=%s",
              info.id, root, len(tree), len(plan), shell_job)
     seconds = criu_mod.run_criu(opts, wrapper=ns.in_pid_ns_argv(info.init_pid, []), timeout=timeout)
-    return DumpResult(root_ns_pid=root.ns, root_host_pid=root.host, mount_plan=plan,
+    if leave_stopped:
+        wait_stopped(tree)
+    return DumpResult(root_ns_pid=root.ns, root_host_pid=root.host, tree=tuple(tree), mount_plan=plan,
                       criu_version=version, seconds=seconds, stdio=stdio, shm_source=shm,
                       shell_job=shell_job, log_path=criu_mod.log_path(opts))
 
@@ -212,14 +223,25 @@ def restore_into(
     except (OSError, ValueError) as e:
         raise CriuError("restore", f"no usable pidfile {pidfile}: {e}", lp) from e
     host_pid = ns.host_pid_of(target.namespaces["pid"].inode, ns_pid, hint_parent=target.init_pid)
-    ppid = _ppid(host_pid)
-    if ppid != target.init_pid:
-        raise NamespaceError(f"restored root {host_pid} has parent {ppid}, not the target init {target.init_pid}")
-    ns.move_to_cgroups(process_tree(host_pid), target.cgroups.values())
-    ns.set_uts(target.init_pid, hostname, domainname)
+    tree = process_tree(host_pid)
+    try:
+        ppid = _ppid(host_pid)
+        if ppid != target.init_pid:
+            raise NamespaceError(f"restored root {host_pid} has parent {ppid}, not the target init {target.init_pid}")
+        errors = criu_mod.unexpected_errors(lp)
+        if errors:
+            raise CriuError("restore", "exit 0 but the log has errors: " + " | ".join(errors[-4:]), lp)
+        wait_stopped(tree)
+        ns.move_to_cgroups(tree, target.cgroups.values())
+        ns.set_uts(target.init_pid, hostname, domainname)
+    except BaseException:
+        kill_all(tree)  # stopped since CRIU: it never ran
+        raise
     seconds = time.monotonic() - t0
-    log.info("restored into %s: ns pid %d host pid %d in %.3fs (criu %.3fs)", target.id, ns_pid, host_pid, seconds, criu_seconds)
-    return RestoreResult(ns_pid=ns_pid, host_pid=host_pid, seconds=seconds, criu_seconds=criu_seconds, log_path=lp)
+    log.info("restored into %s (stopped): ns pid %d host pid %d, %d processes in %.3fs (criu %.3fs)",
+             target.id, ns_pid, host_pid, len(tree), seconds, criu_seconds)
+    return RestoreResult(ns_pid=ns_pid, host_pid=host_pid, tree=tuple(tree), seconds=seconds,
+                         criu_seconds=criu_seconds, log_path=lp)
 
 
 def _ppid(pid: int) -> int:

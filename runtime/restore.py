@@ -1,45 +1,61 @@
 """The restore flow: one artifact -> the workload running inside a waiting container.
 
 The target container runs ``rekindle-init --mode restore`` as PID 1 and waits. Steps, timed:
-  1. open the artifact (signature), verify every file's digest;
-  2. re-check compatibility (node, CRIU, image, driver, GPUs visible to *this* container) and
-     that the source's credentials do not exceed the target's (uid/gid, capabilities,
-     privileged, seccomp, no_new_privs) — CRIU restores the source's credentials;
-  3. apply the writable-layer diff into the target rootfs (and /dev/shm);
-  4. CRIU restore inside the target's namespaces and cgroups (runtime.mechanics);
-  5. CUDA: the target's GPU device nodes into the restored mount namespace, restore (remapped
-     by UUID onto the GPUs this container was given) + unlock every CUDA process;
-  6. ``restore-pid`` + ``restore-complete`` for the init.
-Any failure raises; the caller writes ``restore-failed`` and the init kills whatever CRIU left
-in its pid namespace and starts the original command.
+  1. open: the version the name points to now, through one directory fd (signature, location,
+     generation not older than this node last restored: no rollback);
+  2. inspect: compatibility (node, CRIU, image, driver, GPUs visible to *this* container) and
+     that the source's credentials do not exceed the target's;
+  3. stage: every file but the bulk pages is copied into a private node-local directory while
+     hashed; only those copies are used afterwards (CRIU reads its images from there);
+  4. rootfs_apply: the writable-layer diff (and /dev/shm) into the target;
+  5. criu_restore: CRIU inside the target's namespaces and cgroups, left stopped;
+  6. fill: the bulk pages are read, hashed and written into the stopped process on many
+     threads; the process is resumed only when every digest matched;
+  7. cuda_restore: the target's GPU device nodes (created from the host by syscalls), restore
+     (remapped by UUID onto the GPUs this container was given) + unlock every CUDA process;
+  8. ``restore-pid`` + ``restore-complete`` for the init.
+Any failure raises: a restored tree that never ran is killed; the caller writes
+``restore-failed`` and the init kills whatever is left in its pid namespace and starts cold.
+The stock path (``RestorePath.STOCK``) hands the bulk pages back to CRIU instead (a private
+copy of them too), for comparison.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
+import enum
 import logging
 import os
-import subprocess
+import shutil
+import signal
+import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from . import control as control_mod
-from . import overlay
-from .checkpoint import (CRIU_DIR, RESTORE_PLAN, ROOTFS_DELETIONS, ROOTFS_TAR, SHM_DELETIONS, SHM_TAR,
-                         Timings)
-from .containers import ContainerInfo, process_tree, resolve_container
-from .criu import MountPlanEntry
-from .errors import ArtifactRejected, RekindleError
-from .gpus import NVIDIA_MAJOR, spec_devices, visible_gpus
-from .compat import CudaFacts, NodeFacts, check_compatibility
-from .manifest import Gpu
-from .security import SecurityProfile, check_privilege
-from .mechanics import restore_into
-from .namespaces import host_pid_of
-from .store import ArtifactStore
+from runtime import bulk
+from runtime import control as control_mod
+from runtime import layout
+from runtime import overlay
+from runtime.compat import CudaFacts, NodeFacts, check_compatibility
+from runtime.containers import ContainerInfo, resolve_container
+from runtime.devnodes import CharDevice, ensure_char_devices
+from runtime.errors import ArtifactRejected, RekindleError
+from runtime.gpus import NVIDIA_MAJOR, spec_devices, visible_gpus
+from runtime.manifest import Gpu
+from runtime.mechanics import restore_into
+from runtime.namespaces import host_pid_of
+from runtime.rollback import GenerationBook
+from runtime.security import SecurityProfile, check_privilege
+from runtime.store import WORKERS, Artifact, ArtifactStore
+from runtime.timings import Timings
 
 log = logging.getLogger(__name__)
+
+
+class RestorePath(enum.Enum):
+    BULK = "bulk"    # bulk pages filled beside CRIU on many threads (default)
+    STOCK = "stock"  # CRIU restores every page itself (one thread), for comparison
 
 
 @dataclass(frozen=True)
@@ -51,6 +67,11 @@ class RestoreRequest:
     image: str
     image_ref: str
     log_dir: str
+    path: RestorePath = RestorePath.BULK
+    threads: int = WORKERS
+
+
+Progress = Callable[[str, int, int], None]  # (phase, bytes done, bytes total)
 
 
 def cuda_facts(cuda: Any) -> CudaFacts | None:
@@ -74,19 +95,6 @@ def target_facts(facts: NodeFacts, target_spec: dict[str, Any]) -> NodeFacts:
     return dataclasses.replace(facts, cuda=CudaFacts(facts.cuda.driver_version, gpus or facts.cuda.gpus))
 
 
-def _load_plan(path: str) -> dict[str, Any]:
-    with open(path) as f:
-        plan = json.load(f)
-    if not isinstance(plan, dict) or not isinstance(plan.get("mounts"), list):
-        raise ArtifactRejected(path, "malformed restore plan")
-    return plan
-
-
-def _plan_entries(plan: dict[str, Any]) -> list[MountPlanEntry]:
-    return [MountPlanEntry(key=str(m["key"]), destination=str(m["destination"]), type=str(m["type"]),
-                           mount_point=str(m.get("mount_point", ""))) for m in plan["mounts"]]
-
-
 def _shm_dir(target: ContainerInfo) -> str | None:
     for m in target.spec_mounts:
         if os.path.normpath(m.get("destination", "")) == "/dev/shm" and m.get("type") == "bind":
@@ -94,70 +102,120 @@ def _shm_dir(target: ContainerInfo) -> str | None:
     return None
 
 
-def ensure_device_nodes(host_pid: int, target_spec: dict[str, Any]) -> None:
-    """Create the target's NVIDIA device nodes in the restored process's /dev.
-
-    CRIU rebuilds the source's /dev tmpfs, holding the *source's* /dev/nvidiaN; after a
-    remapped restore the driver reopens the target's GPU by its own node.
-    """
-    cmds = []
+def gpu_device_nodes(target_spec: dict[str, Any]) -> list[CharDevice]:
+    """The target's NVIDIA device nodes, as its OCI spec lists them."""
+    out = []
     for d in (target_spec.get("linux") or {}).get("devices") or []:
-        if int(d.get("major", -1)) != NVIDIA_MAJOR and not str(d.get("path", "")).startswith("/dev/nvidia"):
+        try:
+            path, major, minor = str(d["path"]), int(d["major"]), int(d["minor"])
+        except (KeyError, TypeError, ValueError):
             continue
-        path = str(d["path"])
-        mode = int(d.get("fileMode", 0o666)) & 0o7777
-        cmds.append(f"[ -e {path} ] || {{ mknod -m {mode:o} {path} c {int(d['major'])} {int(d['minor'])}; }}")
-    if not cmds:
-        return
-    subprocess.run(["nsenter", "-t", str(host_pid), "-m", "--", "/bin/sh", "-c", "; ".join(cmds)],
-                   check=True, capture_output=True, timeout=10)
+        if major == NVIDIA_MAJOR or path.startswith("/dev/nvidia"):
+            out.append(CharDevice(path, major, minor, int(d.get("fileMode", 0o666)) & 0o777))
+    return out
+
+
+def _stage(artifact: Artifact, private: str, path: RestorePath) -> layout.RestorePlan:
+    """Copy (and verify) what this restore reads into ``private``; parse the plan from there."""
+    artifact.materialize(private, skip=layout.is_bulk)
+    try:
+        with open(os.path.join(private, layout.RESTORE_PLAN), "rb") as f:
+            plan = layout.RestorePlan.from_json(f.read())
+    except (OSError, ValueError, TypeError) as exc:
+        raise ArtifactRejected(artifact.label, f"restore plan: {exc}") from exc
+    if path is RestorePath.STOCK:
+        images = os.path.join(private, layout.CRIU_DIR)
+        for b in plan.bulk:
+            pages = os.path.join(images, f"pages-{b.pages_id}.img")
+            pagemap = os.path.join(images, f"pagemap-{b.pid}.img")
+            for p in (pages, pagemap):
+                os.unlink(p)
+            artifact.copy_verified(b.path, pages)
+            artifact.copy_verified(layout.bulk_pagemap(b.pid), pagemap)
+    return plan
 
 
 def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFacts, *,
             control: control_mod.ControlDir | None = None, cuda: Any = None,
-            check_image: bool = True) -> dict[str, float]:
+            check_image: bool = True, generations: GenerationBook | None = None,
+            progress: Progress | None = None) -> dict[str, float]:
     t = Timings()
-    with t.phase("verify"):
+    if progress is not None:
+        t.on_phase = lambda phase: progress(phase, 0, 0)
+    os.makedirs(req.log_dir, exist_ok=True)
+    work = tempfile.mkdtemp(prefix=f"restore-{req.namespace}-{req.name}-{req.container_id[:12]}-",
+                            dir=req.log_dir)
+    private = os.path.join(work, "private")  # verified copies; removed at the end (logs stay)
+    try:
+        return _restore(req, store, key, facts, t, work, private, control=control, cuda=cuda,
+                        check_image=check_image, generations=generations, progress=progress)
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
+
+
+def _restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFacts, t: Timings,
+             work: str, private: str, *, control: control_mod.ControlDir | None, cuda: Any,
+             check_image: bool, generations: GenerationBook | None,
+             progress: Progress | None) -> dict[str, float]:
+    with t.phase("open"):
         artifact = store.open(req.namespace, req.name, key)
-        artifact.verify_files()
-    manifest = artifact.manifest
-    with t.phase("inspect"):
-        target = resolve_container(req.containerd_state, req.container_id)
-        tfacts = target_facts(facts, target.spec)
-        image = req.image if check_image else manifest.source.image
-        image_ref = req.image_ref if check_image else manifest.source.image_ref
-        reasons = check_compatibility(manifest, tfacts, image=image, image_ref=image_ref)
-        reasons += check_privilege(manifest.security, SecurityProfile.from_oci_spec(target.spec, label=req.name))
-        if manifest.cuda is not None and cuda is None:
-            reasons.append("artifact holds CUDA state but this agent has no CUDA driver")
-        if reasons:
-            raise ArtifactRejected(f"{req.namespace}/{req.name}", "; ".join(reasons))
-        plan = _load_plan(os.path.join(artifact.path, RESTORE_PLAN))
-    work_dir = os.path.join(req.log_dir, f"restore-{req.namespace}-{req.name}-{req.container_id[:12]}")
-    os.makedirs(work_dir, exist_ok=True)
+    with artifact:
+        manifest = artifact.manifest
+        if generations is not None:
+            generations.check(req.namespace, req.name, manifest.generation)
+        with t.phase("inspect"):
+            target = resolve_container(req.containerd_state, req.container_id)
+            tfacts = target_facts(facts, target.spec)
+            image = req.image if check_image else manifest.source.image
+            image_ref = req.image_ref if check_image else manifest.source.image_ref
+            reasons = check_compatibility(manifest, tfacts, image=image, image_ref=image_ref)
+            reasons += check_privilege(manifest.security, SecurityProfile.from_oci_spec(target.spec, label=req.name))
+            if manifest.cuda is not None and cuda is None:
+                reasons.append("artifact holds CUDA state but this agent has no CUDA driver")
+            if reasons:
+                raise ArtifactRejected(artifact.label, "; ".join(reasons))
+        with t.phase("stage"):
+            plan = _stage(artifact, private, req.path)
+        if generations is not None:
+            generations.record(req.namespace, req.name, manifest.generation)
 
-    with t.phase("rootfs_apply"):
-        overlay.apply(target.rootfs, os.path.join(artifact.path, ROOTFS_TAR),
-                      os.path.join(artifact.path, ROOTFS_DELETIONS))
-        shm = _shm_dir(target)
-        if plan.get("shm") and shm:
-            overlay.apply(shm, os.path.join(artifact.path, SHM_TAR), os.path.join(artifact.path, SHM_DELETIONS))
+        with t.phase("rootfs_apply"):
+            overlay.apply(target.rootfs, os.path.join(private, layout.ROOTFS_TAR),
+                          os.path.join(private, layout.ROOTFS_DELETIONS))
+            shm = _shm_dir(target)
+            if plan.shm and shm:
+                overlay.apply(shm, os.path.join(private, layout.SHM_TAR),
+                              os.path.join(private, layout.SHM_DELETIONS))
 
-    with t.phase("criu_restore"):
-        stdio = plan.get("stdio")
-        result = restore_into(target, os.path.join(artifact.path, CRIU_DIR), _plan_entries(plan),
-                              source_stdio=tuple(stdio) if isinstance(stdio, list) and len(stdio) == 3 else None,
-                              work_dir=work_dir)
+        with t.phase("criu_restore"):
+            stdio = plan.stdio if len(plan.stdio) == 3 else None
+            result = restore_into(target, os.path.join(private, layout.CRIU_DIR), list(plan.mounts),
+                                  source_stdio=stdio, work_dir=work)  # type: ignore[arg-type]
+        pidns = target.namespaces["pid"].inode
+        try:
+            if plan.bulk and req.path is RestorePath.BULK:
+                with t.phase("fill"):
+                    total = sum(artifact.entry(b.path).size for b in plan.bulk)
+                    report = (lambda done: progress("fill", done, total)) if progress else None
+                    bulk.fill(artifact, plan.bulk, lambda pid: host_pid_of(pidns, pid),
+                              threads=req.threads, progress=report)
+            host_pids: list[int] = []
+            gpu_map = None
+            if manifest.cuda is not None:
+                from runtime.cuda import build_gpu_map
+                host_pids = [host_pid_of(pidns, p) for p in manifest.cuda.pids]
+                gpu_map = build_gpu_map([g.uuid for g in manifest.cuda.gpus],
+                                        [g.uuid for g in (tfacts.cuda.gpus if tfacts.cuda else ())])
+                if gpu_map:  # the driver reopens the target's GPU by its own node
+                    for pid in host_pids:
+                        ensure_char_devices(pid, gpu_device_nodes(target.spec))
+        except BaseException:
+            bulk.kill_all(result.tree)  # stopped since CRIU: it never ran
+            raise
+    # Every byte is in place and verified: let it run.
+    bulk.signal_all(result.tree, signal.SIGCONT)
     if manifest.cuda is not None:
-        from .cuda import build_gpu_map
         with t.phase("cuda_restore"):
-            pidns = target.namespaces["pid"].inode
-            host_pids = [host_pid_of(pidns, p) for p in manifest.cuda.pids]
-            gpu_map = build_gpu_map([g.uuid for g in manifest.cuda.gpus],
-                                    [g.uuid for g in (tfacts.cuda.gpus if tfacts.cuda else ())])
-            if gpu_map:
-                for pid in host_pids:
-                    ensure_device_nodes(pid, target.spec)
             cuda.restore_all(host_pids, gpu_map)
         log.info("CUDA restored for %d process(es)%s", len(host_pids),
                  f", remapped {gpu_map}" if gpu_map else "")
@@ -166,6 +224,5 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
         control.write(control_mod.RESTORE_PID, f"{result.ns_pid}\n")
         control.write(control_mod.RESTORE_COMPLETE, req.name + "\n")
     log.info("restored %s/%s into %s: %d processes, %s", req.namespace, req.name, req.container_id[:12],
-             len(process_tree(result.host_pid)), ", ".join(f"{k} {v:.2f}s" for k, v in t.items()))
+             len(result.tree), ", ".join(f"{k} {v:.2f}s" for k, v in t.items()))
     return dict(t)
-

@@ -1,23 +1,40 @@
-"""The artifact store: ``<root>/<namespace>/<name>/``, published atomically, read defensively.
+"""The artifact store: versions published atomically under a name, read through one fd, verified.
+
+The store is a shared volume: other nodes and tenants can create, replace, rename and hard-link
+files in it at any moment. The layout makes a reader see exactly one version, and nothing a
+reader uses is trusted before its digest matched the signed manifest.
+
+Layout of a namespace directory ``<root>/<namespace>/``::
+
+    <name>                          symlink -> .version-<name>-<generation>-<hex16> (the name)
+    .version-<name>-<gen>-<hex16>/  one published version (layout: runtime.layout)
+    .staging-<name>-<hex16>/        a publish in progress; .owner.json says who writes it
+    .trash-<...>                    a version being removed
+    .link-<name>-<hex16>            a pointer being switched (lives for a moment)
 
 Contract:
 
-- Names are validated before any path is built: a namespace is a DNS-1123 label (1-63 of
-  ``[a-z0-9]([-a-z0-9]*[a-z0-9])?``), an artifact name is 1-63 of
-  ``[a-z0-9]([-a-z0-9.]*[a-z0-9])?``. Anything else raises :class:`StoreError`. Entries whose
-  name starts with ``.`` (staging and trash dirs) are never artifacts.
-- :meth:`ArtifactStore.stage` yields a :class:`Staging` dir ``<ns>/.staging-<name>-<random>/`` on
-  the store's filesystem; it is removed on exception or when left unpublished.
-  :meth:`Staging.publish` hashes every file, writes ``manifest.json`` and its signature, fsyncs
-  files and dirs, then swaps the dir in by rename (old artifact renamed to ``.trash-*`` first).
-  A reader sees the old artifact, no artifact, or the new one; never a partial one.
-- :meth:`ArtifactStore.open` is cheap (it runs inside an NRI handler): it refuses symlinks on the
-  way (below the store root), checks the signature before parsing, and refuses a manifest whose
-  namespace/name differ from its location. :meth:`Artifact.verify_files` is the expensive part:
-  it hashes every listed file and refuses missing, extra, changed or unsafe ones.
+- Names are validated before any path is built (namespace: DNS-1123 label; artifact: 1-63 of
+  ``[a-z0-9.-]``). Entries starting with ``.`` are never artifacts.
+- :meth:`Staging.publish` hashes every file, writes the manifest (with a generation that only
+  grows for a name) and its HMAC, fsyncs, renames the staging dir to a fresh version dir and
+  then switches the name by renaming a new symlink over it. A reader sees the old version or
+  the new one, never a mix. The previous version is removed unless a reader holds it.
+- :meth:`ArtifactStore.open` reads the name's symlink once, checks that it names a version of
+  this name, opens that directory (never following a symlink) and keeps its fd: every later
+  read goes through that fd, so renames and re-publishes after ``open`` do not change what this
+  reader reads. It checks the signature before parsing and the manifest's namespace/name. It
+  takes a shared OFD lock on the version's manifest for as long as the artifact is open, which
+  delete, prune and sweep respect (they never remove a version a restore is reading).
+- Bytes are used only as verified: :meth:`Artifact.copy_verified` copies a listed file into a
+  private node-local file while hashing it and refuses a mismatch; :meth:`Artifact.open_file`
+  hands out an fd for callers that hash exactly the bytes they consume (the bulk page fill).
 - A file's ``sha256`` is the plain digest of its content up to 64 MiB; above that it is the
-  sha256 of a tag and the digests of its 64 MiB pieces, which are hashed in parallel (a GPU
-  checkpoint is tens of GiB in a few files).
+  sha256 of a tag and the digests of its 64 MiB pieces, which are hashed in parallel.
+- Leaks: a staging dir records its owner (node, boot id, pid, start time); :meth:`sweep` removes
+  staging dirs whose owner is provably dead on this node or that are older than a bound (another
+  node's), trash, leftover links, and versions no name points to that are older than a grace
+  period and not locked.
 """
 
 from __future__ import annotations
@@ -25,32 +42,43 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import fcntl
 import hashlib
+import json
 import logging
 import os
 import re
 import secrets
 import shutil
+import socket
 import stat
-from collections.abc import Iterator
+import struct
+import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import TracebackType
 
+from runtime import layout
 from runtime.errors import ArtifactNotFound, ArtifactRejected, RekindleError, StoreError
 from runtime.manifest import MAX_MANIFEST_BYTES as MAX_MANIFEST
 from runtime.manifest import FileEntry, Manifest, sign, verify
 
 log = logging.getLogger(__name__)
 
-MANIFEST = "manifest.json"
-SIGNATURE = "manifest.json.sig"
+MANIFEST = layout.MANIFEST
+SIGNATURE = layout.SIGNATURE
+OWNER = ".owner.json"
 MAX_SIG_BYTES = 256
 _CHUNK = 1 << 20
 _NAMESPACE_RE = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 _NAME_RE = re.compile(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?")
+_VERSION_RE = re.compile(r"\.version-(?P<name>.+)-(?P<gen>[0-9]{1,20})-(?P<rand>[0-9a-f]{16})")
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+STAGING_PREFIX, VERSION_PREFIX, TRASH_PREFIX, LINK_PREFIX = ".staging-", ".version-", ".trash-", ".link-"
+STALE_AFTER = 24 * 3600.0  # another node's staging dir older than this is abandoned
+GRACE = 600.0  # an unreferenced version younger than this may be about to be linked
 
 
 def validate_namespace(namespace: str) -> str:
@@ -66,16 +94,21 @@ def validate_name(name: str) -> str:
     return name
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, _DIR_FLAGS)
+def is_valid_name(name: str) -> bool:
+    return len(name) <= 63 and bool(_NAME_RE.fullmatch(name))
+
+
+def _fsync_dir(path: str | int) -> None:
+    fd = os.open(path, _DIR_FLAGS) if isinstance(path, str) else os.dup(path)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
 
 
-def _write_file(path: str, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+def _write_file(path: str, data: bytes, dir_fd: int | None = None) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                 dir_fd=dir_fd)
     try:
         view = memoryview(data)
         while view:
@@ -85,38 +118,178 @@ def _write_file(path: str, data: bytes) -> None:
         os.close(fd)
 
 
-# Files larger than one piece get a two-level digest: the sha256 of the sha256s of their
-# 64 MiB pieces, hashed in parallel. GPU checkpoints are tens of GiB in a few files; one
-# sequential sha256 (~1.5 GB/s) would add seconds to every restore.
+# --- digests -------------------------------------------------------------------------------------
+# Files larger than one piece get a two-level digest: the sha256 of the sha256s of their 64 MiB
+# pieces, hashed in parallel. GPU checkpoints are tens of GiB in a few files.
 PIECE = 64 << 20
 _PIECE_TAG = b"rekindle-pieces-v1\n"
-_WORKERS = min(16, os.cpu_count() or 1)
+WORKERS = min(16, os.cpu_count() or 1)
 
 
-def _hash_range(fd: int, offset: int, length: int) -> bytes:
+def combine_pieces(size: int, pieces: list[bytes]) -> str:
+    """The file digest from its pieces' sha256 digests (in order)."""
+    if size <= PIECE:
+        return pieces[0].hex() if pieces else hashlib.sha256().hexdigest()
+    return hashlib.sha256(_PIECE_TAG + b"".join(pieces)).hexdigest()
+
+
+def piece_ranges(size: int) -> list[tuple[int, int]]:
+    """(offset, length) of each piece; one (empty) piece for an empty file."""
+    return [(off, min(PIECE, size - off)) for off in range(0, size, PIECE)] or [(0, 0)]
+
+
+def _copy_range(src: int, dst: int | None, offset: int, length: int) -> bytes:
+    """sha256 of ``length`` bytes at ``offset`` of ``src``, written to ``dst`` at the same offset."""
     digest, done = hashlib.sha256(), 0
     while done < length:
-        data = os.pread(fd, min(_CHUNK, length - done), offset + done)
+        data = os.pread(src, min(_CHUNK, length - done), offset + done)
         if not data:
-            raise OSError(errno.EIO, "file shrank while hashing")
+            raise OSError(errno.EIO, "file shrank while being read")
         digest.update(data)  # releases the GIL for large buffers: threads hash in parallel
+        if dst is not None:
+            view = memoryview(data)
+            pos = offset + done
+            while view:
+                n = os.pwrite(dst, view, pos)
+                view, pos = view[n:], pos + n
         done += len(data)
     return digest.digest()
 
 
-def _hash_fd(fd: int) -> tuple[int, str]:
-    """(size, digest): plain sha256 up to PIECE bytes, else sha256(tag + piece digests)."""
+def hash_fd(fd: int, dst: int | None = None) -> tuple[int, str]:
+    """(size, digest) of ``fd`` (copied to ``dst`` on the way when given)."""
     size = os.fstat(fd).st_size
-    if size <= PIECE:
-        digest, got = hashlib.sha256(), 0
-        while chunk := os.pread(fd, _CHUNK, got):
-            digest.update(chunk)
-            got += len(chunk)
-        return got, digest.hexdigest()
-    offsets = range(0, size, PIECE)
-    with ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix="rekindle-hash") as pool:
-        pieces = list(pool.map(lambda off: _hash_range(fd, off, min(PIECE, size - off)), offsets))
-    return size, hashlib.sha256(_PIECE_TAG + b"".join(pieces)).hexdigest()
+    ranges = piece_ranges(size)
+    if len(ranges) == 1:
+        pieces = [_copy_range(fd, dst, *ranges[0])]
+    else:
+        with ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="rekindle-hash") as pool:
+            pieces = list(pool.map(lambda r: _copy_range(fd, dst, *r), ranges))
+    return size, combine_pieces(size, pieces)
+
+
+# --- locks ---------------------------------------------------------------------------------------
+# Open-file-description locks: per open file (not per process, so two restores in one plugin do
+# not share a lock), and honoured over NFS. Readers hold F_RDLCK on a version's manifest; anything
+# that removes a version must first get F_WRLCK.
+_F_OFD_SETLK = getattr(fcntl, "F_OFD_SETLK", 37)
+_F_OFD_SETLKW = getattr(fcntl, "F_OFD_SETLKW", 38)
+
+
+def _ofd_lock(fd: int, kind: int, wait: bool) -> bool:
+    arg = struct.pack("hhqqi4x", kind, os.SEEK_SET, 0, 0, 0)
+    try:
+        fcntl.fcntl(fd, _F_OFD_SETLKW if wait else _F_OFD_SETLK, arg)
+        return True
+    except OSError as exc:
+        if exc.errno in (errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+
+
+def _exclusive(dir_fd: int, wait: float = 0.0) -> int | None:
+    """An fd holding the exclusive lock of the version dir ``dir_fd``, or None while a reader
+    holds it. A version without a manifest (broken) is lockable trivially (-1)."""
+    try:
+        fd = os.open(MANIFEST, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return -1
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
+            return -1
+        raise
+    deadline = time.monotonic() + wait
+    while True:
+        if _ofd_lock(fd, fcntl.F_WRLCK, wait=False):
+            return fd
+        if time.monotonic() >= deadline:
+            os.close(fd)
+            return None
+        time.sleep(0.1)
+
+
+# --- owners of staging dirs ----------------------------------------------------------------------
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _start_time(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+@dataclass(frozen=True)
+class Owner:
+    """Who writes a staging dir; ``alive()`` is only ever decided for this node's owners."""
+
+    node: str
+    boot_id: str
+    pid: int
+    start_time: int
+    created: float
+
+    @classmethod
+    def me(cls) -> Owner:
+        pid = os.getpid()
+        return cls(socket.gethostname(), _boot_id(), pid, _start_time(pid) or 0, time.time())
+
+    def provably_dead(self) -> bool:
+        if self.node != socket.gethostname():
+            return False
+        if self.boot_id != _boot_id():
+            return True
+        return _start_time(self.pid) != self.start_time
+
+
+def _read_owner(dir_fd: int) -> Owner | None:
+    try:
+        fd = os.open(OWNER, _FILE_FLAGS, dir_fd=dir_fd)
+    except OSError:
+        return None
+    try:
+        raw = os.read(fd, 4096)
+    finally:
+        os.close(fd)
+    try:
+        d = json.loads(raw)
+        return Owner(str(d["node"]), str(d["boot_id"]), int(d["pid"]), int(d["start_time"]),
+                     float(d["created"]))
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+# --- walking -------------------------------------------------------------------------------------
+
+def _walk_files(dir_fd: int, prefix: str = "") -> Iterator[str]:
+    """Relative paths of all non-directories below ``dir_fd``; never follows symlinks."""
+    with os.scandir(dir_fd) as it:
+        entries = sorted(it, key=lambda e: e.name)
+    for entry in entries:
+        rel = prefix + entry.name
+        if entry.is_dir(follow_symlinks=False):
+            sub = os.open(entry.name, _DIR_FLAGS, dir_fd=dir_fd)
+            try:
+                yield from _walk_files(sub, rel + "/")
+            finally:
+                os.close(sub)
+        else:
+            yield rel
+
+
+def _tree_bytes(dir_fd: int) -> int:
+    total = 0
+    for rel in _walk_files(dir_fd):
+        with contextlib.suppress(OSError):
+            total += os.stat(rel, dir_fd=dir_fd, follow_symlinks=False).st_blocks * 512
+    return total
 
 
 def _read_capped(dir_fd: int, name: str, cap: int, label: str) -> bytes:
@@ -145,101 +318,172 @@ def _why(exc: OSError) -> str:
     return exc.strerror or str(exc)
 
 
-def _walk_files(dir_fd: int, prefix: str = "") -> Iterator[str]:
-    """Relative paths of all non-directories below ``dir_fd``; never follows symlinks."""
-    with os.scandir(dir_fd) as it:
-        entries = sorted(it, key=lambda e: e.name)
-    for entry in entries:
-        rel = prefix + entry.name
-        if entry.is_dir(follow_symlinks=False):
-            sub = os.open(entry.name, _DIR_FLAGS, dir_fd=dir_fd)
-            try:
-                yield from _walk_files(sub, rel + "/")
-            finally:
-                os.close(sub)
-        else:
-            yield rel
+def _safe_parts(path: str) -> list[str] | None:
+    parts = path.split("/")
+    if (path.startswith("/") or "\0" in path or any(p in ("", ".", "..") for p in parts)
+            or path in (MANIFEST, SIGNATURE)):
+        return None
+    return parts
 
 
-@dataclass(frozen=True, slots=True)
+# --- a published version, open -----------------------------------------------------------------
+
 class Artifact:
-    """A published artifact whose signature and location were checked by ``open``."""
+    """One version of an artifact, opened by ``ArtifactStore.open``: its directory fd, its
+    manifest (signature and location checked) and a shared lock. Use as a context manager, or
+    call :meth:`close`."""
 
-    path: str
-    manifest: Manifest
+    def __init__(self, label: str, version: str, dir_fd: int, lock_fd: int, manifest: Manifest) -> None:
+        self.label = label
+        self.version = version
+        self.manifest = manifest
+        self._dir_fd = dir_fd
+        self._lock_fd = lock_fd
+        self._entries = {f.path: f for f in manifest.files}
 
-    @property
-    def label(self) -> str:
-        return f"{self.manifest.namespace}/{self.manifest.name}"
+    def __enter__(self) -> Artifact:
+        return self
 
-    def verify_files(self) -> None:
-        """Stream-hash every listed file; raise ArtifactRejected naming the first bad one."""
-        listed = {f.path for f in self.manifest.files}
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for fd in (self._lock_fd, self._dir_fd):
+            if fd >= 0:
+                os.close(fd)
+        self._lock_fd = self._dir_fd = -1
+
+    def entry(self, path: str) -> FileEntry:
         try:
-            root = os.open(self.path, _DIR_FLAGS)
-        except OSError as exc:
-            raise ArtifactRejected(self.label, f"artifact dir: {_why(exc)}") from exc
-        try:
-            for entry in self.manifest.files:
-                self._check_file(root, entry)
-            for rel in _walk_files(root):
-                if rel not in listed and rel not in (MANIFEST, SIGNATURE):
-                    raise ArtifactRejected(self.label, f"file {rel}: not in the manifest")
-        except OSError as exc:
-            raise ArtifactRejected(self.label, f"cannot read artifact: {exc}") from exc
-        finally:
-            os.close(root)
+            return self._entries[path]
+        except KeyError:
+            raise ArtifactRejected(self.label, f"file {path}: not in the manifest") from None
 
-    def _check_file(self, root: int, entry: FileEntry) -> None:
-        parts = entry.path.split("/")
-        if (entry.path.startswith("/") or "\0" in entry.path
-                or any(p in ("", ".", "..") for p in parts) or entry.path in (MANIFEST, SIGNATURE)):
-            raise ArtifactRejected(self.label, f"file {entry.path!r}: unsafe path in manifest")
+    def has(self, path: str) -> bool:
+        return path in self._entries
+
+    def open_file(self, path: str) -> int:
+        """A read-only fd of listed file ``path``, opened below the version's dir fd without
+        following any symlink. The caller must verify what it reads (size and digest)."""
+        self.entry(path)
+        parts = _safe_parts(path)
+        if parts is None:
+            raise ArtifactRejected(self.label, f"file {path!r}: unsafe path in manifest")
         fds: list[int] = []
         try:
-            cur = root
+            cur = self._dir_fd
             for part in parts[:-1]:
                 cur = os.open(part, _DIR_FLAGS, dir_fd=cur)
                 fds.append(cur)
             fd = os.open(parts[-1], _FILE_FLAGS, dir_fd=cur)
-            fds.append(fd)
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise ArtifactRejected(self.label, f"file {entry.path}: not a regular file")
-            size, digest = _hash_fd(fd)
         except FileNotFoundError:
-            raise ArtifactRejected(self.label, f"file {entry.path}: missing") from None
+            raise ArtifactRejected(self.label, f"file {path}: missing") from None
         except OSError as exc:
-            raise ArtifactRejected(self.label, f"file {entry.path}: {_why(exc)}") from exc
+            raise ArtifactRejected(self.label, f"file {path}: {_why(exc)}") from exc
         finally:
-            for fd in fds:
+            for d in fds:
+                os.close(d)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise ArtifactRejected(self.label, f"file {path}: not a regular file")
+        os.set_blocking(fd, True)
+        return fd
+
+    def check(self, path: str, size: int, digest: str) -> None:
+        want = self.entry(path)
+        if size != want.size or digest != want.sha256:
+            raise ArtifactRejected(self.label, f"file {path}: content changed (size {size}, "
+                                   f"want {want.size})")
+
+    def copy_verified(self, path: str, dest: str) -> None:
+        """Copy ``path`` to the private file ``dest`` while hashing; refuse a mismatch (and
+        remove ``dest``). Only ``dest`` may be used afterwards."""
+        src = self.open_file(path)
+        try:
+            dst = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
+                size, digest = hash_fd(src, dst)
+            finally:
+                os.close(dst)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.unlink(dest)
+            raise ArtifactRejected(self.label, f"file {path}: {exc}") from exc
+        finally:
+            os.close(src)
+        try:
+            self.check(path, size, digest)
+        except ArtifactRejected:
+            os.unlink(dest)
+            raise
+
+    def materialize(self, dest_dir: str, skip: Callable[[str], bool] = lambda _p: False) -> int:
+        """Copy every listed file not ``skip``ped into ``dest_dir`` (private, created 0700),
+        verifying each; returns the bytes copied."""
+        copied = 0
+        os.makedirs(dest_dir, mode=0o700, exist_ok=True)
+        for f in self.manifest.files:
+            if skip(f.path):
+                continue
+            parts = _safe_parts(f.path)
+            if parts is None:
+                raise ArtifactRejected(self.label, f"file {f.path!r}: unsafe path in manifest")
+            os.makedirs(os.path.join(dest_dir, *parts[:-1]), mode=0o700, exist_ok=True)
+            self.copy_verified(f.path, os.path.join(dest_dir, *parts))
+            copied += f.size
+        return copied
+
+    def verify_files(self) -> None:
+        """Hash every listed file in place (``artifacts inspect --verify``: a report, not a
+        licence to use the files afterwards)."""
+        for f in self.manifest.files:
+            fd = self.open_file(f.path)
+            try:
+                size, digest = hash_fd(fd)
+            except OSError as exc:
+                raise ArtifactRejected(self.label, f"file {f.path}: {exc}") from exc
+            finally:
                 os.close(fd)
-        if size != entry.size or digest != entry.sha256:
-            raise ArtifactRejected(self.label, f"file {entry.path}: content changed "
-                                   f"(size {size}, want {entry.size})")
+            self.check(f.path, size, digest)
 
 
 @dataclass(frozen=True, slots=True)
 class Listing:
-    """One entry of :meth:`ArtifactStore.list`: a manifest, or the reason it is broken."""
+    """One entry of :meth:`ArtifactStore.list`: a manifest, or the reason it is bad."""
 
     namespace: str
     name: str
     manifest: Manifest | None
     problem: str | None
+    version: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Leftover:
+    """A non-artifact entry of the store (``artifacts list --all``)."""
+
+    namespace: str
+    entry: str
+    kind: str  # staging | trash | unreferenced-version | link
+    bytes: int
+    owner: Owner | None
+    age: float
 
 
 class Staging:
     """A staging dir; use as a context manager and call :meth:`publish` inside it."""
 
     def __init__(self, store: ArtifactStore, namespace: str, name: str) -> None:
+        self.store = store
         self.namespace, self.name = namespace, name
         self.parent = os.path.join(store.root, namespace)
         os.makedirs(self.parent, mode=0o700, exist_ok=True)
         if os.path.islink(self.parent):
             raise StoreError(f"store namespace dir {self.parent} is a symlink")
-        self.path = os.path.join(self.parent, f".staging-{name}-{secrets.token_hex(8)}")
+        self.path = os.path.join(self.parent, f"{STAGING_PREFIX}{name}-{secrets.token_hex(8)}")
         os.mkdir(self.path, 0o700)
-        self.published: Artifact | None = None
+        _write_file(os.path.join(self.path, OWNER), json.dumps(dataclasses.asdict(Owner.me())).encode())
+        self.published: Listing | None = None
 
     def __enter__(self) -> Staging:
         return self
@@ -251,46 +495,66 @@ class Staging:
                 log.warning("staging %s left unpublished; removing it", self.path)
             shutil.rmtree(self.path, ignore_errors=True)
 
-    def publish(self, manifest: Manifest, key: bytes) -> Artifact:
-        """Record every file in the manifest, sign it, and swap the staging dir in."""
+    def publish(self, manifest: Manifest, key: bytes) -> Manifest:
+        """Record every file in the manifest, sign it, and switch the name to this version."""
         if (manifest.namespace, manifest.name) != (self.namespace, self.name):
             raise StoreError(f"manifest names {manifest.namespace}/{manifest.name}, staging is "
                              f"for {self.namespace}/{self.name}")
         try:
+            ns_fd = os.open(self.parent, _DIR_FLAGS)
+        except OSError as exc:
+            raise StoreError(f"publish {self.namespace}/{self.name}: {exc}") from exc
+        try:
+            try:
+                previous = self.store.current_version(ns_fd, self.name)
+            except ArtifactRejected:
+                previous = None  # whatever sits at the name is moved away by _switch
             files = self._hash_and_sync()
-            manifest = dataclasses.replace(manifest, files=tuple(files))
+            generation = max(time.time_ns() // 1000, _generation_of(previous) + 1)
+            manifest = dataclasses.replace(manifest, files=tuple(files), generation=generation)
             data = manifest.to_json()
             _write_file(os.path.join(self.path, MANIFEST), data)
             _write_file(os.path.join(self.path, SIGNATURE), sign(data, key).encode())
+            os.unlink(os.path.join(self.path, OWNER))
             _fsync_dir(self.path)
-            final = os.path.join(self.parent, self.name)
-            trash = os.path.join(self.parent, f".trash-{self.name}-{secrets.token_hex(8)}")
-            had_old = True
-            try:
-                os.rename(final, trash)
-            except FileNotFoundError:
-                had_old = False
-            try:
-                os.rename(self.path, final)
-            except OSError:
-                if had_old:
-                    with contextlib.suppress(OSError):
-                        os.rename(trash, final)
-                raise
-            _fsync_dir(self.parent)
+            version = f"{VERSION_PREFIX}{self.name}-{generation}-{secrets.token_hex(8)}"
+            os.rename(self.path, os.path.join(self.parent, version))
+            self._switch(ns_fd, version)
+            os.fsync(ns_fd)
         except OSError as exc:
             raise StoreError(f"publish {self.namespace}/{self.name}: {exc}") from exc
-        if had_old:
-            shutil.rmtree(trash, ignore_errors=True)
-        log.info("published artifact %s/%s (%d files)", self.namespace, self.name, len(files))
-        self.published = Artifact(final, manifest)
-        return self.published
+        try:
+            if previous and previous != version:
+                self.store.remove_version(ns_fd, previous)
+        finally:
+            os.close(ns_fd)
+        log.info("published artifact %s/%s generation %d (%d files)", self.namespace, self.name,
+                 generation, len(files))
+        self.published = Listing(self.namespace, self.name, manifest, None, version)
+        return manifest
+
+    def _switch(self, ns_fd: int, version: str) -> None:
+        """Point the name at ``version``: a new symlink renamed over the old one (atomic)."""
+        tmp = f"{LINK_PREFIX}{self.name}-{secrets.token_hex(8)}"
+        os.symlink(version, tmp, dir_fd=ns_fd)
+        try:
+            try:
+                os.rename(tmp, self.name, src_dir_fd=ns_fd, dst_dir_fd=ns_fd)
+            except IsADirectoryError:
+                # A directory at the name (an older layout, or planted): move it out of the way.
+                os.rename(self.name, f"{TRASH_PREFIX}{self.name}-{secrets.token_hex(8)}",
+                          src_dir_fd=ns_fd, dst_dir_fd=ns_fd)
+                os.rename(tmp, self.name, src_dir_fd=ns_fd, dst_dir_fd=ns_fd)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=ns_fd)
+            raise
 
     def _hash_and_sync(self) -> list[FileEntry]:
         files: list[FileEntry] = []
         dirs = {self.path}
         for rel in _walk_files_path(self.path):
-            if rel in (MANIFEST, SIGNATURE):
+            if rel in (MANIFEST, SIGNATURE, OWNER):
                 continue
             path = os.path.join(self.path, rel)
             parts = rel.split("/")[:-1]
@@ -299,7 +563,7 @@ class Staging:
             try:
                 if not stat.S_ISREG(os.fstat(fd).st_mode):
                     raise StoreError(f"staging entry {rel} is not a regular file")
-                size, digest = _hash_fd(fd)
+                size, digest = hash_fd(fd)
                 os.fsync(fd)
             finally:
                 os.close(fd)
@@ -317,8 +581,13 @@ def _walk_files_path(path: str) -> Iterator[str]:
         os.close(fd)
 
 
+def _generation_of(version: str | None) -> int:
+    m = _VERSION_RE.fullmatch(version or "")
+    return int(m.group("gen")) if m else 0
+
+
 class ArtifactStore:
-    """Artifacts under ``root`` (trusted: configured by the node admin)."""
+    """Artifacts under ``root`` (the root itself is trusted: configured by the node admin)."""
 
     def __init__(self, root: str) -> None:
         self.root = os.path.abspath(root)
@@ -331,62 +600,114 @@ class ArtifactStore:
         except OSError as exc:
             raise StoreError(f"cannot stage {namespace}/{name} in {self.root}: {exc}") from exc
 
-    def open(self, namespace: str, name: str, key: bytes) -> Artifact:
-        """Check signature and location of ``namespace/name``; cheap (reads the manifest only)."""
-        validate_namespace(namespace)
-        validate_name(name)
-        label = f"{namespace}/{name}"
-        sig, data = self._read_manifest(namespace, name, label, with_sig=True)
-        verify(data, sig.decode("ascii", "replace"), key, artifact=label)
-        manifest = Manifest.from_json(data, artifact=label)
-        if (manifest.namespace, manifest.name) != (namespace, name):
-            raise ArtifactRejected(label, f"manifest names {manifest.namespace}/{manifest.name}, "
-                                   f"found at {label}")
-        return Artifact(os.path.join(self.root, namespace, name), manifest)
-
-    def _read_manifest(self, namespace: str, name: str, label: str,
-                       with_sig: bool) -> tuple[bytes, bytes]:
-        """Signature and manifest bytes read from one directory. When a replace moved that
-        directory away while we read it, read the new one (a bounded retry)."""
-        for attempt in range(3):
-            with contextlib.ExitStack() as stack:
-                fd = self._open_dir(stack, namespace, name, label)
-                try:
-                    sig = _read_capped(fd, SIGNATURE, MAX_SIG_BYTES, label) if with_sig else b""
-                    return sig, _read_capped(fd, MANIFEST, MAX_MANIFEST, label)
-                except ArtifactRejected:
-                    if attempt == 2 or self._still_current(fd, namespace, name):
-                        raise
-        raise AssertionError("unreachable")  # pragma: no cover
-
-    def _still_current(self, fd: int, namespace: str, name: str) -> bool:
-        """Whether ``fd`` is still the directory published as ``namespace/name``."""
+    # ------------------------------------------------------------------ reading
+    def _ns_fd(self, namespace: str, label: str) -> int:
         try:
-            now = os.lstat(os.path.join(self.root, namespace, name))
-        except OSError:
-            return False
-        return os.path.samestat(now, os.fstat(fd))
-
-    def _open_dir(self, stack: contextlib.ExitStack, namespace: str, name: str,
-                  label: str) -> int:
-        cur = -1
+            root = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise ArtifactNotFound(f"artifact {label} not found: no store at {self.root}") from None
+        except OSError as exc:
+            raise StoreError(f"store {self.root}: {exc}") from exc
         try:
-            cur = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-            stack.callback(os.close, cur)
-            for part in (namespace, name):
-                cur = os.open(part, _DIR_FLAGS, dir_fd=cur)
-                stack.callback(os.close, cur)
+            return os.open(namespace, _DIR_FLAGS, dir_fd=root)
         except FileNotFoundError:
             raise ArtifactNotFound(f"artifact {label} not found in {self.root}") from None
         except OSError as exc:
-            raise ArtifactRejected(label, f"path: {_why(exc)}") from exc
-        return cur
+            raise ArtifactRejected(label, f"namespace dir: {_why(exc)}") from exc
+        finally:
+            os.close(root)
+
+    @staticmethod
+    def current_version(ns_fd: int, name: str) -> str | None:
+        """The version dir ``name`` points to (validated as a version of ``name``), or None."""
+        try:
+            target = os.readlink(name, dir_fd=ns_fd)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            if exc.errno == errno.EINVAL:
+                raise ArtifactRejected(name, "not a published name (a directory or file where "
+                                       "the name's link belongs; an older layout?)") from None
+            raise
+        m = _VERSION_RE.fullmatch(target)
+        if m is None or m.group("name") != name:
+            raise ArtifactRejected(name, f"name points to {target!r}, not to a version of {name}")
+        return target
+
+    def open(self, namespace: str, name: str, key: bytes) -> Artifact:
+        """Open the version ``namespace/name`` points to now; cheap (reads the manifest only)."""
+        validate_namespace(namespace)
+        validate_name(name)
+        label = f"{namespace}/{name}"
+        ns_fd = self._ns_fd(namespace, label)
+        dir_fd = lock_fd = -1
+        try:
+            try:
+                version = self.current_version(ns_fd, name)
+            except ArtifactRejected as exc:
+                raise ArtifactRejected(label, exc.reason) from None
+            if version is None:
+                raise ArtifactNotFound(f"artifact {label} not found in {self.root}")
+            try:
+                dir_fd = os.open(version, _DIR_FLAGS, dir_fd=ns_fd)
+            except FileNotFoundError:
+                raise ArtifactNotFound(f"artifact {label}: version {version} is gone") from None
+            except OSError as exc:
+                raise ArtifactRejected(label, f"version {version}: {_why(exc)}") from exc
+            lock_fd, data = self._read_locked(dir_fd, label)
+            sig = _read_capped(dir_fd, SIGNATURE, MAX_SIG_BYTES, label)
+            verify(data, sig.decode("ascii", "replace"), key, artifact=label)
+            manifest = Manifest.from_json(data, artifact=label)
+            if (manifest.namespace, manifest.name) != (namespace, name):
+                raise ArtifactRejected(label, f"manifest names {manifest.namespace}/{manifest.name}, "
+                                       f"found at {label}")
+            if manifest.generation != _generation_of(version):
+                raise ArtifactRejected(label, f"manifest generation {manifest.generation} does not "
+                                       f"match its version {version}")
+            return Artifact(label, version, dir_fd, lock_fd, manifest)
+        except BaseException:
+            for fd in (lock_fd, dir_fd):
+                if fd >= 0:
+                    os.close(fd)
+            raise
+        finally:
+            os.close(ns_fd)
+
+    @staticmethod
+    def _read_locked(dir_fd: int, label: str) -> tuple[int, bytes]:
+        """The manifest's bytes, read through the fd that holds the version's shared lock."""
+        try:
+            fd = os.open(MANIFEST, _FILE_FLAGS, dir_fd=dir_fd)
+        except FileNotFoundError:
+            raise ArtifactRejected(label, f"incomplete: no {MANIFEST}") from None
+        except OSError as exc:
+            raise ArtifactRejected(label, f"{MANIFEST}: {_why(exc)}") from exc
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise ArtifactRejected(label, f"{MANIFEST} is not a regular file")
+            # Never wait here (this runs inside NRI handlers): a writer lock means a remover
+            # is taking this version away.
+            if not _ofd_lock(fd, fcntl.F_RDLCK, wait=False):
+                raise ArtifactRejected(label, "being removed")
+            data = b""
+            while len(data) <= MAX_MANIFEST and (more := os.pread(fd, MAX_MANIFEST + 1 - len(data), len(data))):
+                data += more
+            if len(data) > MAX_MANIFEST:
+                raise ArtifactRejected(label, f"{MANIFEST} larger than {MAX_MANIFEST} bytes")
+            return fd, data
+        except BaseException:
+            os.close(fd)
+            raise
+
+    # ------------------------------------------------------------------ listing
+    def namespaces(self) -> list[str]:
+        return self._children(self.root)
 
     def list(self, namespace: str | None = None, key: bytes | None = None) -> list[Listing]:
-        """Every artifact (of one namespace), broken ones with their problem; with ``key`` the
-        signature is checked too, without it the manifest is only parsed."""
+        """Every artifact (of one namespace); with ``key`` the signature is checked and a bad
+        one is listed with its problem."""
         out: list[Listing] = []
-        namespaces = [validate_namespace(namespace)] if namespace else self._children(self.root)
+        namespaces = [validate_namespace(namespace)] if namespace else self.namespaces()
         for ns in namespaces:
             ns_path = os.path.join(self.root, ns)
             if not os.path.isdir(ns_path) or os.path.islink(ns_path):
@@ -410,32 +731,215 @@ class ArtifactStore:
             validate_namespace(ns)
             validate_name(name)
             if key is not None:
-                return Listing(ns, name, self.open(ns, name, key).manifest, None)
-            _, data = self._read_manifest(ns, name, f"{ns}/{name}", with_sig=False)
-            return Listing(ns, name, Manifest.from_json(data, artifact=f"{ns}/{name}"), None)
+                with self.open(ns, name, key) as art:
+                    return Listing(ns, name, art.manifest, None, art.version)
+            ns_fd = self._ns_fd(ns, f"{ns}/{name}")
+            try:
+                version = self.current_version(ns_fd, name)
+                if version is None:
+                    return Listing(ns, name, None, "vanished")
+                dir_fd = os.open(version, _DIR_FLAGS, dir_fd=ns_fd)
+                try:
+                    data = _read_capped(dir_fd, MANIFEST, MAX_MANIFEST, f"{ns}/{name}")
+                finally:
+                    os.close(dir_fd)
+            finally:
+                os.close(ns_fd)
+            return Listing(ns, name, Manifest.from_json(data, artifact=f"{ns}/{name}"),
+                           "signature not checked", version)
         except RekindleError as exc:
             return Listing(ns, name, None, str(exc))
         except OSError as exc:
             return Listing(ns, name, None, f"unreadable: {exc}")
 
-    def delete(self, namespace: str, name: str) -> None:
-        """Remove ``namespace/name`` (renamed away first, so it disappears atomically)."""
+    def leftovers(self, namespace: str | None = None) -> list[Leftover]:
+        """Staging dirs, trash, pointer temp links and versions no name points to."""
+        out: list[Leftover] = []
+        now = time.time()
+        for ns in [validate_namespace(namespace)] if namespace else self.namespaces():
+            try:
+                ns_fd = self._ns_fd(ns, ns)
+            except RekindleError:
+                continue
+            try:
+                live = set()
+                for name in os.listdir(ns_fd):
+                    if not name.startswith("."):
+                        with contextlib.suppress(RekindleError, OSError):
+                            live.add(self.current_version(ns_fd, name))
+                for entry in sorted(os.listdir(ns_fd)):
+                    kind = _leftover_kind(entry, live)
+                    if kind is None:
+                        continue
+                    st = os.stat(entry, dir_fd=ns_fd, follow_symlinks=False)
+                    owner, size = None, 0
+                    if stat.S_ISDIR(st.st_mode):
+                        with contextlib.suppress(OSError):
+                            fd = os.open(entry, _DIR_FLAGS, dir_fd=ns_fd)
+                            try:
+                                owner = _read_owner(fd) if kind == "staging" else None
+                                size = _tree_bytes(fd)
+                            finally:
+                                os.close(fd)
+                    created = owner.created if owner else st.st_mtime
+                    out.append(Leftover(ns, entry, kind, size, owner, max(0.0, now - created)))
+            finally:
+                os.close(ns_fd)
+        return out
+
+    # ------------------------------------------------------------------ removing
+    def remove_version(self, ns_fd: int, version: str, wait: float = 0.0) -> bool:
+        """Remove a version dir unless a reader holds it (then leave it for a later sweep)."""
+        try:
+            dir_fd = os.open(version, _DIR_FLAGS, dir_fd=ns_fd)
+        except FileNotFoundError:
+            return True
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                os.unlink(version, dir_fd=ns_fd)
+                return True
+            raise
+        try:
+            lock = _exclusive(dir_fd, wait)
+            if lock is None:
+                log.info("version %s is being read; leaving it for a later sweep", version)
+                return False
+            trash = f"{TRASH_PREFIX}{version.lstrip('.')}-{secrets.token_hex(4)}"
+            try:
+                os.rename(version, trash, src_dir_fd=ns_fd, dst_dir_fd=ns_fd)
+            finally:
+                if lock >= 0:
+                    os.close(lock)
+            shutil.rmtree(trash, dir_fd=ns_fd, ignore_errors=True)
+            return True
+        finally:
+            os.close(dir_fd)
+
+    def delete(self, namespace: str, name: str, wait: float = 0.0) -> None:
+        """Remove ``namespace/name``: the name first (atomically), then its version. Refuses
+        (StoreError) when a restore is reading it and ``wait`` seconds did not see it finish."""
         validate_namespace(namespace)
         validate_name(name)
-        parent = os.path.join(self.root, namespace)
-        if os.path.islink(parent):
-            raise StoreError(f"store namespace dir {parent} is a symlink")
-        trash = os.path.join(parent, f".trash-{name}-{secrets.token_hex(8)}")
+        label = f"{namespace}/{name}"
+        ns_fd = self._ns_fd(namespace, label)
         try:
-            os.rename(os.path.join(parent, name), trash)
-            _fsync_dir(parent)
-        except FileNotFoundError:
-            raise ArtifactNotFound(f"artifact {namespace}/{name} not found in {self.root}") from None
+            try:
+                version = self.current_version(ns_fd, name)
+            except ArtifactRejected:
+                version = None  # a broken name: remove whatever is there
+            if version is not None:
+                dir_fd = os.open(version, _DIR_FLAGS, dir_fd=ns_fd)
+                try:
+                    lock = _exclusive(dir_fd, wait)
+                    if lock is None:
+                        raise StoreError(f"delete {label}: a restore is reading it; retry later "
+                                         "or pass --wait SECONDS")
+                    try:
+                        os.unlink(name, dir_fd=ns_fd)
+                    finally:
+                        if lock >= 0:
+                            os.close(lock)
+                finally:
+                    os.close(dir_fd)
+                self.remove_version(ns_fd, version)
+            else:
+                try:
+                    st = os.stat(name, dir_fd=ns_fd, follow_symlinks=False)
+                except FileNotFoundError:
+                    raise ArtifactNotFound(f"artifact {label} not found in {self.root}") from None
+                if stat.S_ISDIR(st.st_mode):
+                    trash = f"{TRASH_PREFIX}{name}-{secrets.token_hex(8)}"
+                    os.rename(name, trash, src_dir_fd=ns_fd, dst_dir_fd=ns_fd)
+                    shutil.rmtree(trash, dir_fd=ns_fd, ignore_errors=True)
+                else:
+                    os.unlink(name, dir_fd=ns_fd)
+            os.fsync(ns_fd)
         except OSError as exc:
-            raise StoreError(f"delete {namespace}/{name}: {exc}") from exc
-        if os.path.islink(trash) or not os.path.isdir(trash):
-            os.unlink(trash)
-        else:
-            shutil.rmtree(trash)
-        log.info("deleted artifact %s/%s", namespace, name)
+            raise StoreError(f"delete {label}: {exc}") from exc
+        finally:
+            os.close(ns_fd)
+        log.info("deleted artifact %s", label)
 
+    def sweep(self, namespace: str | None = None, stale_after: float = STALE_AFTER,
+              grace: float = GRACE) -> list[Leftover]:
+        """Remove what is provably abandoned; returns what was removed."""
+        removed = []
+        for item in self.leftovers(namespace):
+            if not self._abandoned(item, stale_after, grace):
+                continue
+            ns_fd = self._ns_fd(item.namespace, item.namespace)
+            try:
+                if item.kind == "link":
+                    os.unlink(item.entry, dir_fd=ns_fd)
+                elif item.kind in ("unreferenced-version", "trash"):
+                    if not self.remove_version(ns_fd, item.entry):
+                        continue
+                else:
+                    shutil.rmtree(item.entry, dir_fd=ns_fd, ignore_errors=True)
+                removed.append(item)
+                log.info("swept %s %s/%s (%d bytes)", item.kind, item.namespace, item.entry, item.bytes)
+            except OSError as exc:
+                log.warning("cannot sweep %s/%s: %s", item.namespace, item.entry, exc)
+            finally:
+                os.close(ns_fd)
+        return removed
+
+    @staticmethod
+    def _abandoned(item: Leftover, stale_after: float, grace: float) -> bool:
+        if item.kind == "staging":
+            if item.owner is not None and item.owner.provably_dead():
+                return True
+            return item.age > stale_after
+        if item.kind == "trash":
+            return True  # renamed away by a remover; its lock check guards readers
+        return item.age > grace
+
+    def prune(self, namespace: str | None = None, older_than: float | None = None,
+              keep_last: int | None = None) -> list[str]:
+        """Delete artifacts whose current version is older than ``older_than`` seconds, and
+        versions beyond the newest ``keep_last`` of a name; never one a restore is reading."""
+        done: list[str] = []
+        now_us = time.time_ns() // 1000
+        for ns in [validate_namespace(namespace)] if namespace else self.namespaces():
+            try:
+                ns_fd = self._ns_fd(ns, ns)
+            except RekindleError:
+                continue
+            try:
+                by_name: dict[str, list[tuple[int, str]]] = {}
+                for entry in os.listdir(ns_fd):
+                    m = _VERSION_RE.fullmatch(entry)
+                    if m:
+                        by_name.setdefault(m.group("name"), []).append((int(m.group("gen")), entry))
+                for name, versions in sorted(by_name.items()):
+                    try:
+                        current = self.current_version(ns_fd, name) if is_valid_name(name) else None
+                    except ArtifactRejected:
+                        current = None
+                    if older_than is not None and current is not None:
+                        if now_us - _generation_of(current) > older_than * 1e6:
+                            try:
+                                self.delete(ns, name)
+                                done.append(f"{ns}/{name}")
+                            except StoreError as exc:
+                                log.info("prune: %s", exc)
+                            continue
+                    if keep_last is not None:
+                        for _gen, version in sorted(versions, reverse=True)[max(keep_last, 1):]:
+                            if version != current and self.remove_version(ns_fd, version):
+                                done.append(f"{ns}/{version}")
+            finally:
+                os.close(ns_fd)
+        return done
+
+
+def _leftover_kind(entry: str, live: set[str | None]) -> str | None:
+    if entry.startswith(STAGING_PREFIX):
+        return "staging"
+    if entry.startswith(TRASH_PREFIX):
+        return "trash"
+    if entry.startswith(LINK_PREFIX):
+        return "link"
+    if entry.startswith(VERSION_PREFIX) and entry not in live:
+        return "unreferenced-version"
+    return None

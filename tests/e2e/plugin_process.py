@@ -21,6 +21,7 @@ class PluginProcess:
         self.store = workdir / "store"
         self.log_path = workdir / "plugin.log"
         self.proc: subprocess.Popen[bytes] | None = None
+        self.env: dict[str, str] = {}  # extra environment for the next start()
 
     @property
     def argv(self) -> list[str]:
@@ -35,7 +36,7 @@ class PluginProcess:
         self.workdir.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env})
         log.close()
         if wait:
             self.wait_log("synchronized:", count=self.log().count("synchronized:") + 1)

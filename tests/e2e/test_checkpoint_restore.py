@@ -4,6 +4,7 @@ containerd 1.7.24 + runc + CRIU + CNI sandbox and the real plugin."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 import urllib.request
@@ -61,7 +62,7 @@ def fields(body: str) -> dict[str, str]:
 
 
 def checkpoint_source(sandbox, pod, plugin, name: str, ns: str = "default", after: str | None = None,
-                      probe: str | None = None, shm_marker: str | None = None):
+                      probe: str | None = None, shm_marker: str | None = None, warmup_mib: int = 0):
     ann = {"rekindle.dev/checkpoint": name}
     if after:
         ann["rekindle.dev/after-checkpoint"] = after
@@ -74,7 +75,8 @@ def checkpoint_source(sandbox, pod, plugin, name: str, ns: str = "default", afte
         # Written before the server listens, so it is in /dev/shm when the checkpoint runs.
         command = ["/bin/sh", "-c", f"printf '{shm_marker}' > /dev/shm/marker; exec " + " ".join(SERVER)]
     a = pod(f"src-{name}", ns, annotations=ann)
-    cid = sandbox.run_container(a, "server", COUNTER, command=command)
+    env = {"WARMUP_MIB": str(warmup_mib)} if warmup_mib else None
+    cid = sandbox.run_container(a, "server", COUNTER, command=command, env=env)
     ip = sandbox.cri.pod_ip(a.id)
     wait_http(ip)
     for _ in range(3):
@@ -86,7 +88,8 @@ def checkpoint_source(sandbox, pod, plugin, name: str, ns: str = "default", afte
 
 def test_counter_server_continues_in_another_pod(sandbox, pod, plugin):
     a, a_cid, a_ip = checkpoint_source(sandbox, pod, plugin, "counter-a",
-                                       shm_marker="shm content survives\n")
+                                       shm_marker="shm content survives\n", warmup_mib=64)
+    warm = get(a_ip, "/verify")
     assert fields(get(a_ip))["count"] == "4"  # the source keeps running by default
 
     b = pod("dst-counter-a", annotations={"rekindle.dev/restore": "counter-a"})
@@ -102,8 +105,10 @@ def test_counter_server_continues_in_another_pod(sandbox, pod, plugin):
     assert got["count"] == "4", got
     assert got["state"].startswith("written-at-start"), got
     assert got["deleted"] == "yes", got
-    for phase in ("verify", "rootfs_apply", "criu_restore"):
+    for phase in ("stage", "rootfs_apply", "criu_restore", "fill"):
         assert phase in st["timings"]
+    # The warm-up memory came back through the bulk fill (64 MiB beside CRIU), byte for byte.
+    assert get(b_ip, "/verify") == warm and "verify=ok" in warm
     # /dev/shm (the pod's shm, an external mount) came along.
     shm = sandbox.cri.exec_sync(b_cid, ["/bin/cat", "/dev/shm/marker"], timeout=10)
     assert shm.out == "shm content survives\n", shm
@@ -285,7 +290,6 @@ def test_http_ready_probe_in_the_pod_network_namespace(sandbox, pod, plugin):
 
 
 def _criu_restores(artifact: str) -> list[int]:
-    import os
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -293,7 +297,7 @@ def _criu_restores(artifact: str) -> list[int]:
         except OSError:
             continue
         if argv and argv[0].endswith(b"criu") and b"restore" in argv and any(
-                f"/{artifact}/criu".encode() in a for a in argv):
+                f"/restore-default-{artifact}-".encode() in a and a.endswith(b"/private/criu") for a in argv):
             found.append(int(pid))
     return found
 
@@ -307,33 +311,69 @@ def _wait_criu_restore(artifact: str, timeout: float) -> bool:
     return False
 
 
-def test_plugin_killed_during_a_restore_leaves_a_cold_start_not_a_stuck_pod(sandbox, pod, plugin):
-    """The agent dies mid-restore (CRIU dies with it): when it comes back it fails that restore,
-    once, and the init kills whatever CRIU left and starts the original command."""
-    warm = {"WARMUP_MIB": "1024", "WARMUP_PASSES": "2"}  # CRIU takes seconds: time to kill the agent
-    a = pod("src-interrupted", annotations={"rekindle.dev/checkpoint": "interrupted"})
-    sandbox.run_container(a, "server", COUNTER, command=SERVER, env=warm)
-    wait_http(sandbox.cri.pod_ip(a.id), timeout=60)
-    assert wait_status(plugin, "default", a.name, "server", {"published", "checkpoint-failed"})["phase"] == "published"
-    b = pod("dst-interrupted", annotations={"rekindle.dev/restore": "interrupted"})
-    cid = sandbox.run_container(b, "server", COUNTER, command=SERVER, env=warm)
-    wait_status(plugin, "default", b.name, "server", {"restoring"}, timeout=20)
-    assert _wait_criu_restore("interrupted", timeout=20), "criu restore never started"
-    plugin.kill()  # mid-CRIU: CRIU must die with the agent, not finish behind the init's back
-    # CRIU needs seconds for this restore; killed with the agent, it is gone at once.
-    deadline = time.monotonic() + 1.0
-    while _criu_restores("interrupted") and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert not _criu_restores("interrupted"), "criu outlived the agent"
+def _stopped_in(cid_pidns: int) -> bool:
+    """Whether a process of that pid namespace is stopped (a restore left stopped for the fill)."""
+    for p in os.listdir("/proc"):
+        if not p.isdigit():
+            continue
+        try:
+            if os.stat(f"/proc/{p}/ns/pid").st_ino != cid_pidns:
+                continue
+            with open(f"/proc/{p}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                    return True
+        except OSError:
+            continue
+    return False
+
+
+@pytest.mark.parametrize("path", ["stock", "bulk"])
+def test_plugin_killed_during_a_restore_leaves_a_cold_start_not_a_stuck_pod(sandbox, pod, plugin, path):
+    """The agent dies mid-restore: in CRIU (stock path; CRIU dies with it) or while it fills the
+    stopped tree's bulk pages (bulk path). When it comes back it fails that restore, once, and the
+    init kills whatever was left and starts the original command."""
+    from runtime.containers import resolve_container
+    name = f"interrupted-{path}"
+    warm = {"WARMUP_MIB": "2048" if path == "bulk" else "1024", "WARMUP_PASSES": "1"}
+    plugin.kill()
+    plugin.env = {"REKINDLE_RESTORE_PATH": path}
     plugin.start()
-    st = wait_status(plugin, "default", b.name, "server", {"restored", "cold-start"})
-    assert st["phase"] == "cold-start" and "agent restarted during the restore" in st["reason"], st
-    ip = sandbox.cri.pod_ip(b.id)
-    wait_http(ip, timeout=60)
-    assert fields(get(ip))["count"] == "1"
-    time.sleep(2)  # anything CRIU could still have restored would show up by now
-    out = sandbox.cri.exec_sync(cid, ["/bin/sh", "-c", "ps -o comm | grep -cx counter-server"], timeout=10)
-    assert out.out.strip() == "1", out  # exactly one server process (the init's argv names it too)
+    try:
+        a = pod(f"src-{name}", annotations={"rekindle.dev/checkpoint": name})
+        sandbox.run_container(a, "server", COUNTER, command=SERVER, env=warm)
+        wait_http(sandbox.cri.pod_ip(a.id), timeout=60)
+        assert wait_status(plugin, "default", a.name, "server", {"published", "checkpoint-failed"},
+                           timeout=120)["phase"] == "published"
+        b = pod(f"dst-{name}", annotations={"rekindle.dev/restore": name})
+        cid = sandbox.run_container(b, "server", COUNTER, command=SERVER, env=warm)
+        wait_status(plugin, "default", b.name, "server", {"restoring"}, timeout=20)
+        if path == "stock":
+            assert _wait_criu_restore(name, timeout=30), "criu restore never started"
+        else:
+            pidns = resolve_container(str(sandbox.state_dir), cid).namespaces["pid"].inode
+            deadline = time.monotonic() + 60
+            while not _stopped_in(pidns):
+                assert time.monotonic() < deadline, "the restored tree was never seen stopped for its fill"
+                time.sleep(0.01)
+        plugin.kill()  # mid-CRIU or mid-fill
+        # CRIU needs seconds for this restore; killed with the agent, it is gone at once.
+        deadline = time.monotonic() + 1.0
+        while _criu_restores(name) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not _criu_restores(name), "criu outlived the agent"
+        plugin.start()
+        st = wait_status(plugin, "default", b.name, "server", {"restored", "cold-start"})
+        assert st["phase"] == "cold-start" and "agent restarted during the restore" in st["reason"], st
+        ip = sandbox.cri.pod_ip(b.id)
+        wait_http(ip, timeout=60)
+        assert fields(get(ip))["count"] == "1"
+        time.sleep(2)  # anything left of the restore would show up by now
+        out = sandbox.cri.exec_sync(cid, ["/bin/sh", "-c", "ps -o comm | grep -cx counter-server"], timeout=10)
+        assert out.out.strip() == "1", out  # exactly one server process (the init's argv names it too)
+    finally:
+        plugin.kill()
+        plugin.env = {}
+        plugin.start()
 
 
 def test_checkpoint_and_restore_on_containerd_2_1(sandbox_factory, pod, tmp_path):

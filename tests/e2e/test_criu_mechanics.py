@@ -25,8 +25,9 @@ import pytest
 
 from runtime import criu as criu_mod
 from runtime.containers import ContainerInfo, inspect_bundle, ns_pids, process_tree, workload_root
-from runtime.criu import MountPlanEntry
+from runtime.layout import MountPlanEntry
 from runtime.errors import CriuError
+from runtime.bulk import signal_all
 from runtime.mechanics import DumpResult, dump_workload, restore_into
 
 pytestmark = pytest.mark.e2e
@@ -240,6 +241,11 @@ def env() -> Iterator[Env]:
         shutil.rmtree(base, ignore_errors=True)
 
 
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
 def _pidns_members(info: ContainerInfo) -> list[int]:
     ino = info.namespaces["pid"].inode
     out = []
@@ -290,6 +296,9 @@ def test_restore_into_target(env: Env) -> None:
     assert target is not None
     res = restore_into(target, env.images, env.dump.mount_plan, env.dump.stdio, work_dir=os.path.join(env.work, "ok"))
     h = res.host_pid
+    assert h in res.tree and _state(h) == "T"  # left stopped: the caller resumes it
+    signal_all(res.tree, signal.SIGCONT)
+    wait_for(lambda: _state(h) in ("S", "R"), 5, "the restored tree to run")
     # namespaces: pid (numbered inside the target's), net, ipc, uts
     assert ns_pids(h) == [h, res.ns_pid] and res.ns_pid == env.dump.root_ns_pid
     for kind in ("pid", "net", "ipc", "uts"):
@@ -371,6 +380,7 @@ def test_restore_into_other_pod_via_containerd(sandbox, pod) -> None:  # type: i
         at_dump = max(_log_ticks(sandbox, ids["src"]))
         res = restore_into(dst, os.path.join(base, "img"), dump.mount_plan, dump.stdio,
                            work_dir=os.path.join(base, "restorework"))
+        signal_all(res.tree, signal.SIGCONT)
         for kind in ("pid", "net", "ipc", "uts"):
             assert os.stat(f"/proc/{res.host_pid}/ns/{kind}").st_ino == dst.namespaces[kind].inode, kind
         with open(f"/proc/{res.host_pid}/cgroup") as a, open(f"/proc/{dst.init_pid}/cgroup") as b:

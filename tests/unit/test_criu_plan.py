@@ -9,7 +9,9 @@ import pytest
 
 from runtime import criu as criu_mod
 from runtime.containers import ContainerInfo, NsRef, overlay_upperdir, parse_cgroup_paths, parse_mountinfo
-from runtime.criu import DumpOptions, MountPlanEntry, RestoreOptions
+from runtime import criu_image
+from runtime.criu import DumpOptions, RestoreOptions
+from runtime.layout import MountPlanEntry
 from runtime.errors import CriuError, NamespaceError
 
 HOST_V1 = """\
@@ -84,7 +86,6 @@ def test_plan_external_mounts(tmp_path: Path) -> None:
         ("m3", "/sys/fs/cgroup/memory", "cgroup", ""),
         ("m4", "/var/run/secrets", "bind", "/run/secrets"),
     ]
-    assert MountPlanEntry.from_manifest(plan[4].to_manifest()) == MountPlanEntry("m4", "/var/run/secrets", "bind")
     argv = criu_mod.criu_argv(DumpOptions(images_dir="/img", pid=7, netns_inode=42, external_mounts=plan))
     assert argv[:4] == [criu_mod.CRIU, "dump", "-t", "7"]
     for frag in ("net[42]:extnet", "mnt[/run/secrets]:m4", "mnt[/data]:m0"):
@@ -129,6 +130,7 @@ def test_restore_argv() -> None:
     assert argv[argv.index("-o") + 1] == "/w/restore.log"
     assert "fd[6]:pipe:[9]" in argv and "ipc:/proc/1/ns/ipc" in argv and "mnt[m0]:/x" in argv
     assert "--leave-running" not in argv and "--network-lock" not in argv
+    assert "--leave-stopped" in argv  # resumed only after the log check and the bulk fill
 
 
 def _varint(v: int) -> bytes:
@@ -160,8 +162,11 @@ def test_pstree_image(tmp_path: Path) -> None:
     (tmp_path / "pstree.img").write_bytes(magic + _entry(6, 0, 6, 6, [6], packed=True))
     assert not criu_mod.image_is_shell_job(str(tmp_path))
     (tmp_path / "pstree.img").write_bytes(magic + b"\x05\x00\x00\x00\xff")
-    with pytest.raises(CriuError, match="not a pstree image"):
-        criu_mod.read_pstree(str(tmp_path))
+    with pytest.raises(CriuError, match="pstree.img: entry of 5 bytes"):
+        criu_image.read_pstree(str(tmp_path))
+    (tmp_path / "pstree.img").write_bytes(magic + b"\x02\x00\x00\x00\x08\xff")
+    with pytest.raises(CriuError, match="bad pstree_entry"):
+        criu_image.read_pstree(str(tmp_path))
 
 
 def test_log_errors(tmp_path: Path) -> None:

@@ -60,7 +60,7 @@ def test_manifest_round_trips_through_canonical_json() -> None:
     assert Manifest.from_json(data) == m
     obj = json.loads(data)
     assert data == json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
-    assert obj["format_version"] == 1 and obj["cuda"]["gpus"][0]["name"] == "NVIDIA H200"
+    assert obj["format_version"] == 2 and obj["cuda"]["gpus"][0]["name"] == "NVIDIA H200"
 
 
 def test_manifest_without_cuda_serialises_cuda_as_null() -> None:
@@ -83,8 +83,8 @@ def _mutate(path: str, value: Any) -> bytes:
 
 
 @pytest.mark.parametrize("data, needle", [
-    (_mutate("format_version", 2), "unsupported manifest format_version 2"),
-    (_mutate("format_version", "1"), "unsupported manifest format_version '1'"),
+    (_mutate("format_version", 3), "unsupported manifest format_version 3"),
+    (_mutate("format_version", "2"), "unsupported manifest format_version '2'"),
     (_mutate("format_version", True), "unsupported manifest format_version True"),
     (_mutate("extra", 1), "unknown keys ['extra']"),
     (_mutate("timings", KeyError), "missing keys ['timings']"),
@@ -98,8 +98,8 @@ def _mutate(path: str, value: Any) -> bytes:
     (_mutate("security.seccomp", "whatever"), "bad seccomp value"),
     (_mutate("timings.dump", -1), "non-negative"),
     (_mutate("created_at", "yesterday"), "not an ISO 8601 time"),
-    (b'{"format_version": 1, "format_version": 1}', "duplicate key"),
-    (b'{"format_version": 1, "x": NaN}', "NaN is not allowed"),
+    (b'{"format_version": 2, "format_version": 2}', "duplicate key"),
+    (b'{"format_version": 2, "x": NaN}', "NaN is not allowed"),
     (b"[1]", "not a JSON object"),
     (b"\xff\xfe", "not valid JSON"),
     (b"x" * (16 * 1024 * 1024 + 1), "larger than"),

@@ -1,9 +1,11 @@
-"""Artifact store: names, atomic publish, defensive open, file verification, list and delete."""
+"""Artifact store: names, versioned atomic publish, reads through one fd, verified copies,
+locks against removal while read, list, delete, prune and sweep of leftovers."""
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import os
 import shutil
 import threading
@@ -11,10 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from runtime import store as store_mod
 from runtime.errors import ArtifactNotFound, ArtifactRejected, StoreError
 from runtime.manifest import (
     CriuInfo, FileEntry, Manifest, NodeInfo, ProcessInfo, SecurityProfile, Source, sign,
 )
+from runtime.rollback import GenerationBook
 from runtime.store import ArtifactStore, validate_name, validate_namespace
 
 KEY = b"s" * 32
@@ -35,6 +39,7 @@ def make_manifest(**changes: object) -> Manifest:
 
 def publish(store: ArtifactStore, namespace: str = "team-a", name: str = "qwen-7b",
             files: dict[str, bytes] | None = None, **changes: object) -> Path:
+    """Publish and return the version directory the name now points to."""
     manifest = make_manifest(namespace=namespace, name=name, **changes)
     with store.stage(namespace, name) as staging:
         for rel, data in (files if files is not None else {"criu/core-1.img": b"core",
@@ -43,13 +48,14 @@ def publish(store: ArtifactStore, namespace: str = "team-a", name: str = "qwen-7
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(data)
         staging.publish(manifest, KEY)
-    return Path(store.root, namespace, name)
+    link = Path(store.root, namespace, name)
+    return link.parent / os.readlink(link)
 
 
-def resign(artifact_dir: Path, manifest: Manifest) -> None:
+def resign(version_dir: Path, manifest: Manifest) -> None:
     data = manifest.to_json()
-    (artifact_dir / "manifest.json").write_bytes(data)
-    (artifact_dir / "manifest.json.sig").write_text(sign(data, KEY))
+    (version_dir / "manifest.json").write_bytes(data)
+    (version_dir / "manifest.json.sig").write_text(sign(data, KEY))
 
 
 @pytest.mark.parametrize("value", ["a", "team-a", "0", "a" * 63],
@@ -94,16 +100,18 @@ def test_stage_refuses_invalid_names_before_touching_disk(tmp_path: Path) -> Non
 
 def test_publish_then_open_returns_the_signed_manifest_with_file_digests(tmp_path: Path) -> None:
     store = ArtifactStore(str(tmp_path))
-    final = publish(store)
-    assert sorted(p.name for p in final.iterdir()) == [
+    version = publish(store)
+    assert sorted(p.name for p in version.iterdir()) == [
         "criu", "manifest.json", "manifest.json.sig", "rootfs-diff.tar"]
-    assert os.listdir(tmp_path / "team-a") == ["qwen-7b"]
-    artifact = store.open("team-a", "qwen-7b", KEY)
-    assert artifact.path == str(final)
-    assert [(f.path, f.size) for f in artifact.manifest.files] == [
-        ("criu/core-1.img", 4), ("rootfs-diff.tar", 3)]
-    assert artifact.manifest.files[1].sha256 == hashlib.sha256(b"tar").hexdigest()
-    artifact.verify_files()
+    assert sorted(os.listdir(tmp_path / "team-a")) == [version.name, "qwen-7b"]
+    assert version.name.startswith(".version-qwen-7b-")
+    with store.open("team-a", "qwen-7b", KEY) as artifact:
+        assert artifact.version == version.name
+        assert [(f.path, f.size) for f in artifact.manifest.files] == [
+            ("criu/core-1.img", 4), ("rootfs-diff.tar", 3)]
+        assert artifact.manifest.files[1].sha256 == hashlib.sha256(b"tar").hexdigest()
+        assert artifact.manifest.generation > 0
+        artifact.verify_files()
 
 
 def test_stage_is_removed_when_the_body_raises(tmp_path: Path) -> None:
@@ -140,14 +148,16 @@ def test_publish_refuses_a_symlink_in_staging(tmp_path: Path) -> None:
     assert os.listdir(tmp_path / "team-a") == []
 
 
-def test_publish_replaces_an_existing_artifact_and_leaves_no_trash(tmp_path: Path) -> None:
+def test_publish_replaces_an_existing_artifact_with_a_newer_generation(tmp_path: Path) -> None:
     store = ArtifactStore(str(tmp_path))
     publish(store, files={"old": b"1"})
-    publish(store, files={"new": b"2"})
-    artifact = store.open("team-a", "qwen-7b", KEY)
-    assert [f.path for f in artifact.manifest.files] == ["new"]
-    assert os.listdir(tmp_path / "team-a") == ["qwen-7b"]
-    artifact.verify_files()
+    with store.open("team-a", "qwen-7b", KEY) as first:
+        gen1 = first.manifest.generation
+    version = publish(store, files={"new": b"2"})
+    with store.open("team-a", "qwen-7b", KEY) as artifact:
+        assert [f.path for f in artifact.manifest.files] == ["new"]
+        assert artifact.manifest.generation > gen1
+    assert sorted(os.listdir(tmp_path / "team-a")) == [version.name, "qwen-7b"]  # old one removed
 
 
 def test_concurrent_reader_never_sees_a_half_written_artifact(tmp_path: Path) -> None:
@@ -159,14 +169,14 @@ def test_concurrent_reader_never_sees_a_half_written_artifact(tmp_path: Path) ->
     def reader() -> None:
         while not done.is_set():
             try:
-                m = store.open("team-a", "qwen-7b", KEY).manifest
-            except ArtifactNotFound:
-                continue  # between the two renames of a replace
+                with store.open("team-a", "qwen-7b", KEY) as art:
+                    m = art.manifest
+                    got = os.pread(art.open_file("gen"), 64, 0)
             except Exception as exc:  # noqa: BLE001 - any other failure is the bug we look for
                 problems.append(repr(exc))
                 continue
-            if [f.size for f in m.files] != [len(str(int(m.timings["gen"])))]:
-                problems.append(f"inconsistent manifest {m}")
+            if [f.size for f in m.files] != [len(str(int(m.timings["gen"])))] or got != str(int(m.timings["gen"])).encode():
+                problems.append(f"inconsistent version {m} {got!r}")
 
     thread = threading.Thread(target=reader)
     thread.start()
@@ -207,21 +217,34 @@ def test_open_rejects_manifest_copied_into_another_namespace(tmp_path: Path) -> 
     store = ArtifactStore(str(tmp_path))
     final = publish(store)
     (tmp_path / "team-b").mkdir()
-    shutil.copytree(final, tmp_path / "team-b" / "qwen-7b")
+    shutil.copytree(final, tmp_path / "team-b" / final.name)
+    (tmp_path / "team-b" / "qwen-7b").symlink_to(final.name)
     with pytest.raises(ArtifactRejected, match="manifest names team-a/qwen-7b, found at team-b"):
         store.open("team-b", "qwen-7b", KEY)
 
 
-def test_open_rejects_manifest_copied_under_another_name(tmp_path: Path) -> None:
+def test_open_rejects_a_name_pointing_at_another_names_version(tmp_path: Path) -> None:
     store = ArtifactStore(str(tmp_path))
     final = publish(store)
-    shutil.copytree(final, tmp_path / "team-a" / "other")
-    with pytest.raises(ArtifactRejected, match="found at team-a/other"):
+    (tmp_path / "team-a" / "other").symlink_to(final.name)
+    with pytest.raises(ArtifactRejected, match="not to a version of other"):
         store.open("team-a", "other", KEY)
 
 
-@pytest.mark.parametrize("where", ["namespace", "artifact", "manifest", "signature"],
-                         ids=["symlinked-namespace", "symlinked-artifact", "symlinked-manifest",
+@pytest.mark.parametrize("target", ["/etc", "../team-b/.version-qwen-7b-1-0123456789abcdef",
+                                    ".version-qwen-7b-1-0123456789abcdef/../x", "qwen-7b"],
+                         ids=["absolute", "other-namespace", "dotdot", "loop"])
+def test_open_refuses_a_pointer_that_is_not_a_plain_version_name(tmp_path: Path, target: str) -> None:
+    publish(ArtifactStore(str(tmp_path)))
+    link = tmp_path / "team-a" / "qwen-7b"
+    link.unlink()
+    link.symlink_to(target)
+    with pytest.raises(ArtifactRejected, match="not to a version of qwen-7b"):
+        ArtifactStore(str(tmp_path)).open("team-a", "qwen-7b", KEY)
+
+
+@pytest.mark.parametrize("where", ["namespace", "version", "manifest", "signature"],
+                         ids=["symlinked-namespace", "symlinked-version", "symlinked-manifest",
                               "symlinked-signature"])
 def test_open_rejects_symlinks_in_the_artifact_path(tmp_path: Path, where: str) -> None:
     store = ArtifactStore(str(tmp_path / "store"))
@@ -230,12 +253,14 @@ def test_open_rejects_symlinks_in_the_artifact_path(tmp_path: Path, where: str) 
     if where == "namespace":
         (tmp_path / "store").mkdir()
         ns.symlink_to(real.parent)
-    elif where == "artifact":
+    elif where == "version":
         ns.mkdir(parents=True)
-        (ns / "qwen-7b").symlink_to(real)
+        (ns / real.name).symlink_to(real)
+        (ns / "qwen-7b").symlink_to(real.name)
     else:
-        shutil.copytree(real, ns / "qwen-7b")
-        target = ns / "qwen-7b" / ("manifest.json" if where == "manifest" else "manifest.json.sig")
+        shutil.copytree(real, ns / real.name)
+        (ns / "qwen-7b").symlink_to(real.name)
+        target = ns / real.name / ("manifest.json" if where == "manifest" else "manifest.json.sig")
         target.unlink()
         target.symlink_to(real / target.name)
     with pytest.raises(ArtifactRejected, match="symlink"):
@@ -247,30 +272,49 @@ def test_open_of_a_missing_artifact_raises_not_found(tmp_path: Path) -> None:
         ArtifactStore(str(tmp_path)).open("team-a", "nothing", KEY)
 
 
-def test_open_of_a_dir_without_manifest_is_rejected_as_incomplete(tmp_path: Path) -> None:
+def test_open_of_a_plain_directory_at_the_name_is_refused(tmp_path: Path) -> None:
     (tmp_path / "team-a" / "qwen-7b").mkdir(parents=True)
-    with pytest.raises(ArtifactRejected, match="incomplete: no manifest.json.sig"):
+    with pytest.raises(ArtifactRejected, match="not a published name"):
         ArtifactStore(str(tmp_path)).open("team-a", "qwen-7b", KEY)
+
+
+def test_open_of_a_version_without_manifest_is_rejected_as_incomplete(tmp_path: Path) -> None:
+    version = ".version-qwen-7b-5-0123456789abcdef"
+    (tmp_path / "team-a" / version).mkdir(parents=True)
+    (tmp_path / "team-a" / "qwen-7b").symlink_to(version)
+    with pytest.raises(ArtifactRejected, match="incomplete: no manifest.json"):
+        ArtifactStore(str(tmp_path)).open("team-a", "qwen-7b", KEY)
+
+
+def test_a_manifest_in_a_version_dir_of_another_generation_is_refused(tmp_path: Path) -> None:
+    store = ArtifactStore(str(tmp_path))
+    final = publish(store)
+    renamed = final.with_name(".version-qwen-7b-99999999999999999-0123456789abcdef")
+    final.rename(renamed)
+    link = tmp_path / "team-a" / "qwen-7b"
+    link.unlink()
+    link.symlink_to(renamed.name)
+    with pytest.raises(ArtifactRejected, match="does not match its version"):
+        store.open("team-a", "qwen-7b", KEY)
 
 
 @pytest.mark.parametrize("change, needle", [
     (lambda d: (d / "rootfs-diff.tar").write_bytes(b"TAR"), "file rootfs-diff.tar: content changed"),
     (lambda d: (d / "rootfs-diff.tar").write_bytes(b"tarx"), "file rootfs-diff.tar: content changed"),
     (lambda d: (d / "criu" / "core-1.img").unlink(), "file criu/core-1.img: missing"),
-    (lambda d: (d / "criu" / "extra.img").write_bytes(b""), "file criu/extra.img: not in the manifest"),
     (lambda d: ((d / "rootfs-diff.tar").unlink(), (d / "rootfs-diff.tar").symlink_to("/etc/hostname")),
      "file rootfs-diff.tar: is a symlink"),
     (lambda d: (shutil.rmtree(d / "criu"), (d / "criu").symlink_to(d.parent)),
      "file criu/core-1.img: is a symlink"),
-], ids=["changed-same-size", "changed-size", "missing", "extra", "file-symlink", "dir-symlink"])
+], ids=["changed-same-size", "changed-size", "missing", "file-symlink", "dir-symlink"])
 def test_verify_files_reports_the_first_bad_file(tmp_path: Path, change: object,
                                                  needle: str) -> None:
     store = ArtifactStore(str(tmp_path))
     final = publish(store)
-    artifact = store.open("team-a", "qwen-7b", KEY)
-    change(final)  # type: ignore[operator]
-    with pytest.raises(ArtifactRejected, match=needle):
-        artifact.verify_files()
+    with store.open("team-a", "qwen-7b", KEY) as artifact:
+        change(final)  # type: ignore[operator]
+        with pytest.raises(ArtifactRejected, match=needle):
+            artifact.verify_files()
 
 
 @pytest.mark.parametrize("path", ["/etc/shadow", "../team-b/x", "criu/../../x", "./a", "a//b",
@@ -280,40 +324,46 @@ def test_verify_files_reports_the_first_bad_file(tmp_path: Path, change: object,
 def test_verify_files_rejects_unsafe_paths_in_a_signed_manifest(tmp_path: Path, path: str) -> None:
     store = ArtifactStore(str(tmp_path))
     final = publish(store, files={})
-    manifest = store.open("team-a", "qwen-7b", KEY).manifest
+    with store.open("team-a", "qwen-7b", KEY) as art:
+        manifest = art.manifest
     resign(final, dataclasses.replace(manifest, files=(FileEntry(path, 0, "e3" * 32),)))
-    with pytest.raises(ArtifactRejected, match="unsafe path"):
-        store.open("team-a", "qwen-7b", KEY).verify_files()
+    with store.open("team-a", "qwen-7b", KEY) as art, pytest.raises(ArtifactRejected, match="unsafe path"):
+        art.verify_files()
 
 
-def test_list_skips_dot_dirs_and_reports_broken_entries(tmp_path: Path) -> None:
+def test_list_checks_signatures_and_reports_bad_entries(tmp_path: Path) -> None:
     store = ArtifactStore(str(tmp_path))
     publish(store)
-    publish(store, namespace="team-b", name="good")
+    good_b = publish(store, namespace="team-b", name="good")
     (tmp_path / "team-a" / ".staging-x-123").mkdir()
-    (tmp_path / "team-a" / ".trash-x-123").mkdir()
     (tmp_path / ".hidden").mkdir()
-    (tmp_path / "team-a" / "empty").mkdir()
-    (tmp_path / "team-a" / "Bad_Name").mkdir()
-    (tmp_path / "team-a" / "file").write_bytes(b"")
-    (tmp_path / "team-b" / "good" / "manifest.json").write_bytes(b"{")
-    rows = {(r.namespace, r.name): r for r in store.list()}
-    assert sorted(rows) == [("team-a", "Bad_Name"), ("team-a", "empty"), ("team-a", "file"),
-                            ("team-a", "qwen-7b"), ("team-b", "good")]
+    (tmp_path / "team-a" / "plain-dir").mkdir()
+    (tmp_path / "team-a" / "Bad_Name").symlink_to(".version-Bad_Name-1-0123456789abcdef")
+    (good_b / "manifest.json").write_bytes(b"{")
+    rows = {(r.namespace, r.name): r for r in store.list(key=KEY)}
+    assert sorted(rows) == [("team-a", "Bad_Name"), ("team-a", "plain-dir"), ("team-a", "qwen-7b"),
+                            ("team-b", "good")]
     assert rows["team-a", "qwen-7b"].manifest is not None and rows["team-a", "qwen-7b"].problem is None
     assert "invalid artifact name" in (rows["team-a", "Bad_Name"].problem or "")
-    assert "incomplete" in (rows["team-a", "empty"].problem or "")
-    assert "not a directory" in (rows["team-a", "file"].problem or "")
-    assert "not valid JSON" in (rows["team-b", "good"].problem or "")
-    assert "bad signature" in (store.list("team-b", key=KEY)[0].problem or "")
-    assert [r.name for r in store.list("team-a", key=KEY) if r.problem is None] == ["qwen-7b"]
+    assert "not a published name" in (rows["team-a", "plain-dir"].problem or "")
+    assert "bad signature" in (rows["team-b", "good"].problem or "")
+
+
+def test_list_survives_a_deeply_nested_manifest(tmp_path: Path) -> None:
+    store = ArtifactStore(str(tmp_path))
+    final = publish(store)
+    deep = b"[" * 100000 + b"]" * 100000
+    (final / "manifest.json").write_bytes(deep)
+    (final / "manifest.json.sig").write_text(sign(deep, KEY))
+    [row] = store.list(key=KEY)
+    assert row.manifest is None and "nested deeper" in (row.problem or "")
 
 
 def test_list_of_an_empty_store_is_empty(tmp_path: Path) -> None:
     assert ArtifactStore(str(tmp_path / "missing")).list() == []
 
 
-def test_delete_removes_the_artifact_and_leaves_no_trash(tmp_path: Path) -> None:
+def test_delete_removes_the_name_and_its_version(tmp_path: Path) -> None:
     store = ArtifactStore(str(tmp_path))
     publish(store)
     store.delete("team-a", "qwen-7b")
@@ -322,21 +372,140 @@ def test_delete_removes_the_artifact_and_leaves_no_trash(tmp_path: Path) -> None
         store.delete("team-a", "qwen-7b")
 
 
-def test_delete_of_a_symlinked_artifact_removes_the_link_only(tmp_path: Path) -> None:
-    store = ArtifactStore(str(tmp_path / "store"))
-    real = publish(ArtifactStore(str(tmp_path / "elsewhere")))
-    (tmp_path / "store" / "team-a").mkdir(parents=True)
-    (tmp_path / "store" / "team-a" / "qwen-7b").symlink_to(real)
-    store.delete("team-a", "qwen-7b")
-    assert (real / "manifest.json").exists()
-    assert os.listdir(tmp_path / "store" / "team-a") == []
+def test_delete_refuses_while_a_restore_reads_the_artifact(tmp_path: Path) -> None:
+    store = ArtifactStore(str(tmp_path))
+    version = publish(store)
+    reading = store.open("team-a", "qwen-7b", KEY)
+    with pytest.raises(StoreError, match="a restore is reading it"):
+        store.delete("team-a", "qwen-7b")
+    assert (tmp_path / "team-a" / "qwen-7b").is_symlink() and version.is_dir()
+    threading.Timer(0.3, reading.close).start()
+    store.delete("team-a", "qwen-7b", wait=10)  # waits for the reader, then removes
+    assert os.listdir(tmp_path / "team-a") == []
+
+
+def test_a_republish_leaves_a_version_being_read_for_the_sweep(tmp_path: Path) -> None:
+    store = ArtifactStore(str(tmp_path))
+    old = publish(store, files={"f": b"old"})
+    with store.open("team-a", "qwen-7b", KEY) as reading:
+        new = publish(store, files={"f": b"new"})
+        assert old.is_dir()  # still read: not removed
+        fd = reading.open_file("f")
+        assert os.pread(fd, 16, 0) == b"old"  # the reader keeps its version
+        os.close(fd)
+        assert [x.kind for x in store.leftovers()] == ["unreferenced-version"]
+        assert store.sweep(grace=0) == []  # locked: kept
+    assert [x.entry for x in store.sweep(grace=0)] == [old.name]
+    assert sorted(os.listdir(tmp_path / "team-a")) == [new.name, "qwen-7b"]
+
+
+def test_reader_reads_only_the_version_it_opened_across_rename_and_republish(tmp_path: Path) -> None:
+    store = ArtifactStore(str(tmp_path))
+    v1 = publish(store, files={"criu/pages-1.img": b"A" * 5000, "plan": b"uid 1000"})
+    with store.open("team-a", "qwen-7b", KEY) as art:
+        # Another tenant: the version dir renamed away and a new one in its place, then a
+        # same-name re-publish (the name now points at a different signed version).
+        v1.rename(v1.with_name(".moved"))
+        shutil.copytree(v1.with_name(".moved"), v1)
+        (v1 / "plan").write_bytes(b"uid 0000")
+        publish(store, files={"criu/pages-1.img": b"B" * 5000, "plan": b"uid 0 admin"})
+        dest = tmp_path / "private"
+        dest.mkdir()
+        art.copy_verified("plan", str(dest / "plan"))
+        art.copy_verified("criu/pages-1.img", str(dest / "pages"))
+        assert (dest / "plan").read_bytes() == b"uid 1000"
+        assert (dest / "pages").read_bytes() == b"A" * 5000
+
+
+def test_a_listed_file_rewritten_through_a_hard_link_is_refused_on_copy(tmp_path: Path) -> None:
+    store = ArtifactStore(str(tmp_path))
+    v1 = publish(store, files={"rootfs-diff.tar": b"T" * 4096})
+    os.link(v1 / "rootfs-diff.tar", tmp_path / "elsewhere")
+    with store.open("team-a", "qwen-7b", KEY) as art:
+        (tmp_path / "elsewhere").write_bytes(b"X" * 4096)  # same inode, new bytes
+        with pytest.raises(ArtifactRejected, match="content changed"):
+            art.copy_verified("rootfs-diff.tar", str(tmp_path / "copy"))
+    assert not (tmp_path / "copy").exists()  # nothing unverified is left to be used
+
+
+def test_materialize_copies_all_but_skipped_files_and_verifies_them(tmp_path: Path) -> None:
+    store = ArtifactStore(str(tmp_path / "s"))
+    publish(store, files={"criu/core-1.img": b"core", "bulk/pages-1.bulk": b"P" * 8192, "plan": b"p"})
+    with store.open("team-a", "qwen-7b", KEY) as art:
+        copied = art.materialize(str(tmp_path / "priv"), skip=lambda p: p.startswith("bulk/"))
+    assert copied == 5
+    assert sorted(str(p.relative_to(tmp_path / "priv")) for p in (tmp_path / "priv").rglob("*")
+                  if p.is_file()) == ["criu/core-1.img", "plan"]
+    assert oct((tmp_path / "priv").stat().st_mode & 0o777) == "0o700"
+
+
+def test_sweep_removes_dead_owners_staging_and_keeps_live_and_foreign_ones(tmp_path: Path) -> None:
+    store = ArtifactStore(str(tmp_path))
+    publish(store)
+    ns = tmp_path / "team-a"
+
+    def staging(name: str, owner: dict[str, object]) -> None:
+        (ns / name).mkdir()
+        (ns / name / "pages.img").write_bytes(b"x" * 4096)
+        (ns / name / ".owner.json").write_text(json.dumps(owner))
+
+    me = dataclasses.asdict(store_mod.Owner.me())
+    staging(".staging-live-1", me)
+    staging(".staging-dead-pid-1", {**me, "pid": 999999999, "start_time": 1})
+    staging(".staging-old-boot-1", {**me, "boot_id": "another-boot"})
+    staging(".staging-other-node-1", {**me, "node": "another-node"})
+    staging(".staging-other-node-old-1", {**me, "node": "another-node", "created": me["created"] - 2 * 86400})
+    (ns / ".link-qwen-7b-0123456789abcdef").symlink_to("nowhere")
+    kinds = {x.entry: x.kind for x in store.leftovers()}
+    assert kinds[".staging-live-1"] == "staging" and kinds[".link-qwen-7b-0123456789abcdef"] == "link"
+    removed = sorted(x.entry for x in store.sweep(grace=0))
+    assert removed == [".link-qwen-7b-0123456789abcdef", ".staging-dead-pid-1", ".staging-old-boot-1",
+                       ".staging-other-node-old-1"]
+    assert (ns / ".staging-live-1").is_dir() and (ns / ".staging-other-node-1").is_dir()
+
+
+def test_a_killed_publisher_leaves_a_staging_dir_the_next_sweep_removes(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+    code = ("import sys, os, signal; from runtime.store import ArtifactStore; "
+            "s = ArtifactStore(sys.argv[1]).stage('team-a', 'x'); "
+            "open(os.path.join(s.path, 'pages.img'), 'wb').write(b'p' * 65536); "
+            "os.kill(os.getpid(), signal.SIGKILL)")
+    subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=Path(__file__).parents[2])
+    store = ArtifactStore(str(tmp_path))
+    [left] = store.leftovers()
+    assert left.kind == "staging" and left.owner is not None and left.bytes >= 65536
+    assert [x.entry for x in store.sweep()] == [left.entry]
+    assert os.listdir(tmp_path / "team-a") == []
+
+
+def test_prune_keeps_the_newest_versions_and_removes_old_artifacts(tmp_path: Path) -> None:
+    store = ArtifactStore(str(tmp_path))
+    old1 = publish(store, name="a")
+    with store.open("team-a", "a", KEY):  # held: the re-publish keeps it around
+        publish(store, name="a")
+    newest = publish(store, name="a")
+    assert old1.is_dir()
+    assert store.prune(keep_last=1) == [f"team-a/{old1.name}"]
+    assert sorted(os.listdir(tmp_path / "team-a")) == [newest.name, "a"]
+    assert store.prune(older_than=3600) == []
+    assert store.prune(older_than=0) == ["team-a/a"]
+    assert os.listdir(tmp_path / "team-a") == []
+
+
+def test_generation_book_refuses_a_rollback(tmp_path: Path) -> None:
+    book = GenerationBook(tmp_path)
+    book.check("team-a", "m", 5)
+    book.record("team-a", "m", 5)
+    book.record("team-a", "m", 3)  # never lowers
+    book.check("team-a", "m", 5)
+    book.check("team-a", "m", 6)
+    with pytest.raises(ArtifactRejected, match="rollback"):
+        book.check("team-a", "m", 4)
 
 
 def test_large_file_digest_is_by_pieces_and_catches_one_flipped_byte(tmp_path):
     """Files over one piece are hashed piecewise in parallel; a change anywhere is still caught."""
-    import hashlib
-
-    from runtime import store as store_mod
     big = tmp_path / "big.img"
     with open(big, "wb") as f:
         f.truncate(2 * store_mod.PIECE + 12345)
@@ -344,7 +513,7 @@ def test_large_file_digest_is_by_pieces_and_catches_one_flipped_byte(tmp_path):
         f.write(b"payload")
     fd = os.open(big, os.O_RDONLY)
     try:
-        size, digest = store_mod._hash_fd(fd)
+        size, digest = store_mod.hash_fd(fd)
     finally:
         os.close(fd)
     assert size == 2 * store_mod.PIECE + 12345
@@ -354,6 +523,6 @@ def test_large_file_digest_is_by_pieces_and_catches_one_flipped_byte(tmp_path):
         f.write(b"\x01")
     fd = os.open(big, os.O_RDONLY)
     try:
-        assert store_mod._hash_fd(fd)[1] != digest
+        assert store_mod.hash_fd(fd)[1] != digest
     finally:
         os.close(fd)

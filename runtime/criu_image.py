@@ -1,0 +1,209 @@
+"""CRIU image files: read and rewrite the few images Rekindle needs (pstree, pagemap, mm).
+
+Format (CRIU's ``images/`` and its pycriu): an image starts with 8 bytes of magic (the common
+magic, then the image's own), followed by entries, each a 4-byte little-endian length and a
+protobuf message. A pagemap image holds one ``pagemap_head`` (which ``pages-<id>.img`` holds its
+data) and then ``pagemap_entry`` records; the data of the present entries lies back to back in
+the pages file in entry order (offsets are implicit). ``mm-<pid>.img`` holds one ``mm_entry``
+with the process's VMAs. The message classes are generated from CRIU's own .proto files
+(``runtime.criu_proto``, see hack/gen-protos.sh).
+
+Images are written by CRIU on this node or come out of a verified artifact; a malformed one
+still raises :class:`CriuError` naming the file, never an IndexError.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from google.protobuf.message import DecodeError
+
+from runtime.criu_proto import mm_pb2, pagemap_pb2, pstree_pb2
+from runtime.errors import CriuError
+
+MAGIC_LEN = 8
+MAX_ENTRY = 64 << 20  # no entry of these images comes near this; a bigger length is corruption
+
+# pagemap_entry.flags (criu/include/pagemap.h)
+PE_PARENT = 1 << 0
+PE_LAZY = 1 << 1
+PE_PRESENT = 1 << 2
+
+# vma_entry.status (criu/include/image.h)
+VMA_AREA_REGULAR = 1 << 0
+VMA_ANON_SHARED = 1 << 8
+VMA_ANON_PRIVATE = 1 << 9
+VMA_AREA_SYSVIPC = 1 << 10
+VMA_AREA_SOCKET = 1 << 11
+VMA_AREA_VVAR = 1 << 12
+VMA_AREA_AIORING = 1 << 13
+VMA_AREA_MEMFD = 1 << 14
+VMA_AREA_VDSO = 1 << 3
+VMA_AREA_VSYSCALL = 1 << 2
+VMA_AREA_HEAP = 1 << 5
+VMA_FILE_PRIVATE = 1 << 6
+VMA_FILE_SHARED = 1 << 7
+VMA_AREA_SHSTK = 1 << 15
+VMA_AREA_GUARD = 1 << 16
+VMA_AREA_UPROBES = 1 << 17
+VMA_EXT_PLUGIN = 1 << 27
+VMA_UNSUPP = 1 << 31
+PROT_WRITE = 0x2
+MADV_HUGEPAGE = 14
+PAGE = 4096
+
+
+@dataclass(frozen=True)
+class RawImage:
+    magic: bytes
+    entries: list[bytes]
+
+
+def read_raw(path: str) -> RawImage:
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        raise CriuError("image", f"cannot read {path}: {exc}") from exc
+    if len(data) < MAGIC_LEN:
+        raise CriuError("image", f"{path}: shorter than its magic")
+    entries, i = [], MAGIC_LEN
+    while i < len(data):
+        if i + 4 > len(data):
+            raise CriuError("image", f"{path}: truncated entry header at {i}")
+        (size,) = struct.unpack_from("<I", data, i)
+        if size > MAX_ENTRY or i + 4 + size > len(data):
+            raise CriuError("image", f"{path}: entry of {size} bytes at {i} runs past the end")
+        entries.append(data[i + 4:i + 4 + size])
+        i += 4 + size
+    return RawImage(data[:MAGIC_LEN], entries)
+
+
+def write_raw(path: str, image: RawImage) -> None:
+    """Write to a temp name and rename: a crash never leaves a half-written image."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(image.magic)
+        for entry in image.entries:
+            f.write(struct.pack("<I", len(entry)))
+            f.write(entry)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _parse(msg_type, raw: bytes, path: str):  # type: ignore[no-untyped-def]
+    msg = msg_type()
+    try:
+        msg.ParseFromString(raw)
+    except DecodeError as exc:
+        raise CriuError("image", f"{path}: bad {msg_type.__name__}: {exc}") from exc
+    return msg
+
+
+# --- pstree -------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PstreeEntry:
+    pid: int
+    ppid: int
+    pgid: int
+    sid: int
+    threads: tuple[int, ...]
+
+
+def read_pstree(images_dir: str) -> list[PstreeEntry]:
+    path = os.path.join(images_dir, "pstree.img")
+    out = []
+    for raw in read_raw(path).entries:
+        e = _parse(pstree_pb2.pstree_entry, raw, path)
+        out.append(PstreeEntry(e.pid, e.ppid, e.pgid, e.sid, tuple(e.threads)))
+    return out
+
+
+# --- pagemap ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Pagemap:
+    """A process's pagemap: which pages file, and its entries."""
+
+    path: str
+    magic: bytes
+    pages_id: int
+    entries: list[pagemap_pb2.pagemap_entry]
+
+    @property
+    def pages_path(self) -> str:
+        return os.path.join(os.path.dirname(self.path), f"pages-{self.pages_id}.img")
+
+
+def nr_pages(entry: pagemap_pb2.pagemap_entry) -> int:
+    return entry.nr_pages if entry.HasField("nr_pages") else entry.compat_nr_pages
+
+
+def has_data(entry: pagemap_pb2.pagemap_entry) -> bool:
+    """Whether the entry's pages lie in this image's pages file (not in a parent, not lazy)."""
+    if entry.HasField("flags"):
+        return bool(entry.flags & PE_PRESENT) and not entry.flags & PE_PARENT
+    return not entry.in_parent
+
+
+def read_pagemap(images_dir: str, pid: int) -> Pagemap:
+    path = os.path.join(images_dir, f"pagemap-{pid}.img")
+    raw = read_raw(path)
+    if not raw.entries:
+        raise CriuError("image", f"{path}: no pagemap head")
+    head = _parse(pagemap_pb2.pagemap_head, raw.entries[0], path)
+    entries = [_parse(pagemap_pb2.pagemap_entry, e, path) for e in raw.entries[1:]]
+    return Pagemap(path, raw.magic, head.pages_id, entries)
+
+
+def write_pagemap(pagemap: Pagemap, entries: list[pagemap_pb2.pagemap_entry]) -> None:
+    head = pagemap_pb2.pagemap_head(pages_id=pagemap.pages_id)
+    write_raw(pagemap.path, RawImage(pagemap.magic, [head.SerializeToString(),
+                                                     *(e.SerializeToString() for e in entries)]))
+
+
+def data_runs(pagemap: Pagemap) -> Iterator[tuple[int, int, int]]:
+    """(vaddr, length, offset in the pages file) of every present entry, in file order."""
+    offset = 0
+    for e in pagemap.entries:
+        if not has_data(e):
+            continue
+        length = nr_pages(e) * PAGE
+        yield e.vaddr, length, offset
+        offset += length
+
+
+# --- mm -----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Mm:
+    path: str
+    magic: bytes
+    entry: mm_pb2.mm_entry
+
+
+def read_mm(images_dir: str, pid: int) -> Mm:
+    path = os.path.join(images_dir, f"mm-{pid}.img")
+    raw = read_raw(path)
+    if len(raw.entries) != 1:
+        raise CriuError("image", f"{path}: {len(raw.entries)} entries, want 1")
+    return Mm(path, raw.magic, _parse(mm_pb2.mm_entry, raw.entries[0], path))
+
+
+def write_mm(mm: Mm) -> None:
+    write_raw(mm.path, RawImage(mm.magic, [mm.entry.SerializeToString()]))
+
+
+def is_private_anon_writable(vma) -> bool:  # type: ignore[no-untyped-def]
+    """A plain private anonymous writable mapping: the only kind whose pages may move out of
+    CRIU (process_vm_writev cannot write read-only mappings; shared ones are CRIU's)."""
+    special = (VMA_ANON_SHARED | VMA_AREA_SYSVIPC | VMA_AREA_SOCKET | VMA_AREA_VVAR | VMA_AREA_AIORING
+               | VMA_AREA_MEMFD | VMA_AREA_VDSO | VMA_AREA_VSYSCALL | VMA_FILE_PRIVATE | VMA_FILE_SHARED
+               | VMA_AREA_SHSTK | VMA_AREA_GUARD | VMA_AREA_UPROBES | VMA_EXT_PLUGIN | VMA_UNSUPP)
+    return (bool(vma.status & VMA_AREA_REGULAR) and bool(vma.status & VMA_ANON_PRIVATE)
+            and not vma.status & special and bool(vma.prot & PROT_WRITE))

@@ -1,0 +1,122 @@
+"""The artifact layout: file names inside an artifact, and the typed restore plan.
+
+An artifact (one published version, see ``runtime.store``) holds::
+
+    manifest.json, manifest.json.sig   the signed manifest (every other file's size and digest)
+    restore-plan.json                  RestorePlan below (what CRIU restore needs beyond the manifest)
+    criu/                              CRIU's images; with the bulk path its pages files hold only
+                                       what CRIU restores itself
+    bulk/pages-<pid>.bulk              a process's large private anonymous page runs, restored
+                                       beside CRIU (the pages file CRIU wrote, renamed); where each
+                                       run goes is in RestorePlan.bulk
+    bulk/pagemap-<pid>.img             CRIU's pagemap before the split (the stock restore path)
+    rootfs-diff.tar, rootfs-deletions.json   the container's writable layer
+    shm.tar, shm-deletions.json        the container's /dev/shm when it is an external mount
+
+Everything but ``bulk/`` is small and is copied, hashed while copied, into a private node-local
+directory before use; the bulk files are hashed as they are written into the stopped process.
+"""
+
+from __future__ import annotations
+
+import os
+import typing
+from dataclasses import dataclass
+
+from runtime import strict_json
+
+MANIFEST = "manifest.json"
+SIGNATURE = "manifest.json.sig"
+RESTORE_PLAN = "restore-plan.json"
+CRIU_DIR = "criu"
+BULK_DIR = "bulk"
+ROOTFS_TAR = "rootfs-diff.tar"
+ROOTFS_DELETIONS = "rootfs-deletions.json"
+SHM_TAR = "shm.tar"
+SHM_DELETIONS = "shm-deletions.json"
+MAX_PLAN_BYTES = 16 << 20
+
+
+def bulk_file(pid: int) -> str:
+    return f"{BULK_DIR}/pages-{pid}.bulk"
+
+
+def bulk_pagemap(pid: int) -> str:
+    """CRIU's pagemap of ``pid`` as the dump wrote it (before the split): with the bulk file as
+    its pages file it restores the process the stock way, for comparison."""
+    return f"{BULK_DIR}/pagemap-{pid}.img"
+
+
+def is_bulk(path: str) -> bool:
+    return path.startswith(BULK_DIR + "/")
+
+
+@dataclass(frozen=True, slots=True)
+class MountPlanEntry:
+    """One external mount of the dumped tree: CRIU key, where it is mounted, and its kind."""
+
+    key: str
+    destination: str
+    type: str  # "bind", "cgroup" or "cgroup2"
+    mount_point: str = ""  # where the source saw it, when a symlink made it differ from destination
+
+
+@dataclass(frozen=True, slots=True)
+class BulkRange:
+    """``length`` bytes at ``offset`` of the bulk file belong at ``vaddr`` of the process."""
+
+    vaddr: int
+    length: int
+    offset: int
+
+    def __post_init__(self) -> None:
+        if self.vaddr < 0 or self.length <= 0 or self.offset < 0 or self.vaddr % 4096 or self.length % 4096:
+            raise ValueError(f"bulk range {self}: want page-aligned, positive values")
+
+
+@dataclass(frozen=True, slots=True)
+class BulkFile:
+    """The bulk pages of one process (``pid`` as its own pid namespace numbers it)."""
+
+    pid: int
+    path: str
+    pages_id: int  # the pages-<id>.img this file was, in CRIU's images
+    ranges: tuple[BulkRange, ...]
+
+    def __post_init__(self) -> None:
+        if self.path != bulk_file(self.pid):
+            raise ValueError(f"bulk file of pid {self.pid} must be {bulk_file(self.pid)}, not {self.path!r}")
+        ends = sorted((r.vaddr, r.vaddr + r.length) for r in self.ranges)
+        if any(a_end > b_start for (_, a_end), (b_start, _) in zip(ends, ends[1:])):
+            raise ValueError(f"{self.path}: overlapping ranges")
+
+    @property
+    def bytes(self) -> int:
+        return sum(r.length for r in self.ranges)
+
+
+@dataclass(frozen=True, slots=True)
+class RestorePlan:
+    stdio: tuple[str, ...]
+    shell_job: bool
+    mounts: tuple[MountPlanEntry, ...]
+    shm: bool
+    bulk: tuple[BulkFile, ...] = ()
+    tcp_established: bool = False
+
+    def to_json(self) -> bytes:
+        return strict_json.canonical_json(strict_json.to_obj(self))
+
+    @classmethod
+    def from_json(cls, data: bytes) -> RestorePlan:
+        """Parse (ValueError/TypeError on anything off; the caller names the artifact)."""
+        obj = strict_json.loads(data, max_bytes=MAX_PLAN_BYTES)
+        plan = typing.cast(RestorePlan, strict_json.from_obj(cls, obj, "restore plan"))
+        for m in plan.mounts:
+            if not os.path.isabs(m.destination) or m.type not in ("bind", "cgroup", "cgroup2"):
+                raise ValueError(f"restore plan: bad mount {m}")
+        return plan
+
+    @property
+    def bulk_bytes(self) -> int:
+        return sum(b.bytes for b in self.bulk)

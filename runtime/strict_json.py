@@ -1,0 +1,126 @@
+"""Strict JSON <-> frozen dataclasses, for files Rekindle signs or hashes and later reads back.
+
+:func:`canonical_json` gives canonical bytes (sorted keys, compact separators, UTF-8, no NaN).
+:func:`loads` parses untrusted bytes: no duplicate keys, no NaN/Infinity, a size cap, and nesting
+too deep for the parser is an error, not a RecursionError. :func:`from_obj` converts JSON to a
+dataclass type with exact key sets and strict JSON types (a bool is not an int, a float field takes
+an int). Every problem raises ``ValueError`` / ``TypeError`` naming where it is; callers turn that
+into their own error type once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any
+
+MAX_DEPTH = 64
+
+
+def canonical_json(obj: Any) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                      allow_nan=False).encode("utf-8")
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"duplicate key {k!r}")
+        out[k] = v
+    return out
+
+
+def _no_constants(name: str) -> Any:
+    raise ValueError(f"{name} is not allowed")
+
+
+def _depth(text: str) -> int:
+    """Deepest nesting of brackets outside strings (a cheap scan before json.loads recurses)."""
+    depth = deepest = 0
+    in_str = escape = False
+    for ch in text:
+        if in_str:
+            if escape:
+                escape = False
+            elif ch == "\\":
+                escape = True
+            elif ch == '"':
+                in_str = False
+        elif ch == '"':
+            in_str = True
+        elif ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth -= 1
+    return deepest
+
+
+def loads(data: bytes, *, max_bytes: int) -> Any:
+    """Parse untrusted JSON bytes; ValueError on anything off."""
+    if len(data) > max_bytes:
+        raise ValueError(f"larger than {max_bytes} bytes")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"not UTF-8: {exc}") from exc
+    if _depth(text) > MAX_DEPTH:
+        raise ValueError(f"nested deeper than {MAX_DEPTH} levels")
+    try:
+        return json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constants)
+    except RecursionError:  # pragma: no cover - the depth scan catches it first
+        raise ValueError("nested too deeply") from None
+
+
+def to_obj(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: to_obj(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, (tuple, list)):
+        return [to_obj(v) for v in value]
+    if isinstance(value, Mapping):
+        return {str(k): to_obj(v) for k, v in value.items()}
+    return value
+
+
+def from_obj(tp: Any, value: Any, where: str) -> Any:
+    """Convert JSON to ``tp`` with strict types; raise TypeError/ValueError naming ``where``."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return None if value is None else from_obj(args[0], value, where)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise TypeError(f"{where}: expected an object")
+        hints = typing.get_type_hints(tp)
+        names = {f.name for f in dataclasses.fields(tp)}
+        if set(value) != names:
+            extra, missing = sorted(set(value) - names), sorted(names - set(value))
+            raise ValueError(f"{where}: unknown keys {extra}, missing keys {missing}")
+        return tp(**{n: from_obj(hints[n], value[n], f"{where}.{n}") for n in names})
+    if origin is tuple:
+        if not isinstance(value, list):
+            raise TypeError(f"{where}: expected a list")
+        inner = typing.get_args(tp)
+        if len(inner) == 2 and inner[1] is Ellipsis:
+            return tuple(from_obj(inner[0], v, f"{where}[{i}]") for i, v in enumerate(value))
+        if len(inner) != len(value):
+            raise ValueError(f"{where}: expected {len(inner)} items")
+        return tuple(from_obj(t, v, f"{where}[{i}]") for i, (t, v) in enumerate(zip(inner, value)))
+    if origin in (Mapping, dict):
+        if not isinstance(value, dict):
+            raise TypeError(f"{where}: expected an object")
+        inner = typing.get_args(tp)[1]
+        return {k: from_obj(inner, v, f"{where}.{k}") for k, v in value.items()}
+    if tp is float:
+        if type(value) not in (int, float):
+            raise TypeError(f"{where}: expected a number")
+        return float(value)
+    if tp in (str, int, bool):
+        if type(value) is not tp:
+            raise TypeError(f"{where}: expected {tp.__name__}")
+        return value
+    raise TypeError(f"{where}: unsupported type {tp!r}")  # pragma: no cover
