@@ -260,19 +260,17 @@ class _Filler:
         return digest.digest()
 
 
-def fill(artifact: Artifact, files: Sequence[BulkFile], pid_of: Callable[[int], int],
+def fill(artifact: Artifact, files: Sequence[BulkFile], fds: Sequence[int], pid_of: Callable[[int], int],
          threads: int = WORKERS, progress: Callable[[int], None] | None = None) -> FillStats:
-    """Write every bulk file into its (stopped) process; FillError unless all bytes were
-    written and every file's digest matched the manifest."""
+    """Write every bulk file (``fds[i]`` is ``files[i]``, opened by the caller through
+    ``artifact``) into its stopped process; FillError unless all bytes were written and every
+    file's digest matched the manifest."""
     t0 = time.monotonic()
-    fds: list[int] = []
     try:
         pids = [pid_of(f.pid) for f in files]
         pieces: list[_Piece] = []
         sizes = []
-        for i, f in enumerate(files):
-            fd = artifact.open_file(f.path)
-            fds.append(fd)
+        for i, (f, fd) in enumerate(zip(files, fds, strict=True)):
             size = os.fstat(fd).st_size
             if size != artifact.entry(f.path).size:
                 raise FillError(f"{artifact.label}: {f.path} is {size} bytes, the manifest says "
@@ -281,7 +279,7 @@ def fill(artifact: Artifact, files: Sequence[BulkFile], pid_of: Callable[[int], 
                 raise FillError(f"{artifact.label}: {f.path}: a range lies past the end of the file")
             sizes.append(size)
             pieces.extend(_Piece(i, off, length) for off, length in piece_ranges(size))
-        filler = _Filler(fds, pids, files, progress)
+        filler = _Filler(list(fds), pids, files, progress)
         with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="rekindle-fill") as pool:
             digests = list(pool.map(filler.piece, pieces))
         by_file: list[list[bytes]] = [[] for _ in files]
@@ -291,9 +289,6 @@ def fill(artifact: Artifact, files: Sequence[BulkFile], pid_of: Callable[[int], 
             artifact.check(f.path, size, combine_pieces(size, got))
     except OSError as exc:
         raise FillError(f"{artifact.label}: bulk fill failed: {exc}") from exc
-    finally:
-        for fd in fds:
-            os.close(fd)
     stats = FillStats(filler.read, filler.written, time.monotonic() - t0, threads)
     log.info("bulk fill: %.1f MiB read and verified, %.1f MiB written, %d threads, %.2fs (%.2f GB/s)",
              stats.bytes_read / 2**20, stats.bytes_written / 2**20, threads, stats.seconds,

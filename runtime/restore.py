@@ -22,6 +22,7 @@ copy of them too), for comparison.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import logging
@@ -115,6 +116,11 @@ def gpu_device_nodes(target_spec: dict[str, Any]) -> list[CharDevice]:
     return out
 
 
+def ensure_device_nodes(host_pid: int, target_spec: dict[str, Any]) -> list[str]:
+    """The target's NVIDIA device nodes in the restored process's /dev (created from the host)."""
+    return ensure_char_devices(host_pid, gpu_device_nodes(target_spec))
+
+
 def _stage(artifact: Artifact, private: str, path: RestorePath) -> layout.RestorePlan:
     """Copy (and verify) what this restore reads into ``private``; parse the plan from there."""
     artifact.materialize(private, skip=layout.is_bulk)
@@ -135,6 +141,17 @@ def _stage(artifact: Artifact, private: str, path: RestorePath) -> layout.Restor
     return plan
 
 
+def _open_bulk(held: contextlib.ExitStack, artifact: Artifact, plan: layout.RestorePlan) -> list[int]:
+    """fds of the bulk files, held from staging on: whatever is renamed or removed in the store
+    afterwards cannot change which bytes the fill reads (it verifies them as it writes)."""
+    fds = []
+    for b in plan.bulk:
+        fd = artifact.open_file(b.path)
+        held.callback(os.close, fd)
+        fds.append(fd)
+    return fds
+
+
 def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFacts, *,
             control: control_mod.ControlDir | None = None, cuda: Any = None,
             check_image: bool = True, generations: GenerationBook | None = None,
@@ -147,82 +164,77 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
                             dir=req.log_dir)
     private = os.path.join(work, "private")  # verified copies; removed at the end (logs stay)
     try:
-        return _restore(req, store, key, facts, t, work, private, control=control, cuda=cuda,
-                        check_image=check_image, generations=generations, progress=progress)
-    finally:
-        shutil.rmtree(private, ignore_errors=True)
+        with contextlib.ExitStack() as held:  # the artifact (its lock) and the bulk fds
+            with t.phase("open"):
+                artifact = held.enter_context(store.open(req.namespace, req.name, key))
+            manifest = artifact.manifest
+            if generations is not None:
+                generations.check(req.namespace, req.name, manifest.generation)
+            with t.phase("inspect"):
+                target = resolve_container(req.containerd_state, req.container_id)
+                tfacts = target_facts(facts, target.spec)
+                image = req.image if check_image else manifest.source.image
+                image_ref = req.image_ref if check_image else manifest.source.image_ref
+                reasons = check_compatibility(manifest, tfacts, image=image, image_ref=image_ref)
+                reasons += check_privilege(manifest.security,
+                                           SecurityProfile.from_oci_spec(target.spec, label=req.name))
+                if manifest.cuda is not None and cuda is None:
+                    reasons.append("artifact holds CUDA state but this agent has no CUDA driver")
+                if reasons:
+                    raise ArtifactRejected(artifact.label, "; ".join(reasons))
+            with t.phase("stage"):
+                plan = _stage(artifact, private, req.path)
+                fill_bulk = bool(plan.bulk) and req.path is RestorePath.BULK
+                fds = _open_bulk(held, artifact, plan) if fill_bulk else []
+            if generations is not None:
+                generations.record(req.namespace, req.name, manifest.generation)
 
+            with t.phase("rootfs_apply"):
+                overlay.apply(target.rootfs, os.path.join(private, layout.ROOTFS_TAR),
+                              os.path.join(private, layout.ROOTFS_DELETIONS))
+                shm = _shm_dir(target)
+                if plan.shm and shm:
+                    overlay.apply(shm, os.path.join(private, layout.SHM_TAR),
+                                  os.path.join(private, layout.SHM_DELETIONS))
 
-def _restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFacts, t: Timings,
-             work: str, private: str, *, control: control_mod.ControlDir | None, cuda: Any,
-             check_image: bool, generations: GenerationBook | None,
-             progress: Progress | None) -> dict[str, float]:
-    with t.phase("open"):
-        artifact = store.open(req.namespace, req.name, key)
-    with artifact:
-        manifest = artifact.manifest
-        if generations is not None:
-            generations.check(req.namespace, req.name, manifest.generation)
-        with t.phase("inspect"):
-            target = resolve_container(req.containerd_state, req.container_id)
-            tfacts = target_facts(facts, target.spec)
-            image = req.image if check_image else manifest.source.image
-            image_ref = req.image_ref if check_image else manifest.source.image_ref
-            reasons = check_compatibility(manifest, tfacts, image=image, image_ref=image_ref)
-            reasons += check_privilege(manifest.security, SecurityProfile.from_oci_spec(target.spec, label=req.name))
-            if manifest.cuda is not None and cuda is None:
-                reasons.append("artifact holds CUDA state but this agent has no CUDA driver")
-            if reasons:
-                raise ArtifactRejected(artifact.label, "; ".join(reasons))
-        with t.phase("stage"):
-            plan = _stage(artifact, private, req.path)
-        if generations is not None:
-            generations.record(req.namespace, req.name, manifest.generation)
-
-        with t.phase("rootfs_apply"):
-            overlay.apply(target.rootfs, os.path.join(private, layout.ROOTFS_TAR),
-                          os.path.join(private, layout.ROOTFS_DELETIONS))
-            shm = _shm_dir(target)
-            if plan.shm and shm:
-                overlay.apply(shm, os.path.join(private, layout.SHM_TAR),
-                              os.path.join(private, layout.SHM_DELETIONS))
-
-        with t.phase("criu_restore"):
-            stdio = plan.stdio if len(plan.stdio) == 3 else None
-            result = restore_into(target, os.path.join(private, layout.CRIU_DIR), list(plan.mounts),
-                                  source_stdio=stdio, work_dir=work)  # type: ignore[arg-type]
-        pidns = target.namespaces["pid"].inode
-        try:
-            if plan.bulk and req.path is RestorePath.BULK:
-                with t.phase("fill"):
-                    total = sum(artifact.entry(b.path).size for b in plan.bulk)
-                    report = (lambda done: progress("fill", done, total)) if progress else None
-                    bulk.fill(artifact, plan.bulk, lambda pid: host_pid_of(pidns, pid),
-                              threads=req.threads, progress=report)
+            with t.phase("criu_restore"):
+                stdio = plan.stdio if len(plan.stdio) == 3 else None
+                result = restore_into(target, os.path.join(private, layout.CRIU_DIR), list(plan.mounts),
+                                      source_stdio=stdio, work_dir=work)  # type: ignore[arg-type]
+            pidns = target.namespaces["pid"].inode
             host_pids: list[int] = []
             gpu_map = None
-            if manifest.cuda is not None:
-                from runtime.cuda import build_gpu_map
-                host_pids = [host_pid_of(pidns, p) for p in manifest.cuda.pids]
-                gpu_map = build_gpu_map([g.uuid for g in manifest.cuda.gpus],
-                                        [g.uuid for g in (tfacts.cuda.gpus if tfacts.cuda else ())])
-                if gpu_map:  # the driver reopens the target's GPU by its own node
-                    for pid in host_pids:
-                        ensure_char_devices(pid, gpu_device_nodes(target.spec))
-        except BaseException:
-            bulk.kill_all(result.tree)  # stopped since CRIU: it never ran
-            raise
-    # Every byte is in place and verified: let it run.
-    bulk.signal_all(result.tree, signal.SIGCONT)
-    if manifest.cuda is not None:
-        with t.phase("cuda_restore"):
-            cuda.restore_all(host_pids, gpu_map)
-        log.info("CUDA restored for %d process(es)%s", len(host_pids),
-                 f", remapped {gpu_map}" if gpu_map else "")
-    if control is not None:
-        control.write_json(control_mod.TIMINGS, {"restore": dict(t)})
-        control.write(control_mod.RESTORE_PID, f"{result.ns_pid}\n")
-        control.write(control_mod.RESTORE_COMPLETE, req.name + "\n")
-    log.info("restored %s/%s into %s: %d processes, %s", req.namespace, req.name, req.container_id[:12],
-             len(result.tree), ", ".join(f"{k} {v:.2f}s" for k, v in t.items()))
-    return dict(t)
+            try:
+                if fill_bulk:
+                    with t.phase("fill"):
+                        total = sum(artifact.entry(b.path).size for b in plan.bulk)
+                        report = (lambda done: progress("fill", done, total)) if progress else None
+                        bulk.fill(artifact, plan.bulk, fds, lambda pid: host_pid_of(pidns, pid),
+                                  threads=req.threads, progress=report)
+                if manifest.cuda is not None:
+                    from runtime.cuda import build_gpu_map
+                    host_pids = [host_pid_of(pidns, p) for p in manifest.cuda.pids]
+                    gpu_map = build_gpu_map([g.uuid for g in manifest.cuda.gpus],
+                                            [g.uuid for g in (tfacts.cuda.gpus if tfacts.cuda else ())])
+                    if gpu_map:  # the driver reopens the target's GPU by its own node
+                        for pid in host_pids:
+                            ensure_device_nodes(pid, target.spec)
+            except BaseException:
+                bulk.kill_all(result.tree)  # stopped since CRIU: it never ran
+                raise
+        # Every byte is in place and verified: let it run.
+        bulk.signal_all(result.tree, signal.SIGCONT)
+        if manifest.cuda is not None:
+            with t.phase("cuda_restore"):
+                cuda.restore_all(host_pids, gpu_map)
+            log.info("CUDA restored for %d process(es)%s", len(host_pids),
+                     f", remapped {gpu_map}" if gpu_map else "")
+        if control is not None:
+            control.write_json(control_mod.TIMINGS, {"restore": dict(t)})
+            control.write(control_mod.RESTORE_PID, f"{result.ns_pid}\n")
+            control.write(control_mod.RESTORE_COMPLETE, req.name + "\n")
+        log.info("restored %s/%s into %s: %d processes, %s", req.namespace, req.name, req.container_id[:12],
+                 len(result.tree), ", ".join(f"{k} {v:.2f}s" for k, v in t.items()))
+        return dict(t)
+    finally:
+        shutil.rmtree(private, ignore_errors=True)

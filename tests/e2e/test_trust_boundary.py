@@ -1,0 +1,224 @@
+"""The trust boundary, tried as an attacker would, through real containerd + runc + CRIU + CNI.
+
+- No container binary ever runs with the plugin's privileges: the source tenant replaces
+  /bin/sh (and the writable layer carries it into the restored container) with a script that
+  records its uid and capabilities; a checkpoint, a restore and the creation of GPU device nodes
+  in the restored container must never run it.
+- The bytes used are the bytes verified: while a restore is under way (after its artifact was
+  opened and staged, right before CRIU), another tenant renames the version directory and puts
+  other content in its place, points the name at another signed version, or rewrites a listed
+  file through a hard link. The restore either comes back with exactly the version it opened or
+  fails with the tampered file named, and then nothing of it ever ran.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from plugin_process import PluginProcess, build_native
+from runtime.containerd.cri import Mount
+
+COUNTER = "localhost/rekindle/counter:1"
+INIT = "/.rekindle/bin/rekindle-init"
+RECORDER = ("#!/bin/busybox sh\n"
+            "echo \"uid=$(/bin/busybox id -u) $(/bin/busybox grep CapEff /proc/self/status)\" "
+            "> /rekindle/sh-ran-$$\n"
+            "exec /bin/busybox sh \"$@\"\n")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _native():
+    build_native()
+
+
+@pytest.fixture(scope="module")
+def plugin(sandbox, tmp_path_factory):
+    p = PluginProcess(sandbox, tmp_path_factory.mktemp("tb") / "plugin")
+    p.start()
+    yield p
+    p.stop()
+
+
+def get(ip: str, path: str = "/", timeout: float = 3.0) -> str:
+    with urllib.request.urlopen(f"http://{ip}:8080{path}", timeout=timeout) as r:
+        return r.read().decode()
+
+
+def wait_for(fn, timeout: float, what: str):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            got = fn()
+        except OSError:
+            got = None
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def count(ip: str) -> int:
+    return int(get(ip).split("count=")[1].split()[0])
+
+
+def checkpoint(sandbox, pod, plugin, name: str, pod_name: str, requests: int, shell: str = ""):  # type: ignore[no-untyped-def]
+    """A counter server checkpointed after ``requests`` requests; the test says when it is ready
+    (the workload does not), so the checkpoint cannot precede the requests."""
+    from runtime.status import Phase, StatusBook
+    a = pod(pod_name, annotations={"rekindle.dev/checkpoint": name})
+    script = f"{shell}unset REKINDLE_CONTROL_DIR; exec /usr/local/bin/counter-server 8080"
+    sandbox.run_container(a, "server", COUNTER, command=["/bin/busybox", "sh", "-c", script],
+                          env={"WARMUP_MIB": "64"})
+    ip = sandbox.cri.pod_ip(a.id)
+    wait_for(lambda: get(ip, "/healthz", 1.0), 30, "the source to serve")
+    for _ in range(requests):
+        get(ip)
+    ctl = plugin.control_dir(a.uid, "server")
+    (ctl / "ready-for-checkpoint").write_text("ready\n")
+    st = StatusBook(plugin.state_dir).wait("default", a.name, "server", {Phase.PUBLISHED, Phase.CHECKPOINT_FAILED}, 90)
+    assert st is not None and st.phase is Phase.PUBLISHED, (st, plugin.log()[-3000:])
+    return a, ip, ctl
+
+
+def test_no_container_binary_runs_with_the_plugins_privileges(sandbox, pod, plugin):
+    from runtime.containers import resolve_container
+    from runtime.namespaces import host_pid_of
+    from runtime.restore import ensure_device_nodes
+    from runtime.status import Phase, StatusBook
+
+    plant = (f"/bin/busybox rm -f /bin/sh && /bin/busybox printf '%s' '{RECORDER}' > /bin/sh && "
+             "/bin/busybox chmod 755 /bin/sh && ")
+    a, _ip, a_ctl = checkpoint(sandbox, pod, plugin, "planted-sh", "src-planted", 2, shell=plant)
+    b = pod("dst-planted", annotations={"rekindle.dev/restore": "planted-sh"})
+    b_cid = sandbox.run_container(b, "server", COUNTER, command=["/usr/local/bin/counter-server", "8080"])
+    st = StatusBook(plugin.state_dir).wait("default", b.name, "server", {Phase.RESTORED, Phase.COLD_START}, 90)
+    assert st is not None and st.phase is Phase.RESTORED, (st, plugin.log()[-3000:])
+    b_ctl = plugin.control_dir(b.uid, "server")
+    # The tenant's /bin/sh came along with the writable layer: it is there to be run.
+    target = resolve_container(str(sandbox.state_dir), b_cid)
+    assert Path(target.rootfs, "bin/sh").read_text().startswith("#!/bin/busybox sh")
+    # A restore onto a GPU with another UUID creates the target's device nodes in the restored
+    # process's /dev: from the host, by syscalls.
+    ns_pid = int((b_ctl / "restore-pid").read_text())
+    host_pid = host_pid_of(target.namespaces["pid"].inode, ns_pid)
+    spec = dict(target.spec)
+    spec["linux"] = {**spec.get("linux", {}), "devices": [
+        {"path": "/dev/nvidia7", "type": "c", "major": 195, "minor": 7, "fileMode": 0o666}]}
+    ensure_device_nodes(host_pid, spec)
+    st_dev = os.stat(f"/proc/{host_pid}/root/dev/nvidia7")
+    assert (os.major(st_dev.st_rdev), os.minor(st_dev.st_rdev)) == (195, 7)
+    ran = sorted(p.name + ": " + p.read_text().strip() for d in (a_ctl, b_ctl) for p in d.glob("sh-ran-*"))
+    assert ran == [], f"a container binary ran during checkpoint/restore: {ran}"
+    # The recorder works: the same script run by the container itself leaves a record.
+    sandbox.cri.exec_sync(b_cid, ["/bin/sh", "-c", "true"], timeout=10)
+    assert list(b_ctl.glob("sh-ran-*")), "the recorder did not record (the test could not fail)"
+
+
+# --- races on the shared store ---------------------------------------------------------------------
+
+def _attack_rename(store_ns: Path, opened: Path, older: Path) -> None:
+    """The opened version's directory renamed away; other (validly signed) content in its place."""
+    opened.rename(opened.with_name(opened.name + "-moved"))
+    shutil.copytree(older, opened)
+
+
+def _attack_republish(store_ns: Path, opened: Path, older: Path) -> None:
+    """The name switched to another signed version of the same name (and the opened one removed,
+    as a publish does on a node that holds no lock)."""
+    name = store_ns / "raced"
+    if name.is_symlink():
+        tmp = store_ns / ".link-attack"
+        tmp.symlink_to(older.name)
+        tmp.rename(name)
+        shutil.rmtree(opened, ignore_errors=True)
+    else:  # a layout where the name is the directory: a re-publish renames over it
+        name.rename(store_ns / ".trash-attack")
+        shutil.copytree(older, name)
+        shutil.rmtree(store_ns / ".trash-attack")
+
+
+def _attack_hardlink(store_ns: Path, opened: Path, older: Path) -> None:
+    """The largest listed file (the memory pages) rewritten through a hard link made elsewhere."""
+    biggest = max((p for p in opened.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    alias = store_ns.parent / "alias"
+    os.link(biggest, alias)
+    with open(alias, "r+b") as f:
+        f.seek(biggest.stat().st_size // 2 // 4096 * 4096)
+        f.write(b"\xa5" * 4096)
+
+
+@pytest.mark.parametrize("attack", [_attack_rename, _attack_republish, _attack_hardlink],
+                         ids=["rename", "republish", "hardlink-rewrite"])
+def test_a_restore_uses_only_the_bytes_it_verified(sandbox, pod, plugin, tmp_path, monkeypatch, attack):
+    import runtime.restore as restore_flow
+    from runtime.compat import NodeFacts
+    from runtime.containers import resolve_container
+    from runtime.control import ControlDir
+    from runtime.errors import RekindleError
+    from runtime.manifest import load_or_create_key
+    from runtime.store import ArtifactStore
+
+    # v1 (count 3) is kept aside, as anyone with the store mounted can; v2 (count 7) is current.
+    _a1, _ip1, _ = checkpoint(sandbox, pod, plugin, "raced", f"src-raced-1-{attack.__name__[8:]}", 2)
+    ns_dir = Path(plugin.store) / "default"
+    older = Path(os.path.realpath(ns_dir / "raced"))
+    keep = tmp_path / "older"
+    shutil.copytree(older, keep)
+    _a2, ip2, _ = checkpoint(sandbox, pod, plugin, "raced", f"src-raced-2-{attack.__name__[8:]}", 6)
+    opened = Path(os.path.realpath(ns_dir / "raced"))
+    if older == opened:  # a layout without versions: the attacker keeps the copy elsewhere
+        older = ns_dir / ".older-copy"
+    if not older.exists():
+        shutil.copytree(keep, older)  # the older version, put back by the attacker
+
+    ctl = tmp_path / "control"
+    ctl.mkdir(mode=0o777)
+    b = pod(f"dst-raced-{attack.__name__[8:]}")
+    cid = sandbox.run_container(
+        b, "server", COUNTER,
+        command=[INIT, "--mode", "restore", "--control", "/rekindle", "--timeout", "300", "--",
+                 "/usr/local/bin/counter-server", "8080"],
+        mounts=[Mount("/.rekindle/bin", str(plugin.state_dir / "bin"), readonly=True),
+                Mount("/rekindle", str(ctl))])
+
+    real = restore_flow.restore_into
+
+    def attacked(*args, **kwargs):  # type: ignore[no-untyped-def]
+        attack(ns_dir, opened, older)  # after the artifact was opened and checked, before CRIU
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(restore_flow, "restore_into", attacked)
+    req = restore_flow.RestoreRequest(
+        containerd_state=str(sandbox.state_dir), container_id=cid, namespace="default", name="raced",
+        image="", image_ref="", log_dir=str(tmp_path / "logs"))
+    key = load_or_create_key(str(plugin.state_dir / "hmac.key"))
+    target = resolve_container(str(sandbox.state_dir), cid)
+    try:
+        restore_flow.restore(req, ArtifactStore(str(plugin.store)), key, NodeFacts.detect(),
+                             control=ControlDir(ctl), check_image=False)
+    except RekindleError as exc:
+        # Only a tampered file may stop it; and then nothing of the restore ever ran.
+        assert attack is _attack_hardlink and "content changed" in str(exc), exc
+        members = [p for p in os.listdir("/proc") if p.isdigit() and _in_pidns(p, target.namespaces["pid"].inode)]
+        assert members == [str(target.init_pid)], members
+        return
+    assert attack is not _attack_hardlink, "a rewritten pages file was restored"
+    ip = sandbox.cri.pod_ip(b.id)
+    wait_for(lambda: get(ip, "/healthz", 1.0), 30, "the restored server")
+    # Exactly the version opened (v2): the same next count as v2's source, and its memory intact.
+    assert count(ip) == count(ip2)
+    assert "verify=ok" in get(ip, "/verify")
+
+
+def _in_pidns(pid: str, inode: int) -> bool:
+    try:
+        return os.stat(f"/proc/{pid}/ns/pid").st_ino == inode
+    except OSError:
+        return False
