@@ -7,8 +7,9 @@ Contract:
   (syscall 437, ``RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS``); on kernels without it (< 5.6,
   ``ENOSYS``) it walks the path one component at a time with the same rules. Either way the
   errors are the kernel's: ``EXDEV`` for an absolute path, an absolute symlink or a ``..`` that
-  would leave the directory; ``ELOOP`` for a /proc magic link or more than 40 symlinks;
-  ``ENOENT``/``ENOTDIR`` as usual. ``O_CLOEXEC`` is always added. ``EAGAIN`` (the kernel saw a
+  would leave the directory; ``ELOOP`` for more than 40 symlinks; ``ENOENT``/``ENOTDIR`` as
+  usual. A /proc magic link is refused too (openat2: ``ELOOP``; the walk reads its target as
+  text, which is absolute or names nothing: ``EXDEV`` or ``ENOENT``). ``O_CLOEXEC`` is always added. ``EAGAIN`` (the kernel saw a
   concurrent rename, as kubelet's atomic Secret updates do) is retried a few times.
 - :func:`openat2` is the raw call (ctypes, errno as ``OSError``).
 """
