@@ -95,7 +95,7 @@ def main() -> int:
         [sys.executable, "-m", "nri_plugin", "plugin", "--socket-path", str(sandbox.paths.nri_socket),
          "--state-dir", str(state), "--store", str(work / "store"),
          "--containerd-socket", sandbox.address, "--containerd-state", str(sandbox.paths.state),
-         "--init-binary", str(REPO / "build" / "rekindle-init")],
+         "--init-binary", str(REPO / "build" / "rekindle-init"), "--create-key"],
         cwd=REPO, stdout=open(plugin_log, "wb"), stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     cri = sandbox.cri(timeout=60)
     made = []

@@ -19,7 +19,7 @@ from runtime import checkpoint as checkpoint_flow
 from runtime import control
 from runtime import restore as restore_flow
 from runtime.compat import NodeFacts
-from runtime.manifest import load_or_create_key
+from runtime.keys import load_key
 from runtime.probe import probe as run_probe
 from runtime.rollback import GenerationBook
 from runtime.status import StatusBook
@@ -119,7 +119,8 @@ def _clients(settings: Settings) -> tuple[Any, Any]:
 
 
 def _engine(settings: Settings) -> tuple[ArtifactStore, bytes, NodeFacts, NodeEngine, Any, Any]:
-    key = load_or_create_key(str(settings.key_path))
+    # Only the plugin, and only when told (--create-key), may make a key; everything else reads it.
+    key = load_key(settings.key_path, create=settings.create_key)
     store = ArtifactStore(settings.store)
     cuda = _cuda()
     cuda_facts = restore_flow.cuda_facts(cuda)
@@ -129,9 +130,10 @@ def _engine(settings: Settings) -> tuple[ArtifactStore, bytes, NodeFacts, NodeEn
 
 
 def run_plugin(settings: Settings, max_parallel: int = 2) -> int:
+    os.makedirs(settings.state_dir, exist_ok=True)
+    store, key, facts, engine, specs, image_ref = _engine(settings)  # a key problem stops us here
     install_init(settings)
     os.makedirs(settings.store, exist_ok=True)
-    store, key, facts, engine, specs, image_ref = _engine(settings)
     status = StatusBook(settings.state_dir)
     log.info("node %s: kernel %s, CRIU %s, CUDA %s", facts.hostname, facts.kernel, facts.criu_version,
              facts.cuda.driver_version if facts.cuda else "none")

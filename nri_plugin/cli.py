@@ -3,6 +3,10 @@
 Subcommands: plugin, checkpoint, restore, artifacts (list|inspect|delete), status, doctor,
 nri-toggle, cuda-checkpoint. Exit codes: 0 success, 1 failure, 2 usage error. Errors print one
 line (``rekindle: error: ...``); ``-v`` adds tracebacks.
+
+The HMAC key: every command uses the plugin's key, ``--hmac-key-file``, else
+``$REKINDLE_HMAC_KEY_FILE`` (the chart sets it in the plugin's pod), else ``<state-dir>/hmac.key``.
+Only ``plugin --create-key`` may create it; anywhere else a missing key is one error line.
 """
 
 from __future__ import annotations
@@ -14,12 +18,18 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
-from runtime.errors import RekindleError
+from runtime.errors import KeyMissing, RekindleError
 
 from . import logs
 
+if TYPE_CHECKING:
+    from .config import Settings
+
 log = logging.getLogger("rekindle")
+
+KEY_ENV = "REKINDLE_HMAC_KEY_FILE"  # the chart sets it in the plugin's pod, so every command finds the key
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -32,7 +42,8 @@ def _paths(p: argparse.ArgumentParser) -> None:
     d = Settings()
     p.add_argument("--state-dir", default=d.state_dir, help="Rekindle state dir (default: %(default)s)")
     p.add_argument("--store", default=d.store, help="artifact store root (default: %(default)s)")
-    p.add_argument("--hmac-key-file", default="", help="manifest signing key (default: <state-dir>/hmac.key)")
+    p.add_argument("--hmac-key-file", default=os.environ.get(KEY_ENV, ""),
+                   help=f"the plugin's manifest signing key (default: ${KEY_ENV}, else <state-dir>/hmac.key)")
     p.add_argument("--containerd-state", default=d.containerd_state,
                    help="containerd state dir holding task bundles (default: %(default)s)")
     p.add_argument("--containerd-socket", default=d.containerd_socket, help="containerd socket (default: %(default)s)")
@@ -49,7 +60,7 @@ def _settings(args: argparse.Namespace):
     from .config import Settings
     fields = {k: getattr(args, k) for k in ("state_dir", "store", "hmac_key_file", "containerd_state",
                                               "containerd_socket") if hasattr(args, k)}
-    for k in ("name", "idx", "socket_path", "init_binary", "restore_timeout", "restore_path"):
+    for k in ("name", "idx", "socket_path", "init_binary", "restore_timeout", "restore_path", "create_key"):
         if hasattr(args, k):
             fields[k] = getattr(args, k)
     return Settings(**fields)
@@ -76,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", default="rekindle", help="plugin name (default: %(default)s)")
     p.add_argument("--idx", default="50", help="plugin index, two digits (default: %(default)s)")
     p.add_argument("--init-binary", default="", help="rekindle-init to install into <state-dir>/bin")
+    p.add_argument("--create-key", action="store_true",
+                   help="create the HMAC key (32 random bytes, 0600) when it is absent; off under the chart, "
+                        "whose Secret provides the key")
     p.add_argument("--max-parallel", type=int, default=2, help="checkpoints/restores at once (default: %(default)s)")
     p.add_argument("--restore-timeout", type=int, default=int(os.environ.get("REKINDLE_RESTORE_TIMEOUT", "1800")),
                    help="default rekindle.dev/restore-timeout, seconds ($REKINDLE_RESTORE_TIMEOUT, else 1800)")
@@ -175,9 +189,10 @@ def cmd_restore(args: argparse.Namespace) -> int:
     return 0
 
 
-def _key(settings) -> bytes:  # type: ignore[no-untyped-def]
-    from runtime.manifest import load_or_create_key
-    return load_or_create_key(str(settings.key_path))
+def _key(settings: Settings) -> bytes:
+    """The plugin's key, read only: no command but ``plugin --create-key`` makes one."""
+    from runtime.keys import read_key
+    return read_key(settings.key_path)
 
 
 def _age(seconds: float) -> str:
@@ -300,6 +315,17 @@ def cmd_passthrough(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------- entry point
+def _describe(exc: RekindleError, args: argparse.Namespace) -> str:
+    """The one error line; a missing key says which key, and how to point at it."""
+    if not isinstance(exc, KeyMissing):
+        return str(exc)
+    if args.command != "plugin":
+        return f"no HMAC key at {exc.path} (the plugin's key; set --hmac-key-file or {KEY_ENV})"
+    if args.create_key:
+        return str(exc)
+    return f"{exc} (pass --create-key to create one, or mount the chart's Secret there)"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
@@ -318,7 +344,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RekindleError as exc:
         if args.verbose:
             log.exception("failed")
-        print(f"rekindle: error: {exc}", file=sys.stderr)
+        print(f"rekindle: error: {_describe(exc, args)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

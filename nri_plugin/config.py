@@ -32,6 +32,7 @@ class Settings:
     state_dir: str = DEFAULT_STATE_DIR
     store: str = DEFAULT_STATE_DIR + "/store"
     hmac_key_file: str = ""          # default: <state_dir>/hmac.key
+    create_key: bool = False         # create the key when absent (`rekindle plugin --create-key` only)
     containerd_socket: str = "/run/containerd/containerd.sock"
     containerd_state: str = "/run/containerd"
     containerd_namespace: str = "k8s.io"

@@ -8,6 +8,9 @@ import subprocess
 from dataclasses import dataclass
 from typing import Any
 
+from .errors import ConfigError, KeyMissing
+from .keys import read_key
+
 
 @dataclass(frozen=True)
 class Check:
@@ -61,6 +64,19 @@ def check_cuda() -> Check:
         return Check("cuda", False, f"no usable CUDA driver: {exc}", required=False)
 
 
+def check_hmac_key(path: str) -> Check:
+    """The plugin's key, read with the plugin's checks. Absent is a warning (the plugin may be
+    about to create it); present but unusable fails, since the plugin would refuse to start."""
+    try:
+        read_key(path)
+    except KeyMissing as exc:
+        return Check("hmac-key", False, f"{exc} (the chart mounts it from its Secret; "
+                     "`rekindle plugin --create-key` creates it)", required=False)
+    except ConfigError as exc:
+        return Check("hmac-key", False, str(exc))
+    return Check("hmac-key", True, f"{path}: 32 bytes, owner and mode ok")
+
+
 def run_checks(settings: Any) -> list[Check]:
     checks = [check_root(), check_criu(getattr(settings, "criu_bin", "criu")),
               check_binary("nsenter"), check_binary("unshare")]
@@ -71,5 +87,6 @@ def run_checks(settings: Any) -> list[Check]:
         checks.append(Check("nri-socket", os.path.exists(sock),
                             sock if os.path.exists(sock) else f"{sock} missing: is NRI enabled? (rekindle nri-toggle)"))
     checks.append(Check("containerd-socket", os.path.exists(settings.containerd_socket), settings.containerd_socket))
+    checks.append(check_hmac_key(str(settings.key_path)))
     checks.append(check_cuda())
     return checks

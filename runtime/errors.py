@@ -17,6 +17,15 @@ class ConfigError(RekindleError):
     """A configuration file or setting is invalid."""
 
 
+class KeyMissing(ConfigError):
+    """There is no HMAC key at ``path`` (``reason`` says more when its directory is missing)."""
+
+    def __init__(self, path: str, reason: str = "") -> None:
+        super().__init__(f"no HMAC key at {path}" + (f": {reason}" if reason else ""))
+        self.path = path
+        self.reason = reason
+
+
 class AnnotationError(RekindleError):
     """A pod annotation is malformed or names something that cannot be used."""
 

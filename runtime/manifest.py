@@ -9,8 +9,7 @@ Contract:
   NaN, a size cap, and an unknown ``format_version`` is refused by name. Every parse problem
   raises :class:`ArtifactRejected`.
 - :func:`sign` / :func:`verify`: ``"hmac-sha256:<hex>"`` over the exact manifest bytes.
-- :func:`load_or_create_key`: 32 random bytes, mode 0600, created atomically (link of a fully
-  written temp file), refused when group/world accessible, not ours, or of the wrong length.
+- The key itself (reading, creating) lives in ``runtime.keys``.
 - The security fingerprint and the privilege check live in ``runtime.security``; the
   compatibility check in ``runtime.compat``.
 """
@@ -21,25 +20,18 @@ import dataclasses
 import datetime
 import hashlib
 import hmac
-import logging
 import math
-import os
 import re
-import secrets
-import stat
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from runtime import strict_json
-from runtime.errors import ArtifactRejected, ConfigError
+from runtime.errors import ArtifactRejected
 from runtime.security import SecurityProfile
-
-log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 2
 MAX_MANIFEST_BYTES = 16 * 1024 * 1024
-KEY_BYTES = 32
 SIG_PREFIX = "hmac-sha256:"
 
 _SHA_RE = re.compile(r"[0-9a-f]{64}")
@@ -170,7 +162,7 @@ class Manifest:
             raise ArtifactRejected(artifact, f"invalid manifest: {exc}") from exc
 
 
-# --- signature and key -------------------------------------------------------------------------
+# --- signature ---------------------------------------------------------------------------------------
 
 def sign(data: bytes, key: bytes) -> str:
     return SIG_PREFIX + hmac.new(key, data, hashlib.sha256).hexdigest()
@@ -180,55 +172,3 @@ def verify(data: bytes, sig: str, key: bytes, *, artifact: str = "manifest") -> 
     """Raise ArtifactRejected(artifact, "bad signature") unless ``sig`` signs ``data``."""
     if not hmac.compare_digest(sign(data, key).encode(), sig.strip().encode("utf-8", "replace")):
         raise ArtifactRejected(artifact, "bad signature")
-
-
-def load_or_create_key(path: str) -> bytes:
-    """Return the HMAC key at ``path``, creating it (0600, 32 random bytes) when absent."""
-    try:
-        return _read_key(path)
-    except FileNotFoundError:
-        pass
-    directory = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.{secrets.token_hex(8)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        os.write(fd, secrets.token_bytes(KEY_BYTES))
-        os.fsync(fd)
-        os.close(fd)
-        try:
-            os.link(tmp, path)  # never replaces a key another process created meanwhile
-            log.info("created HMAC key %s", path)
-        except FileExistsError:
-            pass
-    finally:
-        os.unlink(tmp)
-    dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
-    return _read_key(path)
-
-
-def _read_key(path: str) -> bytes:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as exc:
-        if isinstance(exc, FileNotFoundError):
-            raise
-        raise ConfigError(f"HMAC key {path}: cannot open: {exc.strerror}") from exc
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ConfigError(f"HMAC key {path}: not a regular file")
-        if st.st_mode & 0o077:
-            raise ConfigError(f"HMAC key {path}: mode {stat.S_IMODE(st.st_mode):o} is group/"
-                              "world accessible (want 0600)")
-        if st.st_uid != os.geteuid():
-            raise ConfigError(f"HMAC key {path}: owned by uid {st.st_uid}, not {os.geteuid()}")
-        data = os.read(fd, KEY_BYTES + 1)
-    finally:
-        os.close(fd)
-    if len(data) != KEY_BYTES:
-        raise ConfigError(f"HMAC key {path}: {len(data)} bytes, want {KEY_BYTES}")
-    return data

@@ -30,7 +30,8 @@ class PluginProcess:
                 "--state-dir", str(self.state_dir), "--store", str(self.store),
                 "--containerd-socket", str(self.sandbox.containerd_socket),
                 "--containerd-state", str(self.sandbox.state_dir),
-                "--init-binary", str(REPO / "build" / "rekindle-init")]
+                "--init-binary", str(REPO / "build" / "rekindle-init"),
+                "--create-key"]  # run from the host, the plugin makes its own key in its state dir
 
     def start(self, wait: bool = True) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)

@@ -4,7 +4,9 @@ hack/build-plugin-image.sh builds the image (debootstrap rootfs, OCI archive)
 and imports it into the sandbox. The chart is rendered (tests/unit/chart_render)
 with its host paths pointed at the sandbox; the DaemonSet's pod becomes a CRI
 pod: privileged, host pid namespace, every hostPath volume a CRI mount at the
-same place, the Secret a host file, the ConfigMap environment variables. Then:
+same place, the Secret a directory laid out exactly as kubelet writes a Secret
+volume (kubelet_volumes.py: the key a symlink into ..data, mode from the
+chart's defaultMode), the ConfigMap environment variables. Then:
 containerd's log says the plugin connected, and a pod annotated
 rekindle.dev/checkpoint gets the control dir (REKINDLE_CONTROL_DIR) in its spec.
 """
@@ -28,6 +30,7 @@ from runtime.containerd.proto import cri_api_pb2 as pb
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "unit"))
 import chart_render  # noqa: E402
+from kubelet_volumes import KUBELET_DEFAULT_MODE, project  # noqa: E402
 
 BUSYBOX = "localhost/rekindle/busybox:1"
 COUNTER = "localhost/rekindle/counter:1"
@@ -102,10 +105,8 @@ def _cri_mounts(pod_spec: dict, container: dict, secret_dir: Path) -> list[Mount
                 host.mkdir(parents=True, exist_ok=True)
             assert host.is_dir(), f"hostPath {host} of volume {vm['name']} does not exist"
         elif "secret" in vol:
-            for item in vol["secret"]["items"]:
-                f = secret_dir / item["path"]
-                f.write_bytes(os.urandom(32))
-                f.chmod(vol["secret"].get("defaultMode", 0o644))
+            items = {item["path"]: os.urandom(32) for item in vol["secret"]["items"]}
+            project(secret_dir, items, mode=vol["secret"].get("defaultMode", KUBELET_DEFAULT_MODE))
             host = secret_dir
         else:
             pytest.fail(f"volume {vm['name']} has a kind this test cannot translate: {sorted(vol)}")
@@ -167,6 +168,7 @@ def test_plugin_from_image_registers_and_adjusts_annotated_pods(sandbox, pod, pl
     secret_dir = tmp_path / "etc-rekindle"
     secret_dir.mkdir()
     mounts = _cri_mounts(pod_spec, plugin, secret_dir)
+    assert os.readlink(secret_dir / "hmac.key") == "..data/hmac.key"  # what the plugin must follow
     log_start = sandbox.log_path.stat().st_size if sandbox.log_path.exists() else 0
 
     ppod = _run_privileged_host_pid_pod(cri, "rekindle-plugin-image")
@@ -222,6 +224,11 @@ def test_plugin_from_image_registers_and_adjusts_annotated_pods(sandbox, pod, pl
             _http(src_ip, "/")
         st = book.wait("default", src.name, "server", {Phase.PUBLISHED, Phase.CHECKPOINT_FAILED}, 60)
         assert st is not None and st.phase is Phase.PUBLISHED, (st, plugin_logs())
+        # `kubectl exec ds/rekindle -- rekindle artifacts inspect`: the CLI in the pod finds the
+        # plugin's key through REKINDLE_HMAC_KEY_FILE and checks the signature with it.
+        shown = cri.exec_sync(cid, ["rekindle", "artifacts", "inspect", "--store", args[args.index("--store") + 1],
+                                    "--namespace", "default", "from-image"], timeout=30)
+        assert shown.exit_code == 0 and "signature ok" in shown.out, (shown, plugin_logs())
         dst = pod("img-dst", annotations={"rekindle.dev/restore": "from-image"})
         sandbox.run_container(dst, "server", COUNTER, command=SERVER)
         st = book.wait("default", dst.name, "server", {Phase.RESTORED, Phase.COLD_START}, 60)

@@ -162,7 +162,7 @@ def test_a_restore_uses_only_the_bytes_it_verified(sandbox, pod, plugin, tmp_pat
     from runtime.containers import resolve_container
     from runtime.control import ControlDir
     from runtime.errors import RekindleError
-    from runtime.manifest import load_or_create_key
+    from runtime.keys import read_key
     from runtime.store import ArtifactStore
 
     # v1 (count 3) is kept aside, as anyone with the store mounted can; v2 (count 7) is current.
@@ -198,7 +198,7 @@ def test_a_restore_uses_only_the_bytes_it_verified(sandbox, pod, plugin, tmp_pat
     req = restore_flow.RestoreRequest(
         containerd_state=str(sandbox.state_dir), container_id=cid, namespace="default", name="raced",
         image="", image_ref="", log_dir=str(tmp_path / "logs"))
-    key = load_or_create_key(str(plugin.state_dir / "hmac.key"))
+    key = read_key(plugin.state_dir / "hmac.key")
     target = resolve_container(str(sandbox.state_dir), cid)
     try:
         restore_flow.restore(req, ArtifactStore(str(plugin.store)), key, NodeFacts.detect(),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import copy
+import os
 
 import pytest
 
@@ -203,12 +204,40 @@ def test_existing_secret_in_cluster_is_kept():
 
 
 def test_existing_secret_name_is_used_and_not_created():
+    """GitOps: the user's Secret, mounted like the chart's own; no Secret (no new key) rendered."""
     r = render({"hmac": {"existingSecret": "my-key", "secretKey": "key"}}, namespace=NAMESPACE)
     assert by_kind(r["objects"], "Secret") == []
+    for obj in r["objects"]:
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
     spec = _daemonset(r)["spec"]["template"]["spec"]
     (vol,) = [v for v in spec["volumes"] if v["name"] == "hmac-key"]
-    assert vol["secret"]["secretName"] == "my-key"
-    assert vol["secret"]["items"] == [{"key": "key", "path": "hmac.key"}]
+    assert vol["secret"] == {"secretName": "my-key", "defaultMode": 0o400,
+                             "items": [{"key": "key", "path": "hmac.key"}]}
+    assert "your Secret my-key" in r["notes"]
+    # the same render twice is the same render: nothing random left
+    again = render({"hmac": {"existingSecret": "my-key", "secretKey": "key"}}, namespace=NAMESPACE)
+    assert again["objects"] == r["objects"]
+
+
+def test_chart_managed_secret_warns_about_renderers_without_lookup(default_render):
+    (secret,) = by_kind(default_render["objects"], "Secret")
+    spec = _daemonset(default_render)["spec"]["template"]["spec"]
+    (vol,) = [v for v in spec["volumes"] if v["name"] == "hmac-key"]
+    assert vol["secret"]["secretName"] == secret["metadata"]["name"] == "rekindle-hmac"
+    assert "hmac.existingSecret" in default_render["notes"]
+
+
+def test_every_command_in_the_pod_finds_the_plugins_key(default_render):
+    """The plugin reads the mounted Secret and never creates a key; `kubectl exec ... rekindle ...`
+    finds the same file through REKINDLE_HMAC_KEY_FILE."""
+    ds = _daemonset(default_render)
+    c = _plugin(ds)
+    key_file = _flag(c["args"], "--hmac-key-file")
+    assert "--create-key" not in c["args"]
+    assert {"name": "REKINDLE_HMAC_KEY_FILE", "value": key_file} in c["env"]
+    mount, vol = _mounts(c, ds["spec"]["template"]["spec"])[os.path.dirname(key_file)]
+    assert vol["secret"]["items"] == [{"key": "hmac.key", "path": os.path.basename(key_file)}]
+    assert mount["readOnly"] is True and vol["secret"]["defaultMode"] == 0o400
 
 
 def test_pvc_created_rwx_and_kept(default_render):
@@ -332,6 +361,7 @@ BAD_VALUES = [
     ("relative stateDir", {"stateDir": "var/lib/rekindle"}, "/stateDir"),
     ("unknown top-level key", {"sotre": {"type": "pvc"}}, "sotre"),
     ("patchConfig not a bool", {"nri": {"patchConfig": "yes"}}, "/nri/patchConfig"),
+    ("existingSecret not a Secret name", {"hmac": {"existingSecret": "My_Key"}}, "/hmac/existingSecret"),
 ]
 
 

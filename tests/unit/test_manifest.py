@@ -1,20 +1,19 @@
-"""Manifest schema, canonical JSON, signatures, keys, privilege and compatibility checks."""
+"""Manifest schema, canonical JSON, signatures, privilege and compatibility checks (keys: test_keys.py)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
-import stat
 from typing import Any
 
 import pytest
 
-from runtime.errors import ArtifactRejected, ConfigError
+from runtime.errors import ArtifactRejected
 from runtime.compat import CudaFacts, NodeFacts, check_compatibility
 from runtime.manifest import (
     CriuInfo, CudaInfo, FileEntry, Gpu, Manifest, MountInfo, NodeInfo, ProcessInfo, Source,
-    load_or_create_key, sign, verify,
+    sign, verify,
 )
 from runtime.security import SecurityProfile, check_privilege
 
@@ -124,38 +123,6 @@ def test_sign_and_verify_accept_the_exact_bytes_only() -> None:
                                    (data, sig.replace("hmac-sha256", "sha256"), KEY), (data, "", KEY)]:
         with pytest.raises(ArtifactRejected, match="bad signature"):
             verify(bad_data, bad_sig, key)
-
-
-def test_load_or_create_key_creates_a_0600_key_once(tmp_path: Any) -> None:
-    path = str(tmp_path / "hmac.key")
-    key = load_or_create_key(path)
-    assert len(key) == 32
-    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
-    assert load_or_create_key(path) == key
-    assert os.listdir(tmp_path) == ["hmac.key"]
-
-
-@pytest.mark.parametrize("content, mode, needle", [
-    (b"k" * 32, 0o640, "group/world accessible"),
-    (b"k" * 32, 0o604, "group/world accessible"),
-    (b"k" * 31, 0o600, "31 bytes"),
-    (b"k" * 33, 0o600, "33 bytes"),
-], ids=["group-readable", "world-readable", "short", "long"])
-def test_load_or_create_key_refuses_unsafe_key_file(tmp_path: Any, content: bytes, mode: int,
-                                                    needle: str) -> None:
-    path = tmp_path / "hmac.key"
-    path.write_bytes(content)
-    path.chmod(mode)
-    with pytest.raises(ConfigError, match=needle):
-        load_or_create_key(str(path))
-
-
-def test_load_or_create_key_refuses_a_symlink(tmp_path: Any) -> None:
-    (tmp_path / "real").write_bytes(b"k" * 32)
-    (tmp_path / "real").chmod(0o600)
-    (tmp_path / "hmac.key").symlink_to(tmp_path / "real")
-    with pytest.raises(ConfigError, match="cannot open"):
-        load_or_create_key(str(tmp_path / "hmac.key"))
 
 
 RUNTIME_DEFAULT = {"defaultAction": "SCMP_ACT_ERRNO",
