@@ -15,6 +15,8 @@ Contract (the container's PID 1 is ``rekindle-init``; the tree to move is its si
   the target's pid ns and cgroups (so the restored memory is charged to the target from the first
   page), on the target rootfs (host path), joins its ipc and uts namespaces, and gets the target's
   netns and stdio pipes (the target init's fds 0-2: the container log) via ``--inherit-fd``.
+  When asked, CRIU forces the target's LSM labels (``--lsm-profile``/``--lsm-mount-context``,
+  see ``runtime.security``).
   After CRIU: the restored root must be a child of the target init (CRIU exits, ``-d`` leaves the
   root an orphan, the kernel reparents it to the pid ns's init): verified, else NamespaceError.
   The tree is (re)written into the target cgroups and the target's hostname/domainname, which
@@ -37,6 +39,7 @@ from runtime import namespaces as ns
 from runtime.containers import ContainerInfo, Pid, process_tree, read_mountinfo, read_stdio, workload_root
 from runtime.criu import DumpOptions, MountPlanEntry, RestoreOptions
 from runtime.errors import CriuError, NamespaceError
+from runtime.security import LsmOptions
 
 log = logging.getLogger(__name__)
 
@@ -166,10 +169,12 @@ def restore_into(
     work_dir: str | None = None,
     timeout: float = 1800.0,
     cgroups_first: bool = True,
+    lsm: LsmOptions = LsmOptions(),
 ) -> RestoreResult:
     """Restore the tree in ``images_dir`` into ``target`` (whose init waits in restore mode).
 
     ``source_stdio`` is ``DumpResult.stdio`` (None: stdio pipes are not re-attached).
+    ``lsm`` is what :func:`runtime.security.lsm_options` says CRIU must force.
     ``cgroups_first=False`` runs CRIU in the caller's cgroups and only moves the tree afterwards
     (memory restored until then stays charged to the caller's cgroup).
     """
@@ -193,6 +198,8 @@ def restore_into(
             join_ns=[("ipc", "/proc/1/ns/ipc"), ("uts", "/proc/1/ns/uts")],
             external_mounts=externals,
             shell_job=criu_mod.image_is_shell_job(images_dir),
+            lsm_profile=lsm.profile,
+            lsm_mount_context=lsm.mount_context,
             # The mount-v2 engine copies sharing groups from the target rootfs, which fails
             # (EINVAL) when CRIU runs in the plugin's pod and sees that mount as a propagated
             # slave; the compatibility engine works from the host and from the pod alike.

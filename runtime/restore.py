@@ -3,10 +3,12 @@
 The target container runs ``rekindle-init --mode restore`` as PID 1 and waits. Steps, timed:
   1. open the artifact (signature), verify every file's digest;
   2. re-check compatibility (node, CRIU, image, driver, GPUs visible to *this* container) and
-     that the source's credentials do not exceed the target's (uid/gid, capabilities,
-     privileged, seccomp, no_new_privs) — CRIU restores the source's credentials;
+     that the source's privilege does not exceed the target's (``runtime.security``: uid/gid,
+     capabilities, privileged, seccomp, no_new_privs, LSM, user namespace, masked and read-only
+     paths, device cgroup, sysctls) — CRIU restores what the source had;
   3. apply the writable-layer diff into the target rootfs (and /dev/shm);
-  4. CRIU restore inside the target's namespaces and cgroups (runtime.mechanics);
+  4. CRIU restore inside the target's namespaces and cgroups with the target's LSM labels
+     forced (runtime.mechanics);
   5. CUDA: the target's GPU device nodes into the restored mount namespace, restore (remapped
      by UUID onto the GPUs this container was given) + unlock every CUDA process;
   6. ``restore-pid`` + ``restore-complete`` for the init.
@@ -34,7 +36,7 @@ from .errors import ArtifactRejected, RekindleError
 from .gpus import NVIDIA_MAJOR, spec_devices, visible_gpus
 from .compat import CudaFacts, NodeFacts, check_compatibility
 from .manifest import Gpu
-from .security import SecurityProfile, check_privilege
+from .security import LsmSupport, SecurityProfile, check_privilege, lsm_options
 from .mechanics import restore_into
 from .namespaces import host_pid_of
 from .store import ArtifactStore
@@ -127,7 +129,9 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
         image = req.image if check_image else manifest.source.image
         image_ref = req.image_ref if check_image else manifest.source.image_ref
         reasons = check_compatibility(manifest, tfacts, image=image, image_ref=image_ref)
-        reasons += check_privilege(manifest.security, SecurityProfile.from_oci_spec(target.spec, label=req.name))
+        security = SecurityProfile.from_oci_spec(target.spec, label=req.name)
+        lsm = LsmSupport.detect()
+        reasons += check_privilege(manifest.security, security, lsm=lsm)
         if manifest.cuda is not None and cuda is None:
             reasons.append("artifact holds CUDA state but this agent has no CUDA driver")
         if reasons:
@@ -147,7 +151,7 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
         stdio = plan.get("stdio")
         result = restore_into(target, os.path.join(artifact.path, CRIU_DIR), _plan_entries(plan),
                               source_stdio=tuple(stdio) if isinstance(stdio, list) and len(stdio) == 3 else None,
-                              work_dir=work_dir)
+                              work_dir=work_dir, lsm=lsm_options(security, lsm))
     if manifest.cuda is not None:
         from .cuda import build_gpu_map
         with t.phase("cuda_restore"):
