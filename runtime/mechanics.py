@@ -15,13 +15,16 @@ Contract (the container's PID 1 is ``rekindle-init``; the tree to move is its si
   the target's pid ns and cgroups (so the restored memory is charged to the target from the first
   page), on the target rootfs (host path), joins its ipc and uts namespaces, and gets the target's
   netns and stdio pipes (the target init's fds 0-2: the container log) via ``--inherit-fd``.
-  When asked, CRIU forces the target's LSM labels (``--lsm-profile``/``--lsm-mount-context``,
-  see ``runtime.security``).
+  CRIU leaves every restored task stopped (``--leave-stopped``) and, when asked, forces the
+  target's LSM labels (``--lsm-profile``/``--lsm-mount-context``, see ``runtime.security``).
   After CRIU: the restored root must be a child of the target init (CRIU exits, ``-d`` leaves the
   root an orphan, the kernel reparents it to the pid ns's init): verified, else NamespaceError.
   The tree is (re)written into the target cgroups and the target's hostname/domainname, which
-  CRIU overwrites with the source's, are put back. The caller then writes ``restore-pid`` and
-  ``restore-complete``; on any error it writes ``restore-failed`` (the init kills leftovers).
+  CRIU overwrites with the source's, are put back. While still stopped, the tree gets the
+  target's oom_score_adj, rlimits and mount flags (``runtime.confine``, verified, else
+  ConfinementError); only then is it sent SIGCONT. The caller then writes ``restore-pid`` and
+  ``restore-complete``; on any error it writes ``restore-failed`` (the init kills leftovers,
+  stopped ones included).
 - Shell jobs: when the tree's session/process-group leader is outside the tree (the init did not
   ``setsid`` the workload), ``--shell-job`` is passed on dump and restore; the restored tree then
   gets CRIU's session, which lies outside the target pid ns.
@@ -31,11 +34,13 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import time
 from dataclasses import dataclass
 
 from runtime import criu as criu_mod
 from runtime import namespaces as ns
+from runtime.confine import confine
 from runtime.containers import ContainerInfo, Pid, process_tree, read_mountinfo, read_stdio, workload_root
 from runtime.criu import DumpOptions, MountPlanEntry, RestoreOptions
 from runtime.errors import CriuError, NamespaceError
@@ -198,6 +203,7 @@ def restore_into(
             join_ns=[("ipc", "/proc/1/ns/ipc"), ("uts", "/proc/1/ns/uts")],
             external_mounts=externals,
             shell_job=criu_mod.image_is_shell_job(images_dir),
+            leave_stopped=True,
             lsm_profile=lsm.profile,
             lsm_mount_context=lsm.mount_context,
             # The mount-v2 engine copies sharing groups from the target rootfs, which fails
@@ -222,11 +228,22 @@ def restore_into(
     ppid = _ppid(host_pid)
     if ppid != target.init_pid:
         raise NamespaceError(f"restored root {host_pid} has parent {ppid}, not the target init {target.init_pid}")
-    ns.move_to_cgroups(process_tree(host_pid), target.cgroups.values())
+    tree = process_tree(host_pid)
+    ns.move_to_cgroups(tree, target.cgroups.values())
     ns.set_uts(target.init_pid, hostname, domainname)
+    confine(target.init_pid, tree)
+    _resume(tree)
     seconds = time.monotonic() - t0
     log.info("restored into %s: ns pid %d host pid %d in %.3fs (criu %.3fs)", target.id, ns_pid, host_pid, seconds, criu_seconds)
     return RestoreResult(ns_pid=ns_pid, host_pid=host_pid, seconds=seconds, criu_seconds=criu_seconds, log_path=lp)
+
+
+def _resume(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            continue
 
 
 def _ppid(pid: int) -> int:

@@ -8,7 +8,8 @@ The target container runs ``rekindle-init --mode restore`` as PID 1 and waits. S
      paths, device cgroup, sysctls) — CRIU restores what the source had;
   3. apply the writable-layer diff into the target rootfs (and /dev/shm);
   4. CRIU restore inside the target's namespaces and cgroups with the target's LSM labels
-     forced (runtime.mechanics);
+     forced, then the target's oom_score_adj, rlimits and mount flags forced on the stopped
+     tree before it runs (runtime.mechanics, runtime.confine);
   5. CUDA: the target's GPU device nodes into the restored mount namespace, restore (remapped
      by UUID onto the GPUs this container was given) + unlock every CUDA process;
   6. ``restore-pid`` + ``restore-complete`` for the init.
