@@ -12,8 +12,10 @@ mount tree, with the mount flags of the image. ``runtime.mechanics.restore_into`
 - mounts: every mount point of the target init's mount namespace must be a mount point in each
   mount namespace of the restored tree, holding at least the target's ``ro``, ``nosuid``,
   ``nodev`` and ``noexec`` flags (so a read-only rootfs, read-only volumes, ``readonlyPaths``,
-  a read-only ``/sys``). Missing flags are added with ``runtime.mountattr``; a missing mount point
-  (say a masked path the source did not have) cannot be re-created and raises. The rootfs and
+  a read-only ``/sys``). Missing flags are added with ``runtime.mountattr``. A missing mount point
+  whose path exists in the restored tree (say a masked path the source did not have: the process
+  would see what the target hides) cannot be re-created and raises; one whose path does not exist
+  there exposes nothing (a GPU's ``/proc/driver/nvidia/gpus/<bus>`` after a remap). The rootfs and
   the bind sources are already the target's: CRIU's ``--root`` and the ``--external`` mount map.
 - Then everything is read back from ``/proc``; any difference raises :class:`ConfinementError`.
 """
@@ -120,14 +122,16 @@ def confine_mounts(target_init: int, pids: Sequence[int]) -> list[str]:
     changed = []
     for pid in _by_mount_ns(pids).values():
         fixes, missing = mount_fixes(target, read_mountinfo(pid))
-        if missing:
-            raise ConfinementError(f"the restored mount tree lacks the target's mounts at {', '.join(missing)}")
-        if not fixes:
+        if not fixes and not missing:
             continue
         try:
-            mountattr.set_attrs(pid, fixes)
+            exposed = mountattr.adjust(pid, fixes, probe=missing)
         except NamespaceError as e:
             raise ConfinementError(str(e)) from e
+        if exposed:  # the target hides something there, the restored tree shows what is below
+            raise ConfinementError(f"the restored mount tree lacks the target's mounts at {', '.join(exposed)}")
+        if not fixes:
+            continue
         left, _ = mount_fixes(target, read_mountinfo(pid))
         if left:
             raise ConfinementError("restored mounts still lack the target's flags: " +
