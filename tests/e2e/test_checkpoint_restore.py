@@ -265,6 +265,18 @@ def test_restored_process_gets_the_targets_read_only_mounts_oom_score_and_rlimit
     assert not any(dst_vol.iterdir())
 
 
+def test_restore_into_a_target_that_masks_more_is_refused(sandbox, pod, plugin):
+    """CRIU restores the source's mount tree: a path the target masks and the source did not
+    would be open to the restored process, so the restore is refused (cold start)."""
+    checkpoint_source(sandbox, pod, plugin, "unmasked")  # no masked paths
+    b = pod("dst-masked", annotations={"rekindle.dev/restore": "unmasked"})
+    cid = sandbox.cri.create_container(b, "server", COUNTER, command=SERVER)
+    _edit_spec(sandbox, cid, lambda spec: spec["linux"].update(maskedPaths=["/proc/kcore", "/proc/keys"]))
+    sandbox.cri.start_container(cid)
+    assert_cold(sandbox, plugin, b, cid, sandbox.cri.pod_ip(b.id),
+                "target masks paths the source did not: /proc/kcore, /proc/keys")
+
+
 def test_two_restores_of_one_artifact_at_once(sandbox, pod, plugin):
     a, _, a_ip = checkpoint_source(sandbox, pod, plugin, "shared")
     pods = [pod(f"dst-shared-{i}", annotations={"rekindle.dev/restore": "shared"}) for i in range(2)]
