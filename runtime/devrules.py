@@ -52,8 +52,11 @@ class DeviceRule:
         return (self.type in ("a", typ) and self.major in (-1, major) and self.minor in (-1, minor))
 
     def __str__(self) -> str:
-        num = lambda n: "*" if n == -1 else str(n)  # noqa: E731
-        return f"{self.type} {num(self.major)}:{num(self.minor)} {self.access}"
+        return f"{self.type} {_num(self.major)}:{_num(self.minor)} {self.access}"
+
+
+def _num(n: int) -> str:
+    return "*" if n in (-1, _OTHER) else str(n)
 
 
 def _number(value: Any, where: str) -> int:
@@ -127,6 +130,5 @@ def excess(source: Sequence[DeviceRule], target: Sequence[DeviceRule]) -> list[s
                 bits = "".join(a for a in _ACCESS if allowed(source, typ, major, minor, a)
                                and not allowed(target, typ, major, minor, a))
                 if bits:
-                    num = lambda n: "*" if n == _OTHER else str(n)  # noqa: E731
-                    found.append(f"{typ} {num(major)}:{num(minor)} {bits}")
+                    found.append(f"{typ} {_num(major)}:{_num(minor)} {bits}")
     return found
