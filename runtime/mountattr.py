@@ -4,7 +4,7 @@ running nothing from it.
 A mount's flags can only be changed from inside its mount namespace (the kernel checks that the
 mount belongs to the caller's), and a multi-threaded Python process cannot ``setns()`` into one.
 So :func:`adjust` starts a fresh host interpreter (``sys.executable -I -S``: no site, no user
-paths, no PYTHON* variables) with :data:`_HELPER` as its program. The helper imports all it
+paths, no PYTHON* variables) with :data:`_CHILD` as its program. The child imports all it
 needs, joins the namespace through an fd the caller opened, ``lstat``s the paths it is asked
 about, calls ``mount_setattr(2)`` (Linux >= 5.12; every other flag of the mount stays as it is)
 on each path to change, and leaves with ``os._exit``: after ``setns`` its ``/`` is the restored
@@ -33,7 +33,7 @@ ATTRS = {"ro": MOUNT_ATTR_RDONLY, "nosuid": MOUNT_ATTR_NOSUID, "nodev": MOUNT_AT
          "noexec": MOUNT_ATTR_NOEXEC}
 TIMEOUT = 10.0
 
-_HELPER = r"""
+_CHILD = r"""
 import ctypes, json, os, sys
 def fail(msg):
     os.write(2, msg.encode("utf-8", "replace") + b"\n")
@@ -80,12 +80,12 @@ def adjust(pid: int, attrs: Mapping[str, int], probe: Sequence[str] = (), timeou
     job = {"set": sorted(attrs.items()), "probe": list(probe)}
     fd = os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
     try:
-        argv = [sys.executable, "-I", "-S", "-c", _HELPER, str(fd), json.dumps(job)]
+        argv = [sys.executable, "-I", "-S", "-c", _CHILD, str(fd), json.dumps(job)]
         try:
             res = subprocess.run(argv, pass_fds=(fd,), capture_output=True, text=True, timeout=timeout,
                                  cwd="/", check=False)
         except subprocess.TimeoutExpired as e:
-            raise NamespaceError(f"mount namespace of {pid}: helper timed out") from e
+            raise NamespaceError(f"mount namespace of {pid}: child timed out") from e
     finally:
         os.close(fd)
     if res.returncode != 0:
@@ -93,5 +93,5 @@ def adjust(pid: int, attrs: Mapping[str, int], probe: Sequence[str] = (), timeou
     try:
         found = json.loads(res.stdout)
     except ValueError as e:
-        raise NamespaceError(f"mount namespace of {pid}: helper said {res.stdout[:200]!r}") from e
+        raise NamespaceError(f"mount namespace of {pid}: child said {res.stdout[:200]!r}") from e
     return [str(p) for p in found]
