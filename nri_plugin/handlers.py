@@ -27,7 +27,7 @@ from runtime import control
 from runtime.errors import AnnotationError, RekindleError
 from runtime.compat import NodeFacts, check_compatibility
 from runtime.manifest import Manifest
-from runtime.security import SecurityProfile, check_privilege
+from runtime.security import LsmSupport, SecurityProfile, check_privilege
 from runtime.restore import target_facts
 from runtime.rollback import GenerationBook
 from runtime.status import ContainerStatus, Phase, StatusBook
@@ -167,7 +167,7 @@ class RekindlePlugin:
         try:
             if pending.manifest is not None and self.specs is not None:
                 target = SecurityProfile.from_oci_spec(self.specs.get_spec(ctr.id), label=work.artifact)
-                reasons = check_privilege(pending.manifest.security, target)
+                reasons = check_privilege(pending.manifest.security, target, lsm=LsmSupport.detect())
                 if reasons:
                     raise RekindleError("target container is less privileged than the source: "
                                         + "; ".join(reasons))

@@ -6,6 +6,8 @@ Contract:
   :func:`criu_argv` turns one into argv (always ``-o <log> -v4``), :func:`run_criu` runs it
   (optionally wrapped, e.g. by ``nsenter``) with a timeout and raises
   ``CriuError(op, <last error lines of the log>, log_path)`` on any failure.
+- Restore can leave the tree stopped (``--leave-stopped``: the caller confines it, then sends
+  SIGCONT) and force LSM labels (``--lsm-profile``, ``--lsm-mount-context``).
 - Fixed choices: ``--file-locks``; ``--tcp-close`` (dump: established TCP connections are not
   dumped; restore: they come back closed; listening sockets restore, so a server keeps serving in a
   new netns with a new IP as long as it listened on a wildcard address); ``--network-lock skip`` on
@@ -75,7 +77,9 @@ class RestoreOptions:
     external_mounts: list[str] = field(default_factory=list)  # "mnt[key]:host_source"
     shell_job: bool = False
     ext_unix_sk: bool = False
-    leave_stopped: bool = True  # the caller checks the log (and fills bulk pages) before resuming
+    leave_stopped: bool = True  # the caller checks the log, fills bulk pages and confines, then resumes
+    lsm_profile: str | None = None  # "apparmor:<profile>" / "selinux:<label>"
+    lsm_mount_context: str | None = None
     extra: list[str] = field(default_factory=list)
 
 
@@ -105,14 +109,18 @@ def criu_argv(opts: DumpOptions | RestoreOptions, criu: str = CRIU) -> list[str]
             argv += ["--ghost-limit", str(opts.ghost_limit)]
     else:
         argv = [criu, "restore", *common, "-d", "--pidfile", opts.pidfile, "--root", opts.root]
-        if opts.leave_stopped:
-            argv.append("--leave-stopped")
         for fd, key in opts.inherit_fds:
             argv += ["--inherit-fd", f"fd[{fd}]:{key}"]
         for kind, path in opts.join_ns:
             argv += ["--join-ns", f"{kind}:{path}"]
         for ext in opts.external_mounts:
             argv += ["--external", ext]
+        if opts.leave_stopped:
+            argv.append("--leave-stopped")
+        if opts.lsm_profile:
+            argv += ["--lsm-profile", opts.lsm_profile]
+        if opts.lsm_mount_context:
+            argv += ["--lsm-mount-context", opts.lsm_mount_context]
     return argv + list(opts.extra)
 
 

@@ -64,6 +64,10 @@ class NamespaceError(RekindleError):
     """Entering a container's namespaces failed."""
 
 
+class ConfinementError(RekindleError):
+    """A restored process could not be held to the target container's limits."""
+
+
 class CriuError(RekindleError):
     """CRIU failed; ``log_path`` names its log."""
 

@@ -15,11 +15,16 @@ Contract (the container's PID 1 is ``rekindle-init``; the tree to move is its si
   the target's pid ns and cgroups (so the restored memory is charged to the target from the first
   page), on the target rootfs (host path), joins its ipc and uts namespaces, and gets the target's
   netns and stdio pipes (the target init's fds 0-2: the container log) via ``--inherit-fd``.
+  CRIU leaves every restored task stopped (``--leave-stopped``) and, when asked, forces the
+  target's LSM labels (``--lsm-profile``/``--lsm-mount-context``, see ``runtime.security``).
   After CRIU: the restored root must be a child of the target init (CRIU exits, ``-d`` leaves the
   root an orphan, the kernel reparents it to the pid ns's init): verified, else NamespaceError.
   The tree is (re)written into the target cgroups and the target's hostname/domainname, which
-  CRIU overwrites with the source's, are put back. The caller then writes ``restore-pid`` and
-  ``restore-complete``; on any error it writes ``restore-failed`` (the init kills leftovers).
+  CRIU overwrites with the source's, are put back. While still stopped, the tree gets the
+  target's oom_score_adj, rlimits and mount flags (``runtime.confine``, verified, else
+  ConfinementError); only then is it sent SIGCONT. The caller then writes ``restore-pid`` and
+  ``restore-complete``; on any error it writes ``restore-failed`` (the init kills leftovers,
+  stopped ones included).
 - Shell jobs: when the tree's session/process-group leader is outside the tree (the init did not
   ``setsid`` the workload), ``--shell-job`` is passed on dump and restore; the restored tree then
   gets CRIU's session, which lies outside the target pid ns.
@@ -34,11 +39,13 @@ from dataclasses import dataclass
 
 from runtime import criu as criu_mod
 from runtime import namespaces as ns
+from runtime.confine import confine
 from runtime.containers import ContainerInfo, Pid, process_tree, read_mountinfo, read_stdio, workload_root
 from runtime.bulk import kill_all, wait_stopped
 from runtime.criu import DumpOptions, RestoreOptions
 from runtime.errors import CriuError, NamespaceError
 from runtime.layout import MountPlanEntry
+from runtime.security import LsmOptions
 
 log = logging.getLogger(__name__)
 
@@ -177,10 +184,12 @@ def restore_into(
     work_dir: str | None = None,
     timeout: float = 1800.0,
     cgroups_first: bool = True,
+    lsm: LsmOptions = LsmOptions(),
 ) -> RestoreResult:
     """Restore the tree in ``images_dir`` into ``target`` (whose init waits in restore mode).
 
     ``source_stdio`` is ``DumpResult.stdio`` (None: stdio pipes are not re-attached).
+    ``lsm`` is what :func:`runtime.security.lsm_options` says CRIU must force.
     ``cgroups_first=False`` runs CRIU in the caller's cgroups and only moves the tree afterwards
     (memory restored until then stays charged to the caller's cgroup).
     """
@@ -204,6 +213,9 @@ def restore_into(
             join_ns=[("ipc", "/proc/1/ns/ipc"), ("uts", "/proc/1/ns/uts")],
             external_mounts=externals,
             shell_job=criu_mod.image_is_shell_job(images_dir),
+            leave_stopped=True,
+            lsm_profile=lsm.profile,
+            lsm_mount_context=lsm.mount_context,
             # The mount-v2 engine copies sharing groups from the target rootfs, which fails
             # (EINVAL) when CRIU runs in the plugin's pod and sees that mount as a propagated
             # slave; the compatibility engine works from the host and from the pod alike.
@@ -234,6 +246,7 @@ def restore_into(
         wait_stopped(tree)
         ns.move_to_cgroups(tree, target.cgroups.values())
         ns.set_uts(target.init_pid, hostname, domainname)
+        confine(target.init_pid, tree)
     except BaseException:
         kill_all(tree)  # stopped since CRIU: it never ran
         raise

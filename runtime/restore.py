@@ -4,11 +4,15 @@ The target container runs ``rekindle-init --mode restore`` as PID 1 and waits. S
   1. open: the version the name points to now, through one directory fd (signature, location,
      generation not older than this node last restored: no rollback);
   2. inspect: compatibility (node, CRIU, image, driver, GPUs visible to *this* container) and
-     that the source's credentials do not exceed the target's;
+     that the source's privilege does not exceed the target's (``runtime.security``: uid/gid,
+     capabilities, privileged, seccomp, no_new_privs, LSM, user namespace, masked and read-only
+     paths, device cgroup, sysctls) — CRIU restores what the source had;
   3. stage: every file but the bulk pages is copied into a private node-local directory while
      hashed; only those copies are used afterwards (CRIU reads its images from there);
   4. rootfs_apply: the writable-layer diff (and /dev/shm) into the target;
-  5. criu_restore: CRIU inside the target's namespaces and cgroups, left stopped;
+  5. criu_restore: CRIU inside the target's namespaces and cgroups with the target's LSM labels,
+     left stopped; the target's oom_score_adj, rlimits and mount flags are forced on the stopped
+     tree (runtime.mechanics, runtime.confine);
   6. fill: the bulk pages are read, hashed and written into the stopped process on many
      threads; the process is resumed only when every digest matched;
   7. cuda_restore: the target's GPU device nodes (created from the host by syscalls), restore
@@ -47,7 +51,7 @@ from runtime.manifest import Gpu
 from runtime.mechanics import restore_into
 from runtime.namespaces import host_pid_of
 from runtime.rollback import GenerationBook
-from runtime.security import SecurityProfile, check_privilege
+from runtime.security import LsmSupport, SecurityProfile, check_privilege, lsm_options
 from runtime.store import WORKERS, Artifact, ArtifactStore
 from runtime.timings import Timings
 
@@ -176,8 +180,9 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
                 image = req.image if check_image else manifest.source.image
                 image_ref = req.image_ref if check_image else manifest.source.image_ref
                 reasons = check_compatibility(manifest, tfacts, image=image, image_ref=image_ref)
-                reasons += check_privilege(manifest.security,
-                                           SecurityProfile.from_oci_spec(target.spec, label=req.name))
+                security = SecurityProfile.from_oci_spec(target.spec, label=req.name)
+                lsm = LsmSupport.detect()
+                reasons += check_privilege(manifest.security, security, lsm=lsm)
                 if manifest.cuda is not None and cuda is None:
                     reasons.append("artifact holds CUDA state but this agent has no CUDA driver")
                 if reasons:
@@ -200,7 +205,8 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
             with t.phase("criu_restore"):
                 stdio = plan.stdio if len(plan.stdio) == 3 else None
                 result = restore_into(target, os.path.join(private, layout.CRIU_DIR), list(plan.mounts),
-                                      source_stdio=stdio, work_dir=work)  # type: ignore[arg-type]
+                                      source_stdio=stdio, work_dir=work,  # type: ignore[arg-type]
+                                      lsm=lsm_options(security, lsm))
             pidns = target.namespaces["pid"].inode
             host_pids: list[int] = []
             gpu_map = None

@@ -265,8 +265,13 @@ class CRIClient:
                          labels: Mapping[str, str] | None = None,
                          annotations: Mapping[str, str] | None = None,
                          working_dir: str = "", attempt: int = 0,
+                         oom_score_adj: int = 0,
                          timeout: float | None = None) -> str:
-        """Create (not start) a container in pod; returns its id. Log: <pod log dir>/<name>/<attempt>.log."""
+        """Create (not start) a container in pod; returns its id. Log: <pod log dir>/<name>/<attempt>.log.
+
+        ``oom_score_adj`` is what kubelet derives from the pod's QoS class (-997 Guaranteed,
+        1000 BestEffort).
+        """
         sc = security or SecurityContext()
         (pod.log_directory / name).mkdir(parents=True, exist_ok=True)
         lsc = pb.LinuxContainerSecurityContext(
@@ -293,7 +298,8 @@ class CRIClient:
                      for d in devices],
             labels=dict(labels or {}), annotations=dict(annotations or {}),
             log_path=f"{name}/{attempt}.log",
-            linux=pb.LinuxContainerConfig(security_context=lsc),
+            linux=pb.LinuxContainerConfig(security_context=lsc,
+                                          resources=pb.LinuxContainerResources(oom_score_adj=oom_score_adj)),
         )
         resp = self._call("CreateContainer", self._rt.CreateContainer,
                           pb.CreateContainerRequest(pod_sandbox_id=pod.id, config=config, sandbox_config=pod.config),

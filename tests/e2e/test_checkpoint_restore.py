@@ -192,6 +192,96 @@ def test_restore_into_less_privileged_container_is_refused(sandbox, pod, plugin)
     assert "uid" in st["reason"]
 
 
+def _only_child(sandbox, cid: str) -> int:
+    from runtime.containers import children
+    init = sandbox.cri.container_status(cid, verbose=True).pid
+    kids = children(init)
+    assert len(kids) == 1, (init, kids)
+    return kids[0]
+
+
+def _edit_spec(sandbox, cid: str, edit) -> None:
+    """Change a created container's stored spec before it starts (as the plugin's swap does)."""
+    containerd = sandbox.containerd()
+    spec = containerd.get_spec(cid)
+    edit(spec)
+    containerd.update_spec(cid, spec)
+
+
+def _write_error(path: str) -> int | None:
+    """errno of creating ``path`` (None when it could be created, and is removed again)."""
+    import os
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+    except OSError as e:
+        return e.errno
+    os.unlink(path)
+    return None
+
+
+def test_restored_process_gets_the_targets_read_only_mounts_oom_score_and_rlimits(sandbox, pod, plugin, tmp_path):
+    """CRIU restores the source's mount flags, oom_score_adj and rlimits. A source with a writable
+    rootfs and volume, oom_score_adj 0 and the runtime's RLIMIT_NOFILE is restored into a target
+    with a read-only rootfs and volume, oom_score_adj 1000 (kubelet's BestEffort value) and
+    RLIMIT_NOFILE 512: the restored process must have the target's, checked through its own root
+    and /proc. (A source below 0, kubelet's -997, needs CAP_SYS_RESOURCE, which the machines these
+    tests run on may lack.)"""
+    import errno
+    import resource
+
+    from runtime.containerd.cri import Mount, SecurityContext
+    src_vol, dst_vol = tmp_path / "src-vol", tmp_path / "dst-vol"
+    src_vol.mkdir()
+    dst_vol.mkdir()
+    a = pod("src-confined", annotations={"rekindle.dev/checkpoint": "confined"})
+    a_cid = sandbox.run_container(a, "server", COUNTER, command=SERVER, mounts=[Mount("/data", str(src_vol))])
+    a_ip = sandbox.cri.pod_ip(a.id)
+    wait_http(a_ip)
+    assert wait_status(plugin, "default", a.name, "server", {"published", "checkpoint-failed"})["phase"] == "published"
+    before = fields(get(a_ip))
+    src = _only_child(sandbox, a_cid)  # the source really had more than the target will
+    assert open(f"/proc/{src}/oom_score_adj").read().strip() == "0"
+    assert resource.prlimit(src, resource.RLIMIT_NOFILE)[1] > 512
+    assert _write_error(f"/proc/{src}/root/data/probe") is None
+    assert _write_error(f"/proc/{src}/root/probe") is None
+
+    b = pod("dst-confined", annotations={"rekindle.dev/restore": "confined"})
+    cid = sandbox.cri.create_container(b, "server", COUNTER, command=SERVER, oom_score_adj=1000,
+                                       mounts=[Mount("/data", str(dst_vol), readonly=True)],
+                                       security=SecurityContext(readonly_rootfs=True))
+    # Kubernetes has no rlimit field; a runtime's base spec or an NRI plugin sets them.
+    _edit_spec(sandbox, cid, lambda spec: spec["process"].update(
+        rlimits=[{"type": "RLIMIT_NOFILE", "hard": 512, "soft": 512}]))
+    sandbox.cri.start_container(cid)
+    st = wait_status(plugin, "default", b.name, "server", {"restored", "cold-start"})
+    assert st["phase"] == "restored", st
+    b_ip = sandbox.cri.pod_ip(b.id)
+    wait_http(b_ip)
+    got = fields(get(b_ip))  # the source's process, continued: its pid, its state file
+    assert (got["pid"], got["state"]) == (before["pid"], before["state"]), (got, before)
+
+    pid = _only_child(sandbox, cid)
+    assert open(f"/proc/{pid}/oom_score_adj").read().strip() == "1000"
+    assert resource.prlimit(pid, resource.RLIMIT_NOFILE) == (512, 512)
+    # /proc/<pid>/root is the restored process's own root: its mounts, its flags.
+    assert _write_error(f"/proc/{pid}/root/probe") == errno.EROFS
+    assert _write_error(f"/proc/{pid}/root/data/probe") == errno.EROFS
+    assert _write_error(f"/proc/{pid}/root/etc/hosts.probe") == errno.EROFS
+    assert not any(dst_vol.iterdir())
+
+
+def test_restore_into_a_target_that_masks_more_is_refused(sandbox, pod, plugin):
+    """CRIU restores the source's mount tree: a path the target masks and the source did not
+    would be open to the restored process, so the restore is refused (cold start)."""
+    checkpoint_source(sandbox, pod, plugin, "unmasked")  # no masked paths
+    b = pod("dst-masked", annotations={"rekindle.dev/restore": "unmasked"})
+    cid = sandbox.cri.create_container(b, "server", COUNTER, command=SERVER)
+    _edit_spec(sandbox, cid, lambda spec: spec["linux"].update(maskedPaths=["/proc/kcore", "/proc/keys"]))
+    sandbox.cri.start_container(cid)
+    assert_cold(sandbox, plugin, b, cid, sandbox.cri.pod_ip(b.id),
+                "target masks paths the source did not: /proc/kcore, /proc/keys")
+
+
 def test_two_restores_of_one_artifact_at_once(sandbox, pod, plugin):
     a, _, a_ip = checkpoint_source(sandbox, pod, plugin, "shared")
     pods = [pod(f"dst-shared-{i}", annotations={"rekindle.dev/restore": "shared"}) for i in range(2)]

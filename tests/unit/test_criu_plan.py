@@ -130,7 +130,20 @@ def test_restore_argv() -> None:
     assert argv[argv.index("-o") + 1] == "/w/restore.log"
     assert "fd[6]:pipe:[9]" in argv and "ipc:/proc/1/ns/ipc" in argv and "mnt[m0]:/x" in argv
     assert "--leave-running" not in argv and "--network-lock" not in argv
-    assert "--leave-stopped" in argv  # resumed only after the log check and the bulk fill
+    assert "--leave-stopped" in argv  # resumed only after the log check, the bulk fill and confine
+    assert "--lsm-profile" not in argv
+
+
+def test_restore_argv_leaves_stopped_and_forces_the_targets_lsm_labels() -> None:
+    from runtime.security import LsmSupport, SecurityProfile, lsm_options
+    target = SecurityProfile.from_oci_spec({"process": {"selinuxLabel": "u:r:container_t:s0:c1,c2"},
+                                            "linux": {"mountLabel": "u:object_r:container_file_t:s0:c1,c2"}})
+    lsm = lsm_options(target, LsmSupport(selinux=True))
+    argv = criu_mod.criu_argv(RestoreOptions(images_dir="/img", root="/r", pidfile="/p", leave_stopped=True,
+                                             lsm_profile=lsm.profile, lsm_mount_context=lsm.mount_context))
+    assert "--leave-stopped" in argv
+    assert argv[argv.index("--lsm-profile") + 1] == "selinux:u:r:container_t:s0:c1,c2"
+    assert argv[argv.index("--lsm-mount-context") + 1] == "u:object_r:container_file_t:s0:c1,c2"
 
 
 def _varint(v: int) -> bytes:

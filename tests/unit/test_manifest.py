@@ -15,7 +15,7 @@ from runtime.manifest import (
     CriuInfo, CudaInfo, FileEntry, Gpu, Manifest, MountInfo, NodeInfo, ProcessInfo, Source,
     sign, verify,
 )
-from runtime.security import SecurityProfile, check_privilege
+from runtime.security import LsmSupport, SecurityProfile, check_privilege
 
 KEY = b"k" * 32
 SHA = "ab" * 32
@@ -236,7 +236,7 @@ def test_profile_from_malformed_oci_spec_is_rejected(s: Any) -> None:
         "nnp-lost", "target-has-more", "every-reason-at-once"])
 def test_check_privilege_lists_every_excess(source: SecurityProfile, target: SecurityProfile,
                                             needles: list[str]) -> None:
-    reasons = check_privilege(source, target)
+    reasons = check_privilege(source, target, lsm=LsmSupport())
     assert len(reasons) == len(needles), reasons
     for reason, needle in zip(reasons, needles):
         assert needle in reason
