@@ -48,6 +48,22 @@ def _settings(args: argparse.Namespace):
     return Settings(**fields)
 
 
+def _decimal(text: str) -> int:
+    """argparse type: ASCII digits only (``int`` also takes '١٢', ' 12' and '1_0')."""
+    from .policy import parse_decimal
+    value = parse_decimal(text)
+    if value is None:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}")
+    return value
+
+
+def _positive(text: str) -> int:
+    value = _decimal(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1: {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rekindle",
@@ -61,8 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", default="rekindle", help="plugin name (default: %(default)s)")
     p.add_argument("--idx", default="50", help="plugin index, two digits (default: %(default)s)")
     p.add_argument("--init-binary", default="", help="rekindle-init to install into <state-dir>/bin")
-    p.add_argument("--max-parallel", type=int, default=2, help="checkpoints/restores at once (default: %(default)s)")
-    p.add_argument("--restore-timeout", type=int, default=int(os.environ.get("REKINDLE_RESTORE_TIMEOUT", "1800")),
+    p.add_argument("--max-parallel", type=_positive, default=2, help="checkpoints/restores at once (default: %(default)s)")
+    # A string default goes through ``type`` too: a bad $REKINDLE_RESTORE_TIMEOUT is a usage error.
+    p.add_argument("--restore-timeout", type=_decimal, default=os.environ.get("REKINDLE_RESTORE_TIMEOUT", "1800"),
                    help="default rekindle.dev/restore-timeout, seconds ($REKINDLE_RESTORE_TIMEOUT, else 1800)")
     p.set_defaults(func=cmd_plugin)
 

@@ -12,6 +12,8 @@ from pathlib import Path
 
 from runtime.errors import ConfigError
 
+from .policy import parse_decimal
+
 DEFAULT_STATE_DIR = "/var/lib/rekindle"
 
 
@@ -57,7 +59,7 @@ class Settings:
 
     def validate(self) -> list[str]:
         problems = []
-        if len(self.idx) != 2 or not self.idx.isdigit():
+        if len(self.idx) != 2 or parse_decimal(self.idx) is None:
             problems.append(f"--idx must be two digits, got {self.idx!r}")
         if not self.name or not all(c.isalnum() or c in "_.+-" for c in self.name):
             problems.append(f"--name must match [a-zA-Z0-9_.+-]+, got {self.name!r}")

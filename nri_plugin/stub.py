@@ -75,7 +75,7 @@ class Identity:
     idx: str
 
     def __post_init__(self) -> None:
-        if len(self.idx) != 2 or not self.idx.isdigit():
+        if len(self.idx) != 2 or not (self.idx.isascii() and self.idx.isdigit()):
             raise ValueError(f"plugin index must be two digits, got {self.idx!r}")
         if not self.name or not all(c.isalnum() or c in "_.+-" for c in self.name):
             raise ValueError(f"plugin name must match [a-zA-Z0-9_.+-]+, got {self.name!r}")
