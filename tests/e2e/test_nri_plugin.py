@@ -3,6 +3,7 @@ adjustments seen from inside running containers, and the plugin or containerd go
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -136,7 +137,6 @@ def test_handshake_and_adjustment_on_containerd_2_1(sandbox_factory, pod, tmp_pa
 
 def test_plugin_restart_resumes_a_pending_checkpoint(sandbox, plugin, pod):
     """Killed while a source warms up, the plugin picks the source up again on Synchronize."""
-    import json
     p = pod(annotations={"rekindle.dev/checkpoint": "resumed"})
     sandbox.run_container(p, "server", "localhost/rekindle/counter:1",
                                 command=["/usr/local/bin/counter-server", "8080"],
@@ -152,3 +152,17 @@ def test_plugin_restart_resumes_a_pending_checkpoint(sandbox, plugin, pod):
         time.sleep(0.2)
     assert json.loads(status.read_text())["phase"] == "published", plugin.log()[-3000:]
     assert (plugin.store / "default" / "resumed" / "manifest.json").exists()
+
+
+def test_create_fails_open_when_the_control_dir_cannot_be_made(sandbox, plugin, pod):
+    """An OSError inside CreateContainer (here: a file where the pod's control root belongs)
+    is answered empty: the container is created and runs its own command, the status says why."""
+    p = pod(name="no-control-dir", annotations={"rekindle.dev/checkpoint": "blocked"})
+    root = plugin.state_dir / "control"
+    root.mkdir(parents=True, exist_ok=True)
+    (root / p.uid).write_text("not a directory")
+    cid = _run(sandbox, p)
+    assert "REKINDLE" not in _exec(sandbox, cid, "env")
+    assert _exec(sandbox, cid, "tr '\\0' ' ' < /proc/1/cmdline").startswith("sleep 3600")
+    status = json.loads((plugin.state_dir / "status" / "default" / p.name / "app.json").read_text())
+    assert status["phase"] == "cold-start" and "control" in status["reason"], status
