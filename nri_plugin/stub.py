@@ -186,7 +186,7 @@ class Stub:
         trunk = MuxTrunk(reader, writer)
         self._trunk = trunk
         handlers = self._service_handlers()
-        server = TtrpcServer(lambda b: trunk.send(PLUGIN_SERVICE_CONN, b), handlers)
+        server = TtrpcServer(lambda b: trunk.send(PLUGIN_SERVICE_CONN, b), handlers, drain=trunk.drain)
         client = TtrpcClient(lambda b: trunk.send(RUNTIME_SERVICE_CONN, b))
         trunk.route(PLUGIN_SERVICE_CONN, server.feed)
         trunk.route(RUNTIME_SERVICE_CONN, client.feed)
@@ -271,8 +271,9 @@ class Stub:
             if len(data) > MAX_REPLY:
                 raise LocalProtocolError(f"reply of {len(data)} bytes exceeds {MAX_REPLY}")
             if reply is not None:
-                if self._trunk is None or self._trunk.closed:
-                    raise ConnectionClosed("the reply cannot be sent: connection closed")
+                trunk = self._trunk
+                if trunk is None or trunk.closed or not trunk.has_room(len(data) + 64):
+                    raise ConnectionClosed("the reply cannot be sent: connection closed or not read")
                 reply.commit()  # the caller sends ``data`` without awaiting anything first
             return data
         except asyncio.CancelledError:

@@ -1,5 +1,5 @@
-"""The fail-open boundary and late results, through the real stub and the Rekindle handlers
-against the Python runtime of fake_runtime.py."""
+"""The fail-open boundary, late results and a runtime that stops reading, through the real stub
+and the Rekindle handlers against the Python runtime of fake_runtime.py."""
 
 from __future__ import annotations
 
@@ -223,3 +223,35 @@ def test_late_create_result_is_discarded_and_post_create_leaves_it_alone(tmp_pat
     st = rekindle.status.read("default", pod.name, "slow")
     assert st.phase is Phase.COLD_START and "overran" in st.reason, st
     assert rekindle.status.read("default", pod.name, "fast").phase is Phase.WAITING_READY
+
+
+# ---------------------------------------------------------------- a runtime that stops reading
+class BigReplies:
+    def create_container(self, pod, ctr):
+        adj = api.ContainerAdjustment()
+        adj.env.add(key="BIG", value="x" * (1 << 20))
+        return api.CreateContainerResponse(adjust=adj)
+
+
+def test_runtime_that_stops_reading_is_dropped_not_buffered_for(tmp_path):
+    """1 MiB replies to a runtime that reads nothing: the plugin drops the connection once its
+    write buffer passes the cap, instead of growing it, and registers again."""
+    sock = str(tmp_path / "nri.sock")
+
+    async def body():
+        async with FakeRuntime(sock) as rt:
+            stub, task, conn = await _serve(sock, BigReplies(), rt)
+            conn.writer.transport.pause_reading()  # from now on nobody reads what the plugin writes
+            req = api.CreateContainerRequest(pod=_pod(), container=_ctr("c1"))
+            calls = [asyncio.create_task(conn.client.call("nri.pkg.api.v1alpha1.Plugin", "CreateContainer",
+                                                          req.SerializeToString(), 30)) for _ in range(40)]
+            again = await rt.next_plugin(timeout=20)
+            await again.handshake()
+            assert stub._trunk is not None and stub.connections == 2
+            for c in calls:
+                c.cancel()
+            await asyncio.gather(*calls, return_exceptions=True)
+            conn.close()
+            await _stop(stub, task)
+
+    run(body())
