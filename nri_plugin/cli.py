@@ -42,7 +42,7 @@ def _settings(args: argparse.Namespace):
     from .config import Settings
     fields = {k: getattr(args, k) for k in ("state_dir", "store", "hmac_key_file", "containerd_state",
                                               "containerd_socket") if hasattr(args, k)}
-    for k in ("name", "idx", "socket_path", "init_binary", "restore_timeout"):
+    for k in ("name", "idx", "socket_path", "init_binary", "restore_timeout", "probes_per_pod", "probes_per_node"):
         if hasattr(args, k):
             fields[k] = getattr(args, k)
     return Settings(**fields)
@@ -78,6 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--idx", default="50", help="plugin index, two digits (default: %(default)s)")
     p.add_argument("--init-binary", default="", help="rekindle-init to install into <state-dir>/bin")
     p.add_argument("--max-parallel", type=_positive, default=2, help="checkpoints/restores at once (default: %(default)s)")
+    p.add_argument("--max-probes-per-pod", dest="probes_per_pod", type=_decimal, default=1,
+                   help="ready-probes of one pod at once (default: %(default)s)")
+    p.add_argument("--max-probes", dest="probes_per_node", type=_decimal, default=16,
+                   help="ready-probes of the node at once (default: %(default)s)")
     # A string default goes through ``type`` too: a bad $REKINDLE_RESTORE_TIMEOUT is a usage error.
     p.add_argument("--restore-timeout", type=_decimal, default=os.environ.get("REKINDLE_RESTORE_TIMEOUT", "1800"),
                    help="default rekindle.dev/restore-timeout, seconds ($REKINDLE_RESTORE_TIMEOUT, else 1800)")

@@ -40,6 +40,8 @@ class Settings:
     init_binary: str = ""            # where to install the init from; default: first that exists
     criu_bin: str = "criu"
     restore_timeout: int = 1800     # default of the rekindle.dev/restore-timeout annotation
+    probes_per_pod: int = 1         # ready-probes of one pod at once (its checkpoint sources)
+    probes_per_node: int = 16       # ready-probes of the whole node at once
 
     @property
     def key_path(self) -> Path:
@@ -69,6 +71,9 @@ class Settings:
                 problems.append(f"{label} must be an absolute path, got {path!r}")
         if not 1 <= self.restore_timeout <= 86400:
             problems.append(f"--restore-timeout must be 1..86400 seconds, got {self.restore_timeout}")
+        for label, value in (("--max-probes-per-pod", self.probes_per_pod), ("--max-probes", self.probes_per_node)):
+            if not 1 <= value <= 1024:
+                problems.append(f"{label} must be 1..1024, got {value}")
         if self.init_source() is None:
             problems.append("no rekindle-init binary found (build it with `make`, or pass --init-binary)")
         return problems

@@ -11,7 +11,9 @@ from nri_plugin.config import Settings
 @pytest.mark.parametrize("fields, problem", [
     ({"idx": "\u0665\u0660"}, "--idx"),
     ({"idx": "\u00b2\u00b2"}, "--idx"),
-], ids=["idx-arabic-indic", "idx-superscript"])
+    ({"probes_per_pod": 0}, "--max-probes-per-pod"),
+    ({"probes_per_node": 0}, "--max-probes"),
+], ids=["idx-arabic-indic", "idx-superscript", "probes-per-pod-0", "probes-per-node-0"])
 def test_settings_validate_names_the_bad_setting(fields, problem):
     problems = Settings(init_binary="/bin/true", **fields).validate()
     assert any(p.startswith(problem + " ") for p in problems), problems
@@ -21,7 +23,7 @@ def test_default_settings_are_valid():
     assert Settings(init_binary="/bin/true").validate() == []
 
 
-@pytest.mark.parametrize("flag", ["--restore-timeout", "--max-parallel"])
+@pytest.mark.parametrize("flag", ["--restore-timeout", "--max-parallel", "--max-probes", "--max-probes-per-pod"])
 @pytest.mark.parametrize("value", ["\u0661\u0662", "\u00b2", " 12", "1_0", "-1"],
                          ids=["arabic-indic", "superscript", "space", "underscore", "negative"])
 def test_cli_numbers_are_ascii_digits_only(flag, value, capsys):
@@ -42,4 +44,5 @@ def test_restore_timeout_from_the_environment_goes_through_the_same_check(monkey
     with pytest.raises(SystemExit):
         build_parser().parse_args(["plugin"])
     monkeypatch.setenv("REKINDLE_RESTORE_TIMEOUT", "120")
-    assert build_parser().parse_args(["plugin"]).restore_timeout == 120
+    args = build_parser().parse_args(["plugin", "--max-probes", "4"])
+    assert (args.restore_timeout, args.probes_per_node, args.probes_per_pod) == (120, 4, 1)
