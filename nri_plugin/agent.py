@@ -12,6 +12,7 @@ import os
 import shutil
 import signal
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ from .config import Settings
 from .handlers import RekindlePlugin
 from .jobs import Jobs, Work
 from .policy import AfterCheckpoint, ReadyProbe
+from .probes import ProbeSlots
 from .stub import Identity, Stub
 
 log = logging.getLogger(__name__)
@@ -94,8 +96,8 @@ class NodeEngine:
         return restore_flow.restore(req, self.store, self.key, self.facts, control=work.control, cuda=self.cuda,
                                     generations=self.generations)
 
-    def probe(self, netns: str, probe: ReadyProbe) -> bool:
-        return run_probe(netns, probe.kind.value, probe.host, probe.port, probe.path)
+    async def probe(self, netns: str, probe: ReadyProbe) -> bool:
+        return await run_probe(netns, probe.kind.value, probe.host, probe.port, probe.path)
 
 
 def _clients(settings: Settings) -> tuple[Any, Any]:
@@ -140,7 +142,10 @@ def run_plugin(settings: Settings, max_parallel: int = 2) -> int:
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
-        jobs = Jobs(engine, status, max_parallel=max_parallel)
+        # Handlers, engine work and probes have their own pools; this bounds anything else.
+        loop.set_default_executor(ThreadPoolExecutor(2, thread_name_prefix="rekindle-default"))
+        jobs = Jobs(engine, status, max_parallel=max_parallel,
+                    probes=ProbeSlots(settings.probes_per_pod, settings.probes_per_node))
         jobs.bind_loop(loop)
         plugin = RekindlePlugin(settings, store=store, key=key, status=status, jobs=jobs,
                                 specs=specs, facts=facts, image_ref=image_ref,

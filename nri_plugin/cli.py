@@ -60,7 +60,8 @@ def _settings(args: argparse.Namespace):
     from .config import Settings
     fields = {k: getattr(args, k) for k in ("state_dir", "store", "hmac_key_file", "containerd_state",
                                               "containerd_socket") if hasattr(args, k)}
-    for k in ("name", "idx", "socket_path", "init_binary", "restore_timeout", "restore_path", "create_key"):
+    for k in ("name", "idx", "socket_path", "init_binary", "restore_timeout", "restore_path", "create_key",
+              "probes_per_pod", "probes_per_node"):
         if hasattr(args, k):
             fields[k] = getattr(args, k)
     return Settings(**fields)
@@ -68,10 +69,27 @@ def _settings(args: argparse.Namespace):
 
 def _duration(text: str) -> float:
     units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-    num, unit = text[:-1], text[-1:]
-    if unit not in units or not num.isascii() or not num.isdigit():
+    from .policy import parse_decimal
+    num = parse_decimal(text[:-1])
+    if text[-1:] not in units or num is None:
         raise argparse.ArgumentTypeError(f"want a number and s, m, h or d, e.g. 7d: {text!r}")
-    return int(num) * units[unit]
+    return num * units[text[-1:]]
+
+
+def _decimal(text: str) -> int:
+    """argparse type: ASCII digits only (``int`` also takes '١٢', ' 12' and '1_0')."""
+    from .policy import parse_decimal
+    value = parse_decimal(text)
+    if value is None:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}")
+    return value
+
+
+def _positive(text: str) -> int:
+    value = _decimal(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1: {text!r}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,8 +108,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--create-key", action="store_true",
                    help="create the HMAC key (32 random bytes, 0600) when it is absent; off under the chart, "
                         "whose Secret provides the key")
-    p.add_argument("--max-parallel", type=int, default=2, help="checkpoints/restores at once (default: %(default)s)")
-    p.add_argument("--restore-timeout", type=int, default=int(os.environ.get("REKINDLE_RESTORE_TIMEOUT", "1800")),
+    p.add_argument("--max-parallel", type=_positive, default=2, help="checkpoints/restores at once (default: %(default)s)")
+    p.add_argument("--max-probes-per-pod", dest="probes_per_pod", type=_decimal, default=1,
+                   help="ready-probes of one pod at once (default: %(default)s)")
+    p.add_argument("--max-probes", dest="probes_per_node", type=_decimal, default=16,
+                   help="ready-probes of the node at once (default: %(default)s)")
+    # A string default goes through ``type`` too: a bad $REKINDLE_RESTORE_TIMEOUT is a usage error.
+    p.add_argument("--restore-timeout", type=_decimal, default=os.environ.get("REKINDLE_RESTORE_TIMEOUT", "1800"),
                    help="default rekindle.dev/restore-timeout, seconds ($REKINDLE_RESTORE_TIMEOUT, else 1800)")
     _restore_path(p)
     p.set_defaults(func=cmd_plugin)

@@ -12,6 +12,8 @@ from pathlib import Path
 
 from runtime.errors import ConfigError
 
+from .policy import parse_decimal
+
 DEFAULT_STATE_DIR = "/var/lib/rekindle"
 
 
@@ -40,6 +42,8 @@ class Settings:
     criu_bin: str = "criu"
     restore_timeout: int = 1800     # default of the rekindle.dev/restore-timeout annotation
     restore_path: str = "bulk"      # bulk (pages filled beside CRIU) or stock (CRIU restores all)
+    probes_per_pod: int = 1         # ready-probes of one pod at once (its checkpoint sources)
+    probes_per_node: int = 16       # ready-probes of the whole node at once
 
     @property
     def key_path(self) -> Path:
@@ -59,7 +63,7 @@ class Settings:
 
     def validate(self) -> list[str]:
         problems = []
-        if len(self.idx) != 2 or not self.idx.isdigit():
+        if len(self.idx) != 2 or parse_decimal(self.idx) is None:
             problems.append(f"--idx must be two digits, got {self.idx!r}")
         if not self.name or not all(c.isalnum() or c in "_.+-" for c in self.name):
             problems.append(f"--name must match [a-zA-Z0-9_.+-]+, got {self.name!r}")
@@ -71,6 +75,9 @@ class Settings:
             problems.append(f"--restore-timeout must be 1..86400 seconds, got {self.restore_timeout}")
         if self.restore_path not in ("bulk", "stock"):
             problems.append(f"--restore-path must be bulk or stock, got {self.restore_path!r}")
+        for label, value in (("--max-probes-per-pod", self.probes_per_pod), ("--max-probes", self.probes_per_node)):
+            if not 1 <= value <= 1024:
+                problems.append(f"{label} must be 1..1024, got {value}")
         if self.init_source() is None:
             problems.append("no rekindle-init binary found (build it with `make`, or pass --init-binary)")
         return problems

@@ -59,7 +59,7 @@ _CONTAINERD_NRI = [
     ((2, 2, 1), (0, 11, 0)),
     ((2, 3, 0), (0, 12, 0)),
 ]
-_VERSION = re.compile(r"v?(\d+)\.(\d+)(?:\.(\d+))?")
+_VERSION = re.compile(r"v?(\d+)\.(\d+)(?:\.(\d+))?", re.ASCII)
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,14 @@ Synchronize        pick up containers whose jobs were lost when the plugin resta
 
 Failure policy: anything wrong -> the container is left (or put back) on its cold start, the
 reason is logged with the pod and container, and recorded in its status file. Handlers never
-return an error to containerd: that would fail the pod instead of starting it cold.
+return an error to containerd: that would fail the pod instead of starting it cold. What a
+handler does not catch itself, the stub's fail-open boundary answers empty and hands to
+``on_handler_error``, which records the cold start and undoes what was prepared.
+
+Late results: CreateContainer registers a container (``_pending``, read by PostCreate and
+PostStart) and records its status only in the ``commit`` of its ``Reply``, which the stub runs
+when it sends that reply. A create that overran its budget was answered empty (no mounts, no
+init), so it must leave no trace that would make PostCreate swap the entrypoint.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from .events import RuntimeInfo
 from .jobs import Jobs, Work
 from .policy import Intent, Role, decide
 from .proto import nri_api_pb2 as api
+from .stub import HandlerOverrun, Reply
 from .swap import SpecAccess, Strategy, choose, init_command, is_swapped, swap_by_spec_update
 
 log = logging.getLogger(__name__)
@@ -52,6 +60,10 @@ class Pending:
     work: Work
     manifest: Manifest | None = None
     swapped: bool = False
+
+
+# Handlers that run before the container's process does: an error there means a cold start.
+_START_HANDLERS = ("create_container", "post_create_container", "start_container", "post_start_container")
 
 
 def who(pod: api.PodSandbox, ctr: api.Container) -> str:
@@ -99,7 +111,8 @@ class RekindlePlugin:
         return []
 
     # ------------------------------------------------------------------ create
-    def create_container(self, pod: api.PodSandbox, ctr: api.Container) -> api.CreateContainerResponse:
+    def create_container(self, pod: api.PodSandbox,
+                         ctr: api.Container) -> api.CreateContainerResponse | Reply[api.CreateContainerResponse]:
         empty = api.CreateContainerResponse()
         try:
             intent = decide(dict(pod.annotations), ctr.name, self.settings.restore_timeout)
@@ -130,12 +143,14 @@ class RekindlePlugin:
         if self.strategy is Strategy.ARGS_ADJUSTMENT and ctr.args:
             adjust.args.extend(init_command(work.mode, intent.restore_timeout, list(ctr.args)))
             pending.swapped = True
-        with self._lock:
-            self._pending[ctr.id] = pending
         phase = Phase.RESTORE_PENDING if intent.role is Role.RESTORE else Phase.WAITING_READY
-        self._record(pod, ctr, intent, phase, "")
-        log.info("%s: %s %s: control dir %s", who(pod, ctr), intent.role.value, intent.artifact, ctl.path)
-        return api.CreateContainerResponse(adjust=adjust)
+
+        def commit() -> None:  # run by the stub as it sends this reply, never for a late one
+            with self._lock:
+                self._pending[ctr.id] = pending
+            self._record(pod, ctr, intent, phase, "")
+            log.info("%s: %s %s: control dir %s", who(pod, ctr), intent.role.value, intent.artifact, ctl.path)
+        return Reply(api.CreateContainerResponse(adjust=adjust), commit)
 
     def _precheck_restore(self, pod: api.PodSandbox, ctr: api.Container, intent: Intent) -> Manifest:
         """Cheap checks only (reads the manifest, not the images): this runs inside the handler."""
@@ -215,6 +230,40 @@ class RekindlePlugin:
         if root.is_dir():
             for sub in root.iterdir():
                 control.ControlDir(sub).remove()
+
+    # ------------------------------------------------------------------ fail-open
+    def on_handler_error(self, handler: str, pod: api.PodSandbox | None, ctr: api.Container | None,
+                         exc: Exception) -> None:
+        """The stub answered ``handler`` empty because it raised or overran: undo and record.
+
+        Until the container starts, an error means it starts cold: whatever was registered for
+        it is dropped, a restore init that may already be in place is told to start the
+        original command at once, and the status says why. Later events change nothing.
+        """
+        if pod is None or ctr is None or handler not in _START_HANDLERS:
+            return
+        with self._lock:
+            self._pending.pop(ctr.id, None)
+        reason = str(exc) if isinstance(exc, (RekindleError, HandlerOverrun)) \
+            else f"{handler} failed: {type(exc).__name__}: {exc}"
+        try:
+            intent = decide(dict(pod.annotations), ctr.name, self.settings.restore_timeout)
+        except AnnotationError as bad:
+            self._record(pod, ctr, None, Phase.IGNORED, str(bad))
+            return
+        if intent is None:
+            return
+        if handler != "create_container":
+            self.jobs.cancel(ctr.id, reason)
+            try:  # the entrypoint may be swapped already (args at create, or a late spec update)
+                ctl = control.control_dir_for(self.settings.state_dir, pod.uid, ctr.name)
+                if ctl.path.is_dir() and intent.role is Role.RESTORE:
+                    ctl.write(control.RESTORE_FAILED, reason + "\n")
+            except (OSError, RekindleError) as failed:
+                log.error("%s: cannot tell the init to start cold: %s", who(pod, ctr), failed)
+        phase = Phase.COLD_START if intent.role is Role.RESTORE or handler == "create_container" \
+            else Phase.CHECKPOINT_FAILED
+        self._record(pod, ctr, intent, phase, reason)
 
     # ------------------------------------------------------------------ helpers
     def _work(self, pod: api.PodSandbox, ctr: api.Container, intent: Intent,

@@ -2,7 +2,10 @@
 
 One asyncio task per container id, started from PostStartContainer (or from Synchronize after a
 plugin restart) and cancelled on StopContainer/RemoveContainer. The engine calls are blocking
-and run in worker threads; a semaphore bounds how many run at once on a node.
+and run in the jobs' own thread pool (never Python's default executor, never the handlers'),
+``max_parallel`` threads, and a semaphore of the same size bounds how many run at once on a
+node. Ready-probes are coroutines (no thread while they wait), under the caps of
+``ProbeSlots`` (per pod, per node) and a hard deadline each.
 
 Outcomes always reach the container through its control dir, exactly once:
   checkpoint: ``snapshot-complete`` or ``checkpoint-failed``;
@@ -15,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -23,10 +27,14 @@ from runtime.errors import RekindleError
 from runtime.status import ContainerStatus, Phase, StatusBook
 
 from .policy import Intent, ProbeKind, ReadyProbe, Role
+from .probes import ProbeSlots
 
 log = logging.getLogger(__name__)
 
 READY_POLL = 0.2
+PROBE_INTERVAL = 1.0
+# Whole-probe deadline on top of the engine's own (1 s): a probe never holds its slot longer.
+PROBE_DEADLINE = 2.0
 
 
 @dataclass
@@ -59,16 +67,19 @@ class Work:
 class Engine(Protocol):
     def checkpoint(self, work: Work) -> dict[str, float]: ...
     def restore(self, work: Work) -> dict[str, float]: ...
-    def probe(self, netns: str, probe: ReadyProbe) -> bool: ...
+    async def probe(self, netns: str, probe: ReadyProbe) -> bool: ...
 
 
 class Jobs:
-    def __init__(self, engine: Engine, status: StatusBook, max_parallel: int = 2) -> None:
+    def __init__(self, engine: Engine, status: StatusBook, max_parallel: int = 2,
+                 probes: ProbeSlots | None = None) -> None:
         self.engine = engine
         self.status = status
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._running: set[str] = set()  # container ids whose engine call is under way
         self._slots = asyncio.Semaphore(max_parallel)
+        self._pool = ThreadPoolExecutor(max_parallel, thread_name_prefix="rekindle-engine")
+        self._probes = probes or ProbeSlots()
 
     def start(self, work: Work) -> None:
         if work.container_id in self._tasks:
@@ -126,6 +137,7 @@ class Jobs:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ flows
     async def _checkpoint(self, work: Work) -> None:
@@ -147,9 +159,17 @@ class Jobs:
                 found = work.control.ready()
                 if found:
                     return found
-            elif await asyncio.to_thread(self.engine.probe, work.netns, probe):
+            elif await self._probe(work, probe):
                 return str(probe)
-            await asyncio.sleep(READY_POLL if probe.kind is ProbeKind.FILE else 1.0)
+            await asyncio.sleep(READY_POLL if probe.kind is ProbeKind.FILE else PROBE_INTERVAL)
+
+    async def _probe(self, work: Work, probe: ReadyProbe) -> bool:
+        async with self._probes.slot(work.pod_uid):
+            try:
+                async with asyncio.timeout(PROBE_DEADLINE):
+                    return await self.engine.probe(work.netns, probe)
+            except TimeoutError:
+                return False
 
     async def _restore(self, work: Work) -> None:
         self._set(work, Phase.RESTORING, "")
@@ -162,7 +182,7 @@ class Jobs:
         self._running.add(work.container_id)
         try:
             async with self._slots:
-                timings = await asyncio.to_thread(fn, work)
+                timings = await asyncio.get_running_loop().run_in_executor(self._pool, fn, work)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - every failure is reported to the pod

@@ -9,13 +9,18 @@ Keys (pod annotations, documented in the README):
   rekindle.dev/restore          NAME   start this container from artifact NAME
   rekindle.dev/container        CTR    which container the keys apply to (default: all)
   rekindle.dev/ready-probe      file | http://[host]:PORT[/path] | tcp://[host]:PORT
+                                (host: an IP address or localhost; default 127.0.0.1)
   rekindle.dev/after-checkpoint keep-running | exit
   rekindle.dev/restore-timeout  seconds (1..86400)
 Unknown ``rekindle.dev/`` keys are errors (typos must not silently disable a restore).
+Numbers are ASCII decimal digits only: ``str.isdigit`` and ``int`` also take '²', '١٢', ' 12',
+'1_0' and raise ValueError past 4300 digits, none of which may reach a handler uncaught.
+Probe hosts are addresses, never names: resolving a name could block without a deadline.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from dataclasses import dataclass
 from enum import Enum
@@ -78,6 +83,16 @@ class Intent:
     restore_timeout: int = DEFAULT_RESTORE_TIMEOUT
 
 
+MAX_DECIMAL_DIGITS = 18
+
+
+def parse_decimal(value: str) -> int | None:
+    """The value of a plain ASCII decimal number (no sign, space, '_' or other digits), or None."""
+    if not 0 < len(value) <= MAX_DECIMAL_DIGITS or not value.isascii() or not value.isdigit():
+        return None
+    return int(value)
+
+
 def valid_artifact_name(name: str) -> bool:
     return len(name) <= 63 and name not in (".", "..") and bool(_NAME.match(name))
 
@@ -89,21 +104,36 @@ def valid_dns_label(value: str) -> bool:
 def parse_probe(value: str) -> ReadyProbe:
     if value == "file":
         return ReadyProbe(ProbeKind.FILE)
-    parts = urlsplit(value)
+    try:
+        parts = urlsplit(value)
+    except ValueError as exc:  # e.g. an unclosed '[' in the host
+        raise AnnotationError(READY_PROBE, f"not a URL: {exc}") from None
     if parts.scheme not in ("http", "tcp"):
         raise AnnotationError(READY_PROBE, f"scheme must be file, http or tcp, got {value!r}")
-    try:
-        port = parts.port
-    except ValueError:
-        port = None
-    if not port:
+    hostport = parts.netloc.rpartition("@")[2]
+    raw_port = hostport.rpartition(":")[2] if ":" in hostport and not hostport.endswith("]") else ""
+    port = parse_decimal(raw_port)
+    if port is None or not 1 <= port <= 65535:
         raise AnnotationError(READY_PROBE, f"needs a port in 1..65535: {value!r}")
-    host = parts.hostname or "127.0.0.1"
+    host = _probe_host(hostport[: -len(raw_port) - 1])
     if parts.scheme == "tcp" and parts.path not in ("", "/"):
         raise AnnotationError(READY_PROBE, "a tcp probe takes no path")
     if parts.query or parts.fragment or parts.username:
         raise AnnotationError(READY_PROBE, "no query, fragment or credentials allowed")
     return ReadyProbe(ProbeKind(parts.scheme), host, port, parts.path or "/")
+
+
+def _probe_host(raw: str) -> str:
+    """An IP address (IPv6 without its brackets); empty and ``localhost`` mean 127.0.0.1."""
+    if raw.lower() in ("", "localhost"):
+        return "127.0.0.1"
+    literal = raw[1:-1] if raw.startswith("[") and raw.endswith("]") else raw
+    try:
+        if not literal.isascii():
+            raise ValueError(literal)
+        return str(ipaddress.ip_address(literal))
+    except ValueError:
+        raise AnnotationError(READY_PROBE, f"host must be an IP address or localhost, got {raw!r}") from None
 
 
 def decide(annotations: dict[str, str], container_name: str,
@@ -140,9 +170,10 @@ def decide(annotations: dict[str, str], container_name: str,
     except ValueError:
         raise AnnotationError(AFTER_CHECKPOINT, f"must be keep-running or exit, got {after_raw!r}") from None
     timeout_raw = ours.get(RESTORE_TIMEOUT, str(default_timeout))
-    if not timeout_raw.isdigit() or not 1 <= int(timeout_raw) <= MAX_RESTORE_TIMEOUT:
+    timeout = parse_decimal(timeout_raw)
+    if timeout is None or not 1 <= timeout <= MAX_RESTORE_TIMEOUT:
         raise AnnotationError(RESTORE_TIMEOUT, f"must be whole seconds in 1..{MAX_RESTORE_TIMEOUT}, got {timeout_raw!r}")
     if role is Role.RESTORE and (READY_PROBE in ours or AFTER_CHECKPOINT in ours):
         raise AnnotationError(READY_PROBE if READY_PROBE in ours else AFTER_CHECKPOINT,
                               "applies to checkpoint sources only")
-    return Intent(role, name, probe, after, int(timeout_raw))
+    return Intent(role, name, probe, after, timeout)

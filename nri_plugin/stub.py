@@ -6,18 +6,30 @@ version accepts. Handler names and signatures:
 
     configure(config: str, runtime: RuntimeInfo) -> None
     synchronize(pods, containers) -> list[ContainerUpdate]
-    create_container(pod, container) -> CreateContainerResponse
+    create_container(pod, container) -> CreateContainerResponse | Reply[CreateContainerResponse]
     update_container(pod, container, resources) -> list[ContainerUpdate]
     stop_container(pod, container) -> list[ContainerUpdate]
     run_pod_sandbox / stop_pod_sandbox / remove_pod_sandbox(pod) -> None
     post_create_container / start_container / post_start_container /
     post_update_container / remove_container(pod, container) -> None
     on_disconnect(error) -> None
+    on_handler_error(handler: str, pod | None, container | None, exc) -> None   (optional hook)
 
-Handlers may be plain functions (run in a worker thread) or coroutines. Every reply is sent
-within the runtime's request timeout minus a safety margin: a handler that overruns its budget
-is abandoned and the stub answers with an empty reply (no adjustment), so a slow plugin never
-gets itself disconnected and the container simply starts unadjusted.
+Handlers may be plain functions (run in the stub's own small thread pool, never Python's
+default executor) or coroutines.
+
+Fail-open boundary: every reply is sent within the runtime's request timeout minus a safety
+margin, and a handler can never turn into an error status (which would fail the pod). When a
+handler raises, or overruns its budget (``HandlerOverrun``), the stub logs it with the pod and
+container, answers with an empty reply (no adjustment: the container starts as it was asked
+for), and then hands the exception to ``on_handler_error`` on the event loop, so the plugin
+can record why and undo what it prepared. An overrun handler is not waited for: a sync one
+still queued never runs, a running one finishes in its thread, a coroutine is cancelled.
+
+Late results never take hold: a handler whose effects must match what the runtime was told
+returns ``Reply(message, commit)``; the stub runs ``commit`` on the event loop only when it is
+about to send that very message (no await between the two), never for an overrun, failed or
+disconnected call. ``commit`` must be quick and must not block.
 
 Lifecycle: ``run()`` connects (socket path, or the fd a runtime passes to a pre-launched plugin),
 registers, serves until the runtime closes the connection, then reconnects with capped
@@ -28,19 +40,23 @@ The runtime re-sends Configure and Synchronize after each registration.
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import logging
 import os
 import socket
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
+
+from runtime.errors import RekindleError
 
 from .events import Event, RuntimeInfo, describe_mask, event_mask
 from .proto import nri_api_pb2 as api
-from .transport.errors import Code, ConnectionClosed, RpcError, TransportError
+from .transport.errors import Code, ConnectionClosed, LocalProtocolError, RpcError, TransportError
 from .transport.mux import PLUGIN_SERVICE_CONN, RUNTIME_SERVICE_CONN, MuxTrunk
-from .transport.ttrpc import Handler, TtrpcClient, TtrpcServer
+from .transport.ttrpc import MAX_MESSAGE, Handler, TtrpcClient, TtrpcServer
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +66,10 @@ DEFAULT_SOCKET = "/var/run/nri/nri.sock"
 DEFAULT_REQUEST_TIMEOUT = 2.0
 # Time kept back from the runtime's deadline for serialisation, the socket and scheduling.
 REPLY_MARGIN = 0.4
+# A reply must fit one ttrpc message with its envelope (status, field tags).
+MAX_REPLY = MAX_MESSAGE - 64
+# Threads for sync handlers. Handlers are short; more threads would only hide a stall.
+HANDLER_WORKERS = 4
 
 # StateChange events and the plugin method each one calls.
 STATE_HANDLERS: dict[Event, str] = {
@@ -69,13 +89,33 @@ REQUEST_HANDLERS: dict[Event, str] = {
 }
 
 
+M = TypeVar("M")
+
+
+@dataclass(frozen=True, slots=True)
+class Reply(Generic[M]):
+    """A handler's reply whose side effects ``commit`` takes hold only if ``message`` is sent."""
+
+    message: M
+    commit: Callable[[], None]
+
+
+class HandlerOverrun(Exception):
+    """A handler did not finish within its budget; the runtime got an empty reply instead."""
+
+    def __init__(self, handler: str, budget: float) -> None:
+        super().__init__(f"{handler} overran its {budget:.2f}s budget")
+        self.handler = handler
+        self.budget = budget
+
+
 @dataclass(frozen=True, slots=True)
 class Identity:
     name: str
     idx: str
 
     def __post_init__(self) -> None:
-        if len(self.idx) != 2 or not self.idx.isdigit():
+        if len(self.idx) != 2 or not (self.idx.isascii() and self.idx.isdigit()):
             raise ValueError(f"plugin index must be two digits, got {self.idx!r}")
         if not self.name or not all(c.isalnum() or c in "_.+-" for c in self.name):
             raise ValueError(f"plugin name must match [a-zA-Z0-9_.+-]+, got {self.name!r}")
@@ -96,6 +136,7 @@ class Stub:
         socket_path: str = DEFAULT_SOCKET,
         preconnected_fd: int | None = None,
         max_backoff: float = 10.0,
+        handler_workers: int = HANDLER_WORKERS,
     ) -> None:
         self.plugin = plugin
         self.identity = identity
@@ -111,23 +152,28 @@ class Stub:
         self._sync_containers: list[Any] = []
         self._stopping = False
         self._trunk: MuxTrunk | None = None
+        self._handler_pool = ThreadPoolExecutor(handler_workers, thread_name_prefix="nri-handler")
 
     # ------------------------------------------------------------------ lifecycle
     async def run(self) -> None:
         """Serve, reconnecting with backoff, until ``stop()``."""
         backoff = 0.2
-        while not self._stopping:
-            try:
-                error = await self.serve_once()
-                log.warning("disconnected from the runtime: %s", error or "closed")
-                backoff = 0.2 if self.synchronized.is_set() else backoff
-            except (OSError, TransportError) as exc:
-                log.info("cannot reach NRI at %s: %s (retrying in %.1fs)", self.socket_path, exc, backoff)
-            if self.preconnected_fd is not None or self._stopping:
-                return  # a pre-launched plugin lives and dies with its socket
-            self.synchronized.clear()
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, self.max_backoff)
+        try:
+            while not self._stopping:
+                try:
+                    error = await self.serve_once()
+                    log.warning("disconnected from the runtime: %s", error or "closed")
+                    backoff = 0.2 if self.synchronized.is_set() else backoff
+                except (OSError, TransportError) as exc:
+                    log.info("cannot reach NRI at %s: %s (retrying in %.1fs)", self.socket_path, exc, backoff)
+                if self.preconnected_fd is not None or self._stopping:
+                    return  # a pre-launched plugin lives and dies with its socket
+                self.synchronized.clear()
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, self.max_backoff)
+        finally:
+            # Handlers still running in threads finish on their own; their results are dropped.
+            self._handler_pool.shutdown(wait=False, cancel_futures=True)
 
     def stop(self) -> None:
         self._stopping = True
@@ -140,7 +186,7 @@ class Stub:
         trunk = MuxTrunk(reader, writer)
         self._trunk = trunk
         handlers = self._service_handlers()
-        server = TtrpcServer(lambda b: trunk.send(PLUGIN_SERVICE_CONN, b), handlers)
+        server = TtrpcServer(lambda b: trunk.send(PLUGIN_SERVICE_CONN, b), handlers, drain=trunk.drain)
         client = TtrpcClient(lambda b: trunk.send(RUNTIME_SERVICE_CONN, b))
         trunk.route(PLUGIN_SERVICE_CONN, server.feed)
         trunk.route(RUNTIME_SERVICE_CONN, client.feed)
@@ -163,7 +209,7 @@ class Stub:
             await asyncio.gather(reader_task, return_exceptions=True)
             self._client = None
             self._trunk = None
-            await self._call_plugin("on_disconnect", trunk.error, budget=None)
+            await self._call_plugin("on_disconnect", trunk.error)
 
     async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         if self.preconnected_fd is not None:
@@ -200,20 +246,64 @@ class Stub:
         limit = min(deadline, self.request_timeout) if deadline else self.request_timeout
         return max(limit - REPLY_MARGIN, 0.1)
 
-    async def _call_plugin(self, name: str, *args: Any, budget: float | None) -> Any:
-        """Run a plugin handler within ``budget`` seconds; None if absent or overrun."""
+    async def _call_plugin(self, name: str, *args: Any, budget: float | None = None,
+                           pod: api.PodSandbox | None = None, ctr: api.Container | None = None,
+                           encode: Callable[[Any], bytes] = lambda _: b"") -> bytes:
+        """Run one plugin handler and encode its reply; if it is absent, raises, overruns
+        ``budget`` seconds or returns something unsendable, ``encode(None)`` (the empty reply).
+        Raises nothing but CancelledError: this is the fail-open boundary."""
         fn: Callable[..., Any] | None = getattr(self.plugin, name, None)
         if not callable(fn):
-            return None
-        if inspect.iscoroutinefunction(fn):
-            coro = fn(*args)
-        else:
-            coro = asyncio.to_thread(fn, *args)
+            return encode(None)
         try:
-            return await asyncio.wait_for(coro, budget) if budget else await coro
-        except asyncio.TimeoutError:
-            log.error("handler %s overran its %.2fs budget; replying without changes", name, budget)
-            return None
+            if inspect.iscoroutinefunction(fn):
+                call: asyncio.Future[Any] = asyncio.ensure_future(fn(*args))
+            else:
+                call = asyncio.get_running_loop().run_in_executor(self._handler_pool, functools.partial(fn, *args))
+            # asyncio.wait, not wait_for: a TimeoutError raised by the handler is not an overrun.
+            done, _ = await asyncio.wait({call}, timeout=budget)
+            if not done:
+                call.cancel()  # a queued sync handler never starts; a running one is dropped
+                raise HandlerOverrun(name, budget or 0.0)
+            result = call.result()
+            reply = result if isinstance(result, Reply) else None
+            data = encode(reply.message if reply else result)
+            if len(data) > MAX_REPLY:
+                raise LocalProtocolError(f"reply of {len(data)} bytes exceeds {MAX_REPLY}")
+            if reply is not None:
+                trunk = self._trunk
+                if trunk is None or trunk.closed or not trunk.has_room(len(data) + 64):
+                    raise ConnectionClosed("the reply cannot be sent: connection closed or not read")
+                reply.commit()  # the caller sends ``data`` without awaiting anything first
+            return data
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the fail-open boundary: any error is an empty reply
+            self._failed(name, pod, ctr, exc)
+            return encode(None)
+
+    def _failed(self, name: str, pod: api.PodSandbox | None, ctr: api.Container | None,
+                exc: Exception) -> None:
+        """Log a failed or overrun handler, then tell the plugin once the empty reply is out."""
+        where = f"{pod.namespace}/{pod.name}" if pod is not None else "-"
+        if ctr is not None:
+            where += f":{ctr.name}"
+        if isinstance(exc, HandlerOverrun):
+            log.error("%s: handler %s overran its %.2fs budget; replying without changes", where, name, exc.budget)
+        else:
+            log.error("%s: handler %s failed; replying without changes: %s: %s", where, name,
+                      type(exc).__name__, exc, exc_info=not isinstance(exc, RekindleError))
+        hook = getattr(self.plugin, "on_handler_error", None)
+        if callable(hook) and name != "on_disconnect":
+            # Scheduled, not called: the empty reply goes out first, in this same loop turn.
+            asyncio.get_running_loop().call_soon(self._run_hook, hook, name, pod, ctr, exc)
+
+    @staticmethod
+    def _run_hook(hook: Callable[..., Any], name: str, pod: Any, ctr: Any, exc: Exception) -> None:
+        try:
+            hook(name, pod, ctr, exc)
+        except Exception:  # noqa: BLE001 - a failing hook must not take the loop down
+            log.exception("on_handler_error for %s failed", name)
 
     async def _configure(self, payload: bytes, deadline: float | None) -> bytes:
         req = api.ConfigureRequest.FromString(payload)
@@ -225,8 +315,8 @@ class Stub:
         if not mask:
             raise RpcError(Code.FAILED_PRECONDITION, "plugin subscribes to no event")
         log.info("configured by %s; events %s", self.runtime, describe_mask(mask))
-        await self._call_plugin("configure", req.config, self.runtime, budget=self._budget(deadline))
-        return api.ConfigureResponse(events=mask).SerializeToString()
+        return await self._call_plugin("configure", req.config, self.runtime, budget=self._budget(deadline),
+                                       encode=lambda _: api.ConfigureResponse(events=mask).SerializeToString())
 
     async def _synchronize(self, payload: bytes, deadline: float | None) -> bytes:
         req = api.SynchronizeRequest.FromString(payload)
@@ -237,14 +327,14 @@ class Stub:
             return api.SynchronizeResponse(more=True).SerializeToString()
         pods, containers = self._sync_pods, self._sync_containers
         self._sync_pods, self._sync_containers = [], []
-        updates = await self._call_plugin("synchronize", pods, containers, budget=self._budget(deadline))
+        data = await self._call_plugin("synchronize", pods, containers, budget=self._budget(deadline),
+                                       encode=lambda u: api.SynchronizeResponse(update=u or []).SerializeToString())
         self.synchronized.set()
         log.info("synchronized: %d pods, %d containers", len(pods), len(containers))
-        return api.SynchronizeResponse(update=updates or []).SerializeToString()
+        return data
 
     async def _shutdown(self, payload: bytes, deadline: float | None) -> bytes:
-        await self._call_plugin("shutdown", budget=self._budget(deadline))
-        return b""
+        return await self._call_plugin("shutdown", budget=self._budget(deadline))
 
     async def _state_change(self, payload: bytes, deadline: float | None) -> bytes:
         req = api.StateChangeEvent.FromString(payload)
@@ -256,25 +346,26 @@ class Stub:
         meth = STATE_HANDLERS.get(event)
         if meth is None:
             return b""
-        args = (req.pod,) if event in (Event.RUN_POD_SANDBOX, Event.STOP_POD_SANDBOX,
-                                       Event.REMOVE_POD_SANDBOX) else (req.pod, req.container)
-        await self._call_plugin(meth, *args, budget=self._budget(deadline))
-        return b""
+        pod_only = event in (Event.RUN_POD_SANDBOX, Event.STOP_POD_SANDBOX, Event.REMOVE_POD_SANDBOX)
+        ctr = None if pod_only else req.container
+        args = (req.pod,) if ctr is None else (req.pod, ctr)
+        return await self._call_plugin(meth, *args, budget=self._budget(deadline), pod=req.pod, ctr=ctr)
 
     async def _create_container(self, payload: bytes, deadline: float | None) -> bytes:
         req = api.CreateContainerRequest.FromString(payload)
-        resp = await self._call_plugin("create_container", req.pod, req.container,
-                                       budget=self._budget(deadline))
-        return (resp or api.CreateContainerResponse()).SerializeToString()
+        return await self._call_plugin(
+            "create_container", req.pod, req.container, budget=self._budget(deadline), pod=req.pod,
+            ctr=req.container, encode=lambda r: (r or api.CreateContainerResponse()).SerializeToString())
 
     async def _update_container(self, payload: bytes, deadline: float | None) -> bytes:
         req = api.UpdateContainerRequest.FromString(payload)
-        updates = await self._call_plugin("update_container", req.pod, req.container,
-                                          req.linux_resources, budget=self._budget(deadline))
-        return api.UpdateContainerResponse(update=updates or []).SerializeToString()
+        return await self._call_plugin(
+            "update_container", req.pod, req.container, req.linux_resources, budget=self._budget(deadline),
+            pod=req.pod, ctr=req.container,
+            encode=lambda u: api.UpdateContainerResponse(update=u or []).SerializeToString())
 
     async def _stop_container(self, payload: bytes, deadline: float | None) -> bytes:
         req = api.StopContainerRequest.FromString(payload)
-        updates = await self._call_plugin("stop_container", req.pod, req.container,
-                                          budget=self._budget(deadline))
-        return api.StopContainerResponse(update=updates or []).SerializeToString()
+        return await self._call_plugin(
+            "stop_container", req.pod, req.container, budget=self._budget(deadline), pod=req.pod,
+            ctr=req.container, encode=lambda u: api.StopContainerResponse(update=u or []).SerializeToString())

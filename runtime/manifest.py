@@ -16,7 +16,6 @@ Contract:
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import hashlib
 import hmac

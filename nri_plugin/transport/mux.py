@@ -17,6 +17,12 @@ This module is sans-I/O (``MuxDecoder``, ``encode_message``) plus a thin asyncio
 (``MuxTrunk``) that owns the socket: one reader task, writes under the event loop's
 single-threadedness (all frames of one message are written without yielding), the first error
 sticks and closes the whole trunk.
+
+Writes are bounded: a runtime that stops reading must not make the plugin buffer without
+limit. Above ``WRITE_HIGH_WATER`` buffered bytes, ``drain()`` waits for the peer (the ttrpc
+server drains after each reply); once more than ``MAX_WRITE_BUFFER`` bytes are queued, the
+trunk is aborted (not closed: a graceful close would wait for the peer to read the buffer)
+with ``WriteBufferFull``, and the stub reconnects.
 """
 
 from __future__ import annotations
@@ -38,6 +44,13 @@ HEADER = struct.Struct(">II")
 GO_READ_BUFFER = 4096
 # The Go writer refuses payloads above 16 MiB; accept up to that, nothing more.
 MAX_FRAME_PAYLOAD = 16 << 20
+# Outgoing bytes the transport may hold for a slow reader, and the point where it is dropped.
+WRITE_HIGH_WATER = 1 << 20
+MAX_WRITE_BUFFER = 16 << 20
+
+
+class WriteBufferFull(ConnectionClosed):
+    """The runtime stopped reading: more than MAX_WRITE_BUFFER bytes were waiting for it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,9 +107,12 @@ FrameHandler = Callable[[bytes], None]
 class MuxTrunk:
     """asyncio adapter: reads frames from a stream and routes their payloads by conn id."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                 max_buffer: int = MAX_WRITE_BUFFER, high_water: int = WRITE_HIGH_WATER) -> None:
         self._reader = reader
         self._writer = writer
+        self._max_buffer = max_buffer
+        writer.transport.set_write_buffer_limits(high=min(high_water, max_buffer))
         self._decoder = MuxDecoder()
         self._handlers: dict[int, FrameHandler] = {}
         self._closed = asyncio.Event()
@@ -112,6 +128,16 @@ class MuxTrunk:
             raise ConnectionClosed("mux trunk is closed")
         for frame in encode_message(conn_id, message):
             self._writer.write(frame)
+        buffered = self._writer.transport.get_write_buffer_size()
+        if buffered > self._max_buffer:
+            error = WriteBufferFull(f"runtime stopped reading: {buffered} bytes waiting, limit {self._max_buffer}")
+            log.error("%s; dropping the connection", error)
+            self.close(error, abort=True)
+            raise error
+
+    def has_room(self, size: int) -> bool:
+        """Whether a message of ``size`` bytes can be queued without passing the buffer cap."""
+        return self._writer.transport.get_write_buffer_size() + size + 2 * HEADER.size <= self._max_buffer
 
     async def drain(self) -> None:
         try:
@@ -144,13 +170,16 @@ class MuxTrunk:
         except BaseException as exc:  # noqa: BLE001 - the first error sticks and closes all
             self.close(exc)
 
-    def close(self, exc: BaseException | None = None) -> None:
+    def close(self, exc: BaseException | None = None, abort: bool = False) -> None:
         if self._closed.is_set():
             return
         self.error = exc
         self._closed.set()
         try:
-            self._writer.close()
+            if abort:
+                self._writer.transport.abort()  # drop what is buffered: the peer is not reading
+            else:
+                self._writer.close()
         except (OSError, RuntimeError):
             pass
 

@@ -13,7 +13,8 @@ StateChange for events a plugin does not implement.
 
 The codec (``encode``, ``TtrpcDecoder``) does no I/O. ``TtrpcServer`` and ``TtrpcClient`` are fed
 bytes by the mux and send whole messages through a callable; handler errors become a status
-exactly once, in ``TtrpcServer._serve``.
+exactly once, in ``TtrpcServer._serve``, which then awaits the optional ``drain`` (flow control
+towards a slow peer).
 """
 
 from __future__ import annotations
@@ -112,8 +113,10 @@ def _response(status: Code | int = Code.OK, message: str = "", payload: bytes = 
 class TtrpcServer:
     """Serves unary calls. ``handlers`` maps (service, method) to an async handler."""
 
-    def __init__(self, send: Send, handlers: dict[tuple[str, str], Handler]) -> None:
+    def __init__(self, send: Send, handlers: dict[tuple[str, str], Handler],
+                 drain: Callable[[], Awaitable[None]] | None = None) -> None:
         self._send = send
+        self._drain = drain  # flow control: wait after a reply while the peer is behind
         self._handlers = handlers
         self._services = {svc for svc, _ in handlers}
         self._decoder = TtrpcDecoder()
@@ -178,6 +181,11 @@ class TtrpcServer:
             log.exception("handler %s/%s failed", req.service, req.method)
             body = _response(Code.UNKNOWN, f"{type(exc).__name__}: {exc}")
         self._reply(stream_id, body)
+        if self._drain is not None:
+            try:
+                await self._drain()
+            except ConnectionClosed:
+                pass  # the trunk is closed and says why
 
     def cancel(self) -> None:
         for task in list(self._tasks):

@@ -1,8 +1,11 @@
 """The plugin against real containerd (1.7.24 by default; 2.1.9 where marked): handshake,
-adjustments seen from inside running containers, and the plugin or containerd going away."""
+adjustments seen from inside running containers, the plugin or containerd going away, a handler
+error answered empty, and slow-loris probe targets that must not stall other pods' creates."""
 
 from __future__ import annotations
 
+import ipaddress
+import json
 import os
 import signal
 import time
@@ -10,6 +13,7 @@ import time
 import pytest
 
 from plugin_process import PluginProcess, build_native
+from slow_servers import SlowServers
 
 BUSYBOX = "localhost/rekindle/busybox:1"
 SLEEP = ["/bin/sh", "-c", "echo started; exec sleep 3600"]
@@ -136,7 +140,6 @@ def test_handshake_and_adjustment_on_containerd_2_1(sandbox_factory, pod, tmp_pa
 
 def test_plugin_restart_resumes_a_pending_checkpoint(sandbox, plugin, pod):
     """Killed while a source warms up, the plugin picks the source up again on Synchronize."""
-    import json
     p = pod(annotations={"rekindle.dev/checkpoint": "resumed"})
     sandbox.run_container(p, "server", "localhost/rekindle/counter:1",
                                 command=["/usr/local/bin/counter-server", "8080"],
@@ -152,3 +155,67 @@ def test_plugin_restart_resumes_a_pending_checkpoint(sandbox, plugin, pod):
         time.sleep(0.2)
     assert json.loads(status.read_text())["phase"] == "published", plugin.log()[-3000:]
     assert (plugin.store / "default" / "resumed" / "manifest.json").exists()
+
+
+def test_create_fails_open_when_the_control_dir_cannot_be_made(sandbox, plugin, pod):
+    """An OSError inside CreateContainer (here: a file where the pod's control root belongs)
+    is answered empty: the container is created and runs its own command, the status says why."""
+    p = pod(name="no-control-dir", annotations={"rekindle.dev/checkpoint": "blocked"})
+    root = plugin.state_dir / "control"
+    root.mkdir(parents=True, exist_ok=True)
+    (root / p.uid).write_text("not a directory")
+    cid = _run(sandbox, p)
+    assert "REKINDLE" not in _exec(sandbox, cid, "env")
+    assert _exec(sandbox, cid, "tr '\\0' ' ' < /proc/1/cmdline").startswith("sleep 3600")
+    status = json.loads((plugin.state_dir / "status" / "default" / p.name / "app.json").read_text())
+    assert status["phase"] == "cold-start" and "control" in status["reason"], status
+
+
+def _threads(pid: int) -> int:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("Threads:"):
+            return int(line.split()[1])
+    raise AssertionError("no Threads line")
+
+
+def test_slow_probe_targets_do_not_stall_other_creates(sandbox, plugin, pod):
+    """Twelve checkpoint sources whose HTTP ready-probes hit slow-loris targets, then twenty
+    ordinary creates: every create is answered well inside NRI's 2 s budget, and the plugin's
+    thread count stays flat while the slow targets are probed."""
+    gateway = str(ipaddress.ip_network(sandbox.subnet)[1])  # the bridge: reachable from every pod
+    containerd_log_start = sandbox.log_path.stat().st_size
+    plugin_log_start = len(plugin.log())
+    threads_before = _threads(plugin.proc.pid)
+    # Bound to every address: the bridge gets the gateway address only with its first pod.
+    with SlowServers("0.0.0.0", ["silent", "dribble", "dribble"] * 4) as slow:
+        for i, port in enumerate(slow.ports):
+            p = pod(name=f"loris-{i}", annotations={"rekindle.dev/checkpoint": f"loris-{i}",
+                                                    "rekindle.dev/ready-probe": f"http://{gateway}:{port}/ready"})
+            _run(sandbox, p)
+        slow.wait_probed(times=2, timeout=60)
+
+        slowest = 0.0
+        for i in range(20):
+            annotations = {"rekindle.dev/restore": f"missing-{i}"} if i % 2 == 0 else None
+            p = pod(name=f"ordinary-{i}", annotations=annotations)
+            t0 = time.monotonic()
+            cid = sandbox.cri.create_container(p, "app", BUSYBOX, command=SLEEP)
+            took = time.monotonic() - t0
+            slowest = max(slowest, took)
+            assert took < 2.0, f"CreateContainer of {p.name} took {took:.2f}s"
+            sandbox.cri.start_container(cid)
+        slow.wait_probed(times=6, timeout=60)  # the slow targets were probed all along
+        threads_after = _threads(plugin.proc.pid)
+
+    text = plugin.log()[plugin_log_start:]
+    assert "overran its" not in text, [l for l in text.splitlines() if "overran its" in l][:5]
+    with open(sandbox.log_path, errors="replace") as f:
+        f.seek(containerd_log_start)
+        runtime_log = f.read()
+    for needle in ("closing plugin", "failed to handle event", "context deadline exceeded"):
+        assert needle not in runtime_log, [l for l in runtime_log.splitlines() if needle in l][:5]
+    assert threads_after <= threads_before + 8, (threads_before, threads_after)
+    for i in range(0, 20, 2):
+        status = json.loads((plugin.state_dir / "status" / "default" / f"ordinary-{i}" / "app.json").read_text())
+        assert status["phase"] == "cold-start" and f"missing-{i}" in status["reason"], status
+    print(f"slowest create {slowest:.2f}s; plugin threads {threads_before} -> {threads_after}")

@@ -11,6 +11,7 @@ from nri_plugin.events import RuntimeInfo
 from nri_plugin.handlers import RekindlePlugin
 from nri_plugin.jobs import Jobs
 from nri_plugin.proto import nri_api_pb2 as api
+from nri_plugin.stub import Reply
 from runtime.compat import NodeFacts
 from runtime.status import Phase, StatusBook
 from runtime.store import ArtifactStore
@@ -38,6 +39,15 @@ def make_plugin(tmp_path):
     return make
 
 
+def _create(plugin: RekindlePlugin, pod, ctr) -> api.CreateContainerResponse:
+    """CreateContainer as the stub runs it when it sends the reply: commit, then the message."""
+    result = plugin.create_container(pod, ctr)
+    if isinstance(result, Reply):
+        result.commit()
+        return result.message
+    return result
+
+
 def _req(annotations: dict[str, str], name: str = "app"):
     pod = api.PodSandbox(id="pod1", name="web", namespace="default", uid="0b6c-uid")
     pod.annotations.update(annotations)
@@ -48,7 +58,7 @@ def _req(annotations: dict[str, str], name: str = "app"):
 def test_checkpoint_source_gets_control_dir_mounts_and_env(make_plugin):
     plugin = make_plugin()
     pod, ctr = _req({"rekindle.dev/checkpoint": "m"})
-    adj = plugin.create_container(pod, ctr).adjust
+    adj = _create(plugin, pod, ctr).adjust
     assert {m.destination: m.source for m in adj.mounts} == {
         "/rekindle": f"{plugin.settings.state_dir}/control/0b6c-uid/app",
         "/.rekindle/bin": f"{plugin.settings.state_dir}/bin"}
@@ -60,22 +70,22 @@ def test_checkpoint_source_gets_control_dir_mounts_and_env(make_plugin):
 def test_nri_0_10_runtime_gets_args_in_the_create_reply(make_plugin):
     plugin = make_plugin("2.2.1")
     pod, ctr = _req({"rekindle.dev/checkpoint": "m"})
-    args = list(plugin.create_container(pod, ctr).adjust.args)
+    args = list(_create(plugin, pod, ctr).adjust.args)
     assert args == ["/.rekindle/bin/rekindle-init", "--mode", "source", "--control", "/rekindle",
                     "--timeout", "1800", "--", "/srv", "--port", "80"]
 
 
 def test_unannotated_and_other_container_get_empty_replies(make_plugin):
     plugin = make_plugin()
-    assert not plugin.create_container(*_req({})).HasField("adjust")
+    assert not _create(plugin, *_req({})).HasField("adjust")
     pod, ctr = _req({"rekindle.dev/checkpoint": "m", "rekindle.dev/container": "other"})
-    assert not plugin.create_container(pod, ctr).HasField("adjust")
+    assert not _create(plugin, pod, ctr).HasField("adjust")
 
 
 def test_malformed_annotation_is_recorded_and_left_alone(make_plugin):
     plugin = make_plugin()
     pod, ctr = _req({"rekindle.dev/restore": "../x"})
-    assert not plugin.create_container(pod, ctr).HasField("adjust")
+    assert not _create(plugin, pod, ctr).HasField("adjust")
     st = plugin.status.read("default", "web", "app")
     assert st.phase is Phase.IGNORED and "rekindle.dev/restore" in st.reason
 
@@ -83,7 +93,7 @@ def test_malformed_annotation_is_recorded_and_left_alone(make_plugin):
 def test_restore_of_missing_artifact_is_a_cold_start_with_reason(make_plugin):
     plugin = make_plugin()
     pod, ctr = _req({"rekindle.dev/restore": "nothing-here"})
-    assert not plugin.create_container(pod, ctr).HasField("adjust")
+    assert not _create(plugin, pod, ctr).HasField("adjust")
     st = plugin.status.read("default", "web", "app")
     assert st.phase is Phase.COLD_START and "nothing-here" in st.reason
 
@@ -91,11 +101,11 @@ def test_restore_of_missing_artifact_is_a_cold_start_with_reason(make_plugin):
 def test_stale_protocol_files_are_cleared_on_create(make_plugin):
     plugin = make_plugin()
     pod, ctr = _req({"rekindle.dev/checkpoint": "m"})
-    plugin.create_container(pod, ctr)
+    _create(plugin, pod, ctr)
     ctl = plugin.settings.state_dir + "/control/0b6c-uid/app"
     for name in ("restore-complete", "restore-pid", "ready-for-checkpoint"):
         open(f"{ctl}/{name}", "w").write("stale")
-    plugin.create_container(pod, ctr)  # the container is created again (restart)
+    _create(plugin, pod, ctr)  # the container is created again (restart)
     import os
     assert not any(os.path.exists(f"{ctl}/{n}") for n in ("restore-complete", "restore-pid", "ready-for-checkpoint"))
 
@@ -103,7 +113,7 @@ def test_stale_protocol_files_are_cleared_on_create(make_plugin):
 def test_post_start_without_swap_schedules_nothing(make_plugin):
     plugin = make_plugin()
     pod, ctr = _req({"rekindle.dev/checkpoint": "m"})
-    plugin.create_container(pod, ctr)
+    _create(plugin, pod, ctr)
     plugin.post_create_container(pod, ctr)  # no containerd API: the swap fails open
     asyncio.run(plugin.post_start_container(pod, ctr))
     st = plugin.status.read("default", "web", "app")
@@ -112,7 +122,7 @@ def test_post_start_without_swap_schedules_nothing(make_plugin):
 
 def test_node_default_restore_timeout_reaches_the_init(make_plugin):
     plugin = make_plugin("2.2.1", restore_timeout=120)
-    args = list(plugin.create_container(*_req({"rekindle.dev/checkpoint": "m"})).adjust.args)
+    args = list(_create(plugin, *_req({"rekindle.dev/checkpoint": "m"})).adjust.args)
     assert args[args.index("--timeout") + 1] == "120"
 
 
@@ -141,9 +151,9 @@ def test_second_restore_attempt_in_the_same_pod_starts_cold(make_plugin):
     plugin.status.write(ContainerStatus(namespace="default", pod="web", container="app", role="restore",
                                         artifact="m", phase=Phase.COLD_START, reason="criu restore failed",
                                         pod_uid=pod.uid))
-    assert not plugin.create_container(pod, ctr).HasField("adjust")
+    assert not _create(plugin, pod, ctr).HasField("adjust")
     st = plugin.status.read("default", "web", "app")
     assert st.phase is Phase.COLD_START and "already attempted" in st.reason and "criu restore failed" in st.reason
     pod.uid = "another-pod-uid"
-    plugin.create_container(pod, ctr)  # gets as far as the store: no artifact named m
+    _create(plugin, pod, ctr)  # gets as far as the store: no artifact named m
     assert "already attempted" not in plugin.status.read("default", "web", "app").reason

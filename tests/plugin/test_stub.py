@@ -6,6 +6,7 @@ import asyncio
 import os
 import random
 import struct
+import threading
 import time
 
 import pytest
@@ -155,3 +156,42 @@ def test_fuzzed_frames_never_crash_or_hang_the_plugin(sock, seed):
             assert not task.done(), "the plugin's run loop must survive protocol errors"
             await _stop(stub, task)
     run(body())
+
+
+class Blocking:
+    """Sync create handlers that hang until released."""
+
+    def __init__(self) -> None:
+        self.threads: list[str] = []
+        self.release = threading.Event()
+
+    def create_container(self, pod, ctr):
+        self.threads.append(threading.current_thread().name)
+        self.release.wait(10)
+        return api.CreateContainerResponse(adjust=api.ContainerAdjustment())
+
+
+def test_sync_handlers_run_in_the_stubs_own_bounded_pool(sock):
+    """Six creates against handlers that hang: every reply comes in time (empty), only the pool's
+    four threads ever run a handler, and the two calls still queued when they overran never run."""
+    plugin = Blocking()
+
+    async def body():
+        async with FakeRuntime(sock) as rt:
+            stub, task = await _start(sock, plugin)
+            conn = await rt.next_plugin()
+            await conn.handshake()
+            req = api.CreateContainerRequest(pod=api.PodSandbox(id="p"), container=api.Container(id="c"))
+            t0 = time.monotonic()
+            replies = await asyncio.gather(*(conn.call("CreateContainer", req, api.CreateContainerResponse)
+                                             for _ in range(6)))
+            assert time.monotonic() - t0 < 2.0
+            assert not any(r.HasField("adjust") for r in replies)
+            plugin.release.set()
+            await asyncio.sleep(0.2)
+            again = await conn.call("CreateContainer", req, api.CreateContainerResponse)
+            assert again.HasField("adjust")
+            await _stop(stub, task)
+    run(body())
+    assert len(plugin.threads) == 5, plugin.threads  # four that hung, then the one after release
+    assert all(name.startswith("nri-handler") for name in plugin.threads), plugin.threads

@@ -48,10 +48,27 @@ def test_decide_picks_role_and_artifact(annotations, container, role, artifact):
         ({RS: "a", "rekindle.dev/restore-timeout": "99999999"}, "rekindle.dev/restore-timeout"),
         ({RS: "a", "rekindle.dev/after-checkpoint": "exit"}, "rekindle.dev/after-checkpoint"),
         ({RS: "a", "rekindle.dev/container": "Bad_Name"}, "rekindle.dev/container"),
+        ({RS: "a", "rekindle.dev/restore-timeout": "\u00b2"}, "rekindle.dev/restore-timeout"),
+        ({RS: "a", "rekindle.dev/restore-timeout": "\u0661\u0662"}, "rekindle.dev/restore-timeout"),
+        ({RS: "a", "rekindle.dev/restore-timeout": "\uff13\uff10"}, "rekindle.dev/restore-timeout"),
+        ({RS: "a", "rekindle.dev/restore-timeout": " 12"}, "rekindle.dev/restore-timeout"),
+        ({RS: "a", "rekindle.dev/restore-timeout": "1_0"}, "rekindle.dev/restore-timeout"),
+        ({RS: "a", "rekindle.dev/restore-timeout": "+5"}, "rekindle.dev/restore-timeout"),
+        ({RS: "a", "rekindle.dev/restore-timeout": "9" * 5000}, "rekindle.dev/restore-timeout"),
+        ({CK: "a", "rekindle.dev/ready-probe": "http://:\u0668\u0660/"}, "rekindle.dev/ready-probe"),
+        ({CK: "a", "rekindle.dev/ready-probe": "http://:8_0/"}, "rekindle.dev/ready-probe"),
+        ({CK: "a", "rekindle.dev/ready-probe": "http://:" + "9" * 5000 + "/"}, "rekindle.dev/ready-probe"),
+        ({CK: "a", "rekindle.dev/ready-probe": "http://[::1/"}, "rekindle.dev/ready-probe"),
+        ({CK: "a", "rekindle.dev/ready-probe": "http://example.com:80/"}, "rekindle.dev/ready-probe"),
+        ({CK: "a", "rekindle.dev/ready-probe": "tcp://\u0661.2.3.4:80"}, "rekindle.dev/ready-probe"),
     ],
     ids=["traversal", "uppercase", "empty", "too-long", "dotdot", "both-roles", "typo-key",
          "probe-alone", "probe-scheme", "probe-port-0", "tcp-path", "after-bad", "timeout-0",
-         "timeout-negative", "timeout-huge", "after-on-restore", "container-bad"],
+         "timeout-negative", "timeout-huge", "after-on-restore", "container-bad",
+         "timeout-superscript", "timeout-arabic-indic", "timeout-fullwidth", "timeout-space",
+         "timeout-underscore", "timeout-plus", "timeout-5000-digits", "port-arabic-indic",
+         "port-underscore", "port-5000-digits", "probe-unclosed-bracket", "probe-host-name",
+         "probe-host-arabic-indic"],
 )
 def test_decide_rejects_malformed_annotations_naming_the_key(annotations, bad_key):
     with pytest.raises(AnnotationError) as err:
@@ -66,6 +83,17 @@ def test_decide_parses_probe_after_and_timeout():
     assert (intent.ready_probe.kind, intent.ready_probe.host, intent.ready_probe.port,
             intent.ready_probe.path) == (ProbeKind.HTTP, "127.0.0.1", 8080, "/healthz")
     assert decide({RS: "m", "rekindle.dev/restore-timeout": "30"}, "a").restore_timeout == 30
+
+
+@pytest.mark.parametrize(
+    "value, host, port",
+    [("http://:8080/", "127.0.0.1", 8080), ("http://localhost:81/x", "127.0.0.1", 81),
+     ("tcp://10.0.0.7:9000", "10.0.0.7", 9000), ("http://[::1]:8000/", "::1", 8000)],
+    ids=["empty-host", "localhost", "ipv4", "ipv6"],
+)
+def test_probe_hosts_are_addresses(value, host, port):
+    probe = decide({CK: "m", "rekindle.dev/ready-probe": value}, "app").ready_probe
+    assert (probe.host, probe.port) == (host, port)
 
 
 def test_node_default_restore_timeout_applies_unless_annotated():
