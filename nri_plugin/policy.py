@@ -21,11 +21,11 @@ Probe hosts are addresses, never names: resolving a name could block without a d
 from __future__ import annotations
 
 import ipaddress
-import re
 from dataclasses import dataclass
 from enum import Enum
 from urllib.parse import urlsplit
 
+from runtime import names
 from runtime.errors import AnnotationError
 
 PREFIX = "rekindle.dev/"
@@ -40,8 +40,6 @@ KNOWN_KEYS = {CHECKPOINT, RESTORE, CONTAINER, READY_PROBE, AFTER_CHECKPOINT, RES
 DEFAULT_RESTORE_TIMEOUT = 1800
 MAX_RESTORE_TIMEOUT = 86400
 
-_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
-_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
 
 class Role(Enum):
@@ -94,11 +92,11 @@ def parse_decimal(value: str) -> int | None:
 
 
 def valid_artifact_name(name: str) -> bool:
-    return len(name) <= 63 and name not in (".", "..") and bool(_NAME.match(name))
+    return names.is_artifact_name(name)
 
 
 def valid_dns_label(value: str) -> bool:
-    return len(value) <= 63 and bool(_DNS_LABEL.match(value))
+    return names.is_dns_label(value)
 
 
 def parse_probe(value: str) -> ReadyProbe:

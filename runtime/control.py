@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import secrets
 from pathlib import Path
 
+from . import names
 from .errors import AnnotationError
 
 CONTAINER_PATH = "/rekindle"
@@ -36,13 +36,11 @@ PROTOCOL_FILES = (*READY_FILES, SNAPSHOT_COMPLETE, CHECKPOINT_FAILED, RESTORE_PI
                   RESTORE_COMPLETE, RESTORE_FAILED, COLD_START, TIMINGS)
 MAX_READ = 64 * 1024
 
-_UID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9-]{0,127}$")
-_CTR = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
 
 def pod_control_root(state_dir: str | os.PathLike[str], pod_uid: str) -> Path:
     """The parent of a pod's control dirs (validated uid)."""
-    if not _UID.match(pod_uid):
+    if not names.is_pod_uid(pod_uid):
         raise AnnotationError("pod.uid", f"unusable pod uid {pod_uid!r}")
     return Path(state_dir) / "control" / pod_uid
 
@@ -50,7 +48,7 @@ def pod_control_root(state_dir: str | os.PathLike[str], pod_uid: str) -> Path:
 def control_dir_for(state_dir: str | os.PathLike[str], pod_uid: str, container: str) -> ControlDir:
     """The control dir of one container; both components validated (they come from the pod)."""
     root = pod_control_root(state_dir, pod_uid)
-    if len(container) > 63 or not _CTR.match(container):
+    if not names.is_dns_label(container):
         raise AnnotationError("container.name", f"unusable container name {container!r}")
     return ControlDir(root / container)
 

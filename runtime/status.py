@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from pathlib import Path
 
-_COMPONENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")
+_COMPONENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,252}")
 
 
 class Phase(str, Enum):
@@ -63,7 +63,7 @@ class StatusBook:
 
     def _path(self, namespace: str, pod: str, container: str) -> Path:
         for part in (namespace, pod, container):
-            if not _COMPONENT.match(part):
+            if not _COMPONENT.fullmatch(part):
                 raise ValueError(f"unusable status path component {part!r}")
         return self.root / namespace / pod / f"{container}.json"
 

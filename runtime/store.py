@@ -59,7 +59,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import TracebackType
 
-from runtime import layout
+from runtime import layout, names
 from runtime.errors import ArtifactNotFound, ArtifactRejected, RekindleError, StoreError
 from runtime.manifest import MAX_MANIFEST_BYTES as MAX_MANIFEST
 from runtime.manifest import FileEntry, Manifest, sign, verify
@@ -71,8 +71,6 @@ SIGNATURE = layout.SIGNATURE
 OWNER = ".owner.json"
 MAX_SIG_BYTES = 256
 _CHUNK = 1 << 20
-_NAMESPACE_RE = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
-_NAME_RE = re.compile(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?")
 _VERSION_RE = re.compile(r"\.version-(?P<name>.+)-(?P<gen>[0-9]{1,20})-(?P<rand>[0-9a-f]{16})")
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
@@ -82,20 +80,20 @@ GRACE = 600.0  # an unreferenced version younger than this may be about to be li
 
 
 def validate_namespace(namespace: str) -> str:
-    if len(namespace) > 63 or not _NAMESPACE_RE.fullmatch(namespace):
+    if not names.is_dns_label(namespace):
         raise StoreError(f"invalid namespace {namespace!r}: want a DNS-1123 label")
     return namespace
 
 
 def validate_name(name: str) -> str:
-    if len(name) > 63 or not _NAME_RE.fullmatch(name):
+    if not names.is_artifact_name(name):
         raise StoreError(f"invalid artifact name {name!r}: want 1-63 of [a-z0-9.-], "
                          "starting and ending with [a-z0-9]")
     return name
 
 
 def is_valid_name(name: str) -> bool:
-    return len(name) <= 63 and bool(_NAME_RE.fullmatch(name))
+    return names.is_artifact_name(name)
 
 
 def _fsync_dir(path: str | int) -> None:
