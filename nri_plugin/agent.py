@@ -12,11 +12,13 @@ import os
 import shutil
 import signal
 import tempfile
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from runtime import checkpoint as checkpoint_flow
+from runtime import housekeeping
 from runtime import control
 from runtime import restore as restore_flow
 from runtime.compat import NodeFacts
@@ -150,8 +152,10 @@ def run_plugin(settings: Settings, max_parallel: int = 2) -> int:
         plugin = RekindlePlugin(settings, store=store, key=key, status=status, jobs=jobs,
                                 specs=specs, facts=facts, image_ref=image_ref,
                                 generations=engine.generations)
-        # Leftovers of dead publishes (this node's, or anyone's past the bound): off the loop.
-        loop.run_in_executor(None, _sweep, store)
+        # Leftovers of dead publishes, old logs and status records: now and every few minutes.
+        stop_housekeeping = threading.Event()
+        threading.Thread(target=_housekeeping, args=(settings, store, stop_housekeeping),
+                         name="rekindle-housekeeping", daemon=True).start()
         fd = os.environ.get("NRI_PLUGIN_SOCKET")
         stub = Stub(plugin, Identity(os.environ.get("NRI_PLUGIN_NAME", settings.name),
                                      os.environ.get("NRI_PLUGIN_IDX", settings.idx)),
@@ -160,6 +164,7 @@ def run_plugin(settings: Settings, max_parallel: int = 2) -> int:
             loop.add_signal_handler(sig, stub.stop)
         log.info("rekindle plugin %s-%s starting on %s", settings.idx, settings.name, settings.socket_path)
         await stub.run()
+        stop_housekeeping.set()
         await jobs.shutdown()
         log.info("rekindle plugin stopped")
 
@@ -167,13 +172,25 @@ def run_plugin(settings: Settings, max_parallel: int = 2) -> int:
     return 0
 
 
-def _sweep(store: ArtifactStore) -> None:
+HOUSEKEEPING_EVERY = 600.0
+
+
+def _housekeep_once(settings: Settings, store: ArtifactStore) -> None:
     try:
         removed = store.sweep()
         if removed:
             log.info("store sweep removed %d leftovers (%d bytes)", len(removed), sum(r.bytes for r in removed))
-    except Exception as exc:  # noqa: BLE001 - a sweep is housekeeping; never fatal
-        log.warning("store sweep failed: %s", exc)
+        housekeeping.rotate_logs(os.path.join(settings.state_dir, "logs"))
+        housekeeping.expire_status(settings.state_dir)
+    except Exception as exc:  # noqa: BLE001 - housekeeping is never fatal
+        log.warning("housekeeping failed: %s", exc)
+
+
+def _housekeeping(settings: Settings, store: ArtifactStore, stop: threading.Event) -> None:
+    """Its own thread: a slow shared store stalls neither handlers nor engine work."""
+    while not stop.is_set():
+        _housekeep_once(settings, store)
+        stop.wait(HOUSEKEEPING_EVERY)
 
 
 def _control_of(settings: Settings, container_id: str) -> control.ControlDir | None:

@@ -31,6 +31,11 @@ class Phase(str, Enum):
     COLD_START = "cold-start"
 
 
+# Phases after which nothing more happens to a container's record.
+FINAL_PHASES = frozenset({Phase.IGNORED, Phase.PUBLISHED, Phase.CHECKPOINT_FAILED, Phase.RESTORED,
+                          Phase.COLD_START})
+
+
 @dataclass
 class ContainerStatus:
     namespace: str
@@ -76,8 +81,12 @@ class StatusBook:
         os.replace(tmp, path)
 
     def read(self, namespace: str, pod: str, container: str) -> ContainerStatus | None:
+        return self.read_path(self._path(namespace, pod, container))
+
+    @staticmethod
+    def read_path(path: Path) -> ContainerStatus | None:
         try:
-            return ContainerStatus.from_json(self._path(namespace, pod, container).read_text())
+            return ContainerStatus.from_json(path.read_text())
         except (FileNotFoundError, ValueError, KeyError, TypeError):
             return None
 
