@@ -30,6 +30,7 @@ from runtime.store import ArtifactStore
 
 from .config import Settings
 from .handlers import RekindlePlugin
+from .prefetch import Prefetcher
 from .jobs import Jobs, Work
 from .policy import AfterCheckpoint, ReadyProbe
 from .probes import ProbeSlots
@@ -151,7 +152,8 @@ def run_plugin(settings: Settings, max_parallel: int = 2) -> int:
         jobs.bind_loop(loop)
         plugin = RekindlePlugin(settings, store=store, key=key, status=status, jobs=jobs,
                                 specs=specs, facts=facts, image_ref=image_ref,
-                                generations=engine.generations)
+                                generations=engine.generations,
+                                prefetcher=Prefetcher(store, key) if settings.prefetch else None)
         # Leftovers of dead publishes, old logs and status records: now and every few minutes.
         stop_housekeeping = threading.Event()
         threading.Thread(target=_housekeeping, args=(settings, store, stop_housekeeping),

@@ -61,7 +61,7 @@ def _settings(args: argparse.Namespace):
     fields = {k: getattr(args, k) for k in ("state_dir", "store", "hmac_key_file", "containerd_state",
                                               "containerd_socket") if hasattr(args, k)}
     for k in ("name", "idx", "socket_path", "init_binary", "restore_timeout", "restore_path", "create_key",
-              "probes_per_pod", "probes_per_node"):
+              "probes_per_pod", "probes_per_node", "prefetch"):
         if hasattr(args, k):
             fields[k] = getattr(args, k)
     return Settings(**fields)
@@ -117,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--restore-timeout", type=_decimal, default=os.environ.get("REKINDLE_RESTORE_TIMEOUT", "1800"),
                    help="default rekindle.dev/restore-timeout, seconds ($REKINDLE_RESTORE_TIMEOUT, else 1800)")
     _restore_path(p)
+    p.add_argument("--no-prefetch", dest="prefetch", action="store_false",
+                   default=os.environ.get("REKINDLE_PREFETCH", "1") != "0",
+                   help="do not read a restore's artifact ahead from RunPodSandbox on ($REKINDLE_PREFETCH=0)")
     p.set_defaults(func=cmd_plugin)
 
     p = sub.add_parser("checkpoint", help="checkpoint a running container (its init must be in source mode)")

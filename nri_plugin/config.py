@@ -42,6 +42,7 @@ class Settings:
     criu_bin: str = "criu"
     restore_timeout: int = 1800     # default of the rekindle.dev/restore-timeout annotation
     restore_path: str = "bulk"      # bulk (pages filled beside CRIU) or stock (CRIU restores all)
+    prefetch: bool = True           # read a restore's artifact ahead from RunPodSandbox on
     probes_per_pod: int = 1         # ready-probes of one pod at once (its checkpoint sources)
     probes_per_node: int = 16       # ready-probes of the whole node at once
 

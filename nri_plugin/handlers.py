@@ -43,6 +43,7 @@ from runtime.store import ArtifactStore
 from .config import Settings
 from .events import RuntimeInfo
 from .jobs import Jobs, Work
+from .prefetch import Prefetcher
 from .policy import Intent, Role, decide
 from .proto import nri_api_pb2 as api
 from .stub import HandlerOverrun, Reply
@@ -73,7 +74,8 @@ def who(pod: api.PodSandbox, ctr: api.Container) -> str:
 class RekindlePlugin:
     def __init__(self, settings: Settings, *, store: ArtifactStore, key: bytes, status: StatusBook,
                  jobs: Jobs, specs: SpecAccess | None, facts: NodeFacts,
-                 image_ref: Any = None, generations: GenerationBook | None = None) -> None:
+                 image_ref: Any = None, generations: GenerationBook | None = None,
+                 prefetcher: Prefetcher | None = None) -> None:
         self.settings = settings
         self.store = store
         self.key = key
@@ -83,6 +85,7 @@ class RekindlePlugin:
         self.facts = facts
         self.image_ref = image_ref  # callable(image name) -> digest, or None
         self.generations = generations  # rollback check (runtime.rollback)
+        self.prefetcher = prefetcher  # reads a restore's artifact ahead (RunPodSandbox)
         self.runtime: RuntimeInfo | None = None
         self.strategy = Strategy.SPEC_UPDATE
         self._pending: dict[str, Pending] = {}
@@ -222,7 +225,18 @@ class RekindlePlugin:
         with self._lock:
             self._pending.pop(ctr.id, None)
 
+    def run_pod_sandbox(self, pod: api.PodSandbox) -> None:
+        # Only queued here: the artifact is read ahead on the prefetcher's own threads.
+        if self.prefetcher is not None and self.prefetcher.start(pod.uid, pod.namespace, dict(pod.annotations)):
+            log.info("%s/%s: prefetching its artifact", pod.namespace, pod.name)
+
+    def stop_pod_sandbox(self, pod: api.PodSandbox) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.cancel(pod.uid)
+
     def remove_pod_sandbox(self, pod: api.PodSandbox) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.cancel(pod.uid)
         try:
             root = control.pod_control_root(self.settings.state_dir, pod.uid)
         except AnnotationError:

@@ -1,0 +1,48 @@
+"""Prefetch reads an artifact's files through the store, bounded and cancellable."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+from nri_plugin.prefetch import Prefetcher
+from runtime.prefetch import warm
+from runtime.store import ArtifactStore
+from test_store import KEY, publish
+
+
+def test_warm_reads_every_file_once(tmp_path: Path) -> None:
+    store = ArtifactStore(str(tmp_path))
+    publish(store, files={"bulk/pages-1.bulk": b"p" * (9 << 20), "plan": b"x"})
+    with store.open("team-a", "qwen-7b", KEY) as art:
+        got = warm(art, threading.Event(), threads=2, budget=1 << 30)
+    assert got.bytes == (9 << 20) + 1 and not got.skipped
+
+
+def test_warm_skips_what_does_not_fit_and_stops_when_cancelled(tmp_path: Path) -> None:
+    store = ArtifactStore(str(tmp_path))
+    publish(store, files={"bulk/pages-1.bulk": b"p" * (9 << 20)})
+    with store.open("team-a", "qwen-7b", KEY) as art:
+        assert "budget" in warm(art, threading.Event(), budget=1 << 20).skipped
+        cancel = threading.Event()
+        cancel.set()
+        assert warm(art, cancel, budget=1 << 30).bytes == 0
+
+
+def test_prefetcher_starts_only_for_valid_restore_annotations(tmp_path: Path) -> None:
+    store = ArtifactStore(str(tmp_path))
+    publish(store, files={"f": b"1" * 4096})
+    p = Prefetcher(store, KEY, threads=1)
+    try:
+        assert not p.start("uid-1", "team-a", {})
+        assert not p.start("uid-2", "team-a", {"rekindle.dev/restore": "../x"})
+        assert not p.start("uid-3", "Team_A", {"rekindle.dev/restore": "qwen-7b"})
+        assert p.start("uid-4", "team-a", {"rekindle.dev/restore": "qwen-7b"})
+        assert p.start("uid-5", "team-a", {"rekindle.dev/restore": "missing"})  # logged, harmless
+        deadline = time.monotonic() + 5
+        while p._cancel and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not p._cancel
+    finally:
+        p.shutdown()
