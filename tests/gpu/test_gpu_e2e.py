@@ -194,7 +194,8 @@ def checkpoint_and_restore(cri, plugin: PluginProcess, pods: list[Pod], name: st
     assert cri.container_status(b_cid).state is ContainerState.RUNNING
     (OUT / f"gpu-e2e-{name}.json").write_text(json.dumps(rec, indent=1) + "\n")
     print(json.dumps(rec, indent=1))
-    shutil.rmtree(artifact, ignore_errors=True)  # the store is in memory
+    from runtime.store import ArtifactStore
+    ArtifactStore(str(plugin.store)).delete("default", name)  # the store is in memory
     return rec
 
 
