@@ -124,8 +124,17 @@ def _copy_kept(pagemap: img.Pagemap, src: str, moved: set[int]) -> int:
     return kept
 
 
-def _mark_huge(images: str, pid: int, ranges: Iterable[tuple[int, int]]) -> int:
+HUGE_FALLBACK_MIN = 1 << 30
+
+
+def _mark_huge(images: str, pid: int, ranges: Iterable[tuple[int, int]], bulk: list[BulkRange]) -> int:
     spans = list(ranges)
+    if not spans and bulk:
+        # The driver's staging copy was not seen appear (it may reuse a mapping): it is the
+        # process's largest private anonymous run by far; mark that one VMA, if it is large.
+        top = max(bulk, key=lambda r: r.length)
+        if top.length >= HUGE_FALLBACK_MIN:
+            spans = [(top.vaddr, top.vaddr + top.length)]
     if not spans:
         return 0
     mm = img.read_mm(images, pid)
@@ -136,6 +145,8 @@ def _mark_huge(images: str, pid: int, ranges: Iterable[tuple[int, int]]) -> int:
             marked += 1
     if marked:
         img.write_mm(mm)
+        log.info("pid %d: MADV_HUGEPAGE on %d VMA(s) for the fill: %s", pid, marked,
+                 ", ".join(f"{a:#x}+{(b - a) >> 20}MiB" for a, b in spans))
     return marked
 
 
@@ -143,8 +154,9 @@ def split(artifact_dir: str, huge: Mapping[int, Sequence[tuple[int, int]]] | Non
           min_run: int = MIN_RUN) -> tuple[tuple[BulkFile, ...], SplitStats]:
     """Move the bulk page runs of the dump in ``artifact_dir/criu`` to ``artifact_dir/bulk``.
 
-    ``huge`` maps a pid (as the image numbers it) to address ranges whose VMAs get
-    MADV_HUGEPAGE (the CUDA driver's staging copy). Returns the bulk files for the plan."""
+    ``huge`` maps each CUDA process (pid as the image numbers it) to the address ranges whose
+    VMAs get MADV_HUGEPAGE (the driver's staging copy, seen appear at the CUDA checkpoint; when
+    none was seen, the process's largest bulk run, if at least 1 GiB). Returns the bulk files."""
     t0 = time.monotonic()
     images = os.path.join(artifact_dir, CRIU_DIR)
     files, moved_total, kept_total = [], 0, 0
@@ -163,7 +175,8 @@ def split(artifact_dir: str, huge: Mapping[int, Sequence[tuple[int, int]]] | Non
         shutil.copyfile(pagemap.path, os.path.join(artifact_dir, bulk_pagemap(pid)))
         kept_total += _copy_kept(pagemap, dest, moved)
         img.write_pagemap(pagemap, [e for i, e in enumerate(pagemap.entries) if i not in moved])
-        _mark_huge(images, pid, (huge or {}).get(pid, ()))
+        if huge is not None and pid in huge:  # a CUDA process
+            _mark_huge(images, pid, huge[pid], ranges)
         files.append(BulkFile(pid, bulk_file(pid), pagemap.pages_id, tuple(ranges)))
         moved_total += sum(r.length for r in ranges)
     stats = SplitStats(len(files), moved_total, kept_total, time.monotonic() - t0)

@@ -82,15 +82,20 @@ def capture_excludes(info: ContainerInfo) -> list[str]:
 
 
 def anon_mappings(pid: int) -> set[tuple[int, int]]:
-    """(start, end) of every private anonymous writable mapping of ``pid``."""
+    """(start, end) of every private anonymous writable mapping of ``pid`` (unnamed, or named with
+    PR_SET_VMA_ANON_NAME as ``[anon:...]``; not the heap or a stack)."""
     out = set()
     try:
         with open(f"/proc/{pid}/maps") as f:
             for line in f:
-                fields = line.split()
-                if len(fields) == 5 and fields[1].startswith("rw") and fields[1][3] == "p" and fields[4] == "0":
-                    start, end = (int(x, 16) for x in fields[0].split("-"))
-                    out.add((start, end))
+                fields = line.split(maxsplit=5)
+                if len(fields) < 5 or not fields[1].startswith("rw") or fields[1][3] != "p" or fields[4] != "0":
+                    continue
+                name = fields[5].strip() if len(fields) == 6 else ""
+                if name and not name.startswith("[anon:"):
+                    continue
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                out.add((start, end))
     except OSError:
         pass
     return out
@@ -131,8 +136,9 @@ def checkpoint(req: CheckpointRequest, store: ArtifactStore, key: bytes, *,
                 cuda.checkpoint_all(cuda_host, lock_timeout_ms=CUDA_LOCK_TIMEOUT_MS)
             for h in cuda_host:  # the driver's host copy of device memory: new mappings
                 new = sorted(r for r in anon_mappings(h) - before[h] if r[1] - r[0] >= HUGE_MIN)
-                if new:
-                    huge[ns_of[h]] = new
+                huge[ns_of[h]] = new  # empty: split marks the process's largest bulk run instead
+                log.info("CUDA process %d: %d new staging mapping(s) after the checkpoint: %s", h, len(new),
+                         ", ".join(f"{a:#x}+{(b - a) >> 20}MiB" for a, b in new))
         try:
             with t.phase("criu_dump"):
                 dump = dump_workload(info, images, leave_running=True, leave_stopped=True, work_dir=work_dir)
