@@ -93,6 +93,7 @@ class TarWriter:
     def __init__(self, fd: int, max_bytes: int, deadline: float | None = None) -> None:
         self._fd, self.max_bytes, self.deadline = fd, max_bytes, deadline
         self.offset = 0
+        self._buf = bytearray()  # headers gathered into fewer writes (a million files: a million headers)
 
     def _over(self, name: str) -> OverlayError:
         return OverlayError(f"{name}: the archive exceeds the writable-layer cap of "
@@ -103,8 +104,14 @@ class TarWriter:
             raise self._over(name)
 
     def _write(self, data: bytes) -> None:
-        write_all(self._fd, data)
+        self._buf += data
         self.offset += len(data)
+        if len(self._buf) >= 256 << 10:
+            self._flush()
+
+    def _flush(self) -> None:
+        write_all(self._fd, self._buf)
+        self._buf.clear()
 
     def _pad(self) -> None:
         if self.offset % BLOCK:
@@ -144,6 +151,8 @@ class TarWriter:
         head = _header(info)
         self._reserve(name, len(head) + _padded(info.size))
         self._write(head + smap)
+        if extents:
+            self._flush()  # the data goes straight to the fd, after what is buffered
         for offset, length in extents:
             copy_range(fd, offset, self._fd, None, length, name, self.deadline)
             self.offset += length
@@ -152,6 +161,7 @@ class TarWriter:
 
     def close(self) -> None:
         self._write(bytes(END_OF_ARCHIVE))
+        self._flush()
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,8 +1,8 @@
 """An undo journal for changes to a rootfs, so that a failed apply leaves the rootfs as it was.
 
-:class:`Undo` is created on a rootfs directory fd. It makes a private backup directory at the
-rootfs root (``.rekindle-undo-<random>``, mode 0700, so on the same file system as every entry
-it will hold) and an anonymous temporary file for its records. Each change is recorded BEFORE
+:class:`Undo` is created on a rootfs directory fd. On the first entry it moves aside, it makes a
+private backup directory at the rootfs root (``.rekindle-undo-<random>``, mode 0700, so on the
+same file system as every entry it will hold); its records go to an anonymous temporary file. Each change is recorded BEFORE
 it is made, so a change that fails half way is still undone:
 
 - :meth:`move_aside` renames an existing entry (to be deleted or replaced) into the backup
@@ -51,14 +51,15 @@ class Undo:
         self._root = root
         self._root_times = times(os.fstat(root))
         self.backup_name = BACKUP_PREFIX + secrets.token_hex(16)
-        os.mkdir(self.backup_name, 0o700, dir_fd=root)
-        try:
-            self._backup = os.open(self.backup_name, DIR_FLAGS, dir_fd=root)
-            self._log = tempfile.TemporaryFile()
-        except BaseException:
-            os.rmdir(self.backup_name, dir_fd=root)
-            raise
+        self._backup = -1  # made on the first move aside: an apply that only adds makes none
+        self._log = tempfile.TemporaryFile()
         self._offsets = array("Q")
+
+    def _backup_fd(self) -> int:
+        if self._backup < 0:
+            os.mkdir(self.backup_name, 0o700, dir_fd=self._root)
+            self._backup = os.open(self.backup_name, DIR_FLAGS, dir_fd=self._root)
+        return self._backup
 
     def __len__(self) -> int:
         return len(self._offsets)
@@ -81,7 +82,7 @@ class Undo:
         backup = str(len(self._offsets))
         self._record("moved", "/".join(path), times(os.fstat(parent)), backup)
         try:
-            os.rename(path[-1], backup, src_dir_fd=parent, dst_dir_fd=self._backup)
+            os.rename(path[-1], backup, src_dir_fd=parent, dst_dir_fd=self._backup_fd())
         except OSError as exc:
             if exc.errno != errno.EXDEV or not stat.S_ISDIR(st.st_mode):
                 raise
@@ -100,10 +101,12 @@ class Undo:
         os.rmdir(path[-1], dir_fd=parent)
 
     def commit(self) -> None:
+        made = self._backup >= 0
         root_times = times(os.fstat(self._root))
         self._close()
-        shutil.rmtree(self.backup_name, dir_fd=self._root)
-        os.utime(self._root, ns=root_times)
+        if made:
+            shutil.rmtree(self.backup_name, dir_fd=self._root)
+            os.utime(self._root, ns=root_times)
 
     def rollback(self) -> list[str]:
         problems: list[str] = []
@@ -115,9 +118,11 @@ class Undo:
                 self._undo(record)
             except (OSError, OverlayError, ValueError, TypeError) as exc:
                 problems.append(f"undo {record[0]} {record[1]!r}: {exc}")
+        made = self._backup >= 0
         self._close()
         try:
-            os.rmdir(self.backup_name, dir_fd=self._root)
+            if made:
+                os.rmdir(self.backup_name, dir_fd=self._root)
             os.utime(self._root, ns=self._root_times)
         except OSError as exc:
             problems.append(f"backup dir {self.backup_name} left in place: {exc}")
@@ -126,7 +131,9 @@ class Undo:
         return problems
 
     def _close(self) -> None:
-        os.close(self._backup)
+        if self._backup >= 0:
+            os.close(self._backup)
+            self._backup = -1
         self._log.close()
 
     def _undo(self, record: list[object]) -> None:
@@ -146,7 +153,7 @@ class Undo:
                 remove(parent, path[-1])
             elif kind == "moved":
                 backup = str(record[3])
-                if lstat_at(self._backup, backup) is not None:
+                if self._backup >= 0 and lstat_at(self._backup, backup) is not None:
                     remove(parent, path[-1])
                     os.rename(backup, path[-1], src_dir_fd=self._backup, dst_dir_fd=parent)
             elif kind == "rmdir":
