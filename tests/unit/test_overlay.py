@@ -1,4 +1,5 @@
-"""Overlay capture and apply: a real overlayfs round trip, whiteouts, and hostile archives."""
+"""Overlay capture and apply: a real overlayfs round trip, whiteouts, hostile archives, sparse
+files and hard links, caps and deadline, all-or-nothing apply, bounded memory."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ import os
 import socket
 import stat
 import subprocess
+import tarfile
 import time
 import tracemalloc
-import tarfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
