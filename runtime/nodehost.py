@@ -5,6 +5,8 @@ Contract:
   process can open it: ``root`` is ``/`` on the node itself, and ``/proc/1/root`` in a privileged
   pod with the host's pid namespace (the chart's init container), which needs no hostPath mount
   and creates nothing on the node. :meth:`HostView.host_path` maps back.
+- :meth:`HostView.check` fails with a ConfigError when the view cannot be read (``/proc/1/root``
+  needs a privileged process in the host's pid namespace).
 - :func:`check_not_managed` raises :class:`~runtime.errors.ManagedContainerd` on k3s and RKE2
   nodes: their agents write containerd's config from a template at every start and ignore
   ``/etc/containerd``, so the toggle must not write anything there; the message says what to do
@@ -32,6 +34,14 @@ class HostView:
                 return Path(p)
             raise ConfigError(f"{p}: a node path must be absolute when the node is seen through {self.root}")
         return self.root / p.relative_to("/")
+
+    def check(self) -> None:
+        """Raise ConfigError unless the node's root can be read through this view."""
+        try:
+            os.listdir(self.root)
+        except OSError as e:
+            raise ConfigError(f"cannot read the node's files through {self.root}: {e.strerror} (from a pod, "
+                              "run privileged and in the host's PID namespace)") from None
 
     def host_path(self, seen: Path | str) -> PurePosixPath:
         """The node path of a path this process opened through :meth:`see`."""
@@ -77,6 +87,7 @@ def advice(m: _Managed, socket_path: str) -> str:
 
 
 def check_not_managed(view: HostView, socket_path: str) -> None:
+    view.check()
     m = managed_by(view)
     if m is not None:
         raise ManagedContainerd(m.name, m.config_dir, advice(m, socket_path))

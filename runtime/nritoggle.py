@@ -75,6 +75,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except OSError as e:  # a write refused on the node: say which file, no traceback
+        print(f"error: {e.filename or args.config}: {e.strerror}", file=sys.stderr)
+        return 1
     out["backup"] = out["backups"][0] if out["backups"] else None
     out["nri_live"] = nri_live(view, args.socket_path)
     if args.json:

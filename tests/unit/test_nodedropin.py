@@ -268,3 +268,20 @@ def test_cli_restart_needs_the_node_itself(tmp_path: Path) -> None:
     with pytest.raises(SystemExit) as exc:
         nritoggle.main(["--restart", "--host-root", str(tmp_path)])
     assert exc.value.code == 2
+
+
+def test_an_unreadable_node_root_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """/proc/1/root from a pod that is not privileged or not in the host's pid namespace."""
+    rc = nritoggle.main(["--drop-in", "--host-root", str(tmp_path / "absent"), "--config", str(CFG)])
+    assert rc == 1
+    assert capsys.readouterr().err.startswith(f"error: cannot read the node's files through {tmp_path / 'absent'}")
+
+
+def test_a_blocked_drop_in_path_is_one_line_and_leaves_the_config(node: HostView,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    put(node, CFG, "version = 2\n")
+    put(node, "/etc/containerd/conf.d", "a file where the drop-in dir should be\n")
+    rc = nritoggle.main(["--drop-in", "--host-root", str(node.root), "--config", str(CFG)])
+    err = capsys.readouterr().err
+    assert rc == 1 and err.startswith("error: ") and "conf.d" in err and "Traceback" not in err
+    assert read(node, CFG) == "version = 2\n"  # the main config never names a file that was not written
