@@ -26,9 +26,10 @@ Contract:
   Waits count the time between polls, capped per step, so the time a process spent frozen
   between checkpoint and restore does not count.
 - Serve role (no ``$REKINDLE_CHECKPOINT``): nothing is released; the engine just runs.
-- Once the engine serves (healthy and resumed), the file ``engine-serving`` is written in the
-  control dir (``/tmp`` when there is none); ``probe`` checks for it. The hook removes it first
-  thing, and before quiescing.
+- Once the engine serves (healthy and resumed), the file ``/tmp/rekindle-engine-serving``
+  (``$REKINDLE_HOOK_MARKER``) is written; ``probe`` checks for it. It lives in the container's
+  own filesystem, so a restarted container starts without it; the hook also removes it first
+  thing. The source never has it while it is checkpointed.
 - Files are written to a temp name in the same dir and renamed; control-dir reads never follow
   symlinks.
 """
@@ -57,7 +58,10 @@ READY = "ready-for-checkpoint"
 SNAPSHOT_COMPLETE = "snapshot-complete"
 CHECKPOINT_FAILED = "checkpoint-failed"
 RESTORE_COMPLETE = "restore-complete"
-SERVING = "engine-serving"
+# In the container's own filesystem, never a volume or the control dir: a restarted container
+# must start without it, even while its restore is still running and the hook is not.
+MARKER_ENV = "REKINDLE_HOOK_MARKER"
+DEFAULT_MARKER = "/tmp/rekindle-engine-serving"
 POLL = 0.1
 # Waits add up the time between polls, each step capped: a process frozen by a checkpoint and
 # restored later (maybe on a node whose clock is far ahead) does not count the frozen time.
@@ -155,7 +159,7 @@ def control_dir(env: "os._Environ[str] | dict[str, str]" = os.environ) -> Option
 
 
 def serving_marker(env: "os._Environ[str] | dict[str, str]" = os.environ) -> Path:
-    return (control_dir(env) or Path("/tmp")) / SERVING
+    return Path(env.get(MARKER_ENV) or DEFAULT_MARKER)
 
 
 def write_file(path: Path, content: str) -> None:

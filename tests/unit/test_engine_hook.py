@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+yaml = pytest.importorskip("yaml", reason="pyyaml is in the test extra")
+
 HOOK = Path(__file__).resolve().parents[2] / "examples" / "hook" / "rekindle_hook.py"
 _spec = importlib.util.spec_from_file_location("rekindle_hook", HOOK)
 assert _spec and _spec.loader
@@ -111,68 +113,75 @@ def finish(t: threading.Thread, result: dict):
     return result["outcome"]
 
 
-def lifecycle(engine: FakeEngine, control: Path | None, *, source: bool = True, eng=None, **kw):
+@pytest.fixture
+def marker(tmp_path: Path) -> Path:
+    """Where the container's /tmp would be."""
+    (tmp_path / "container-tmp").mkdir()
+    return tmp_path / "container-tmp" / "rekindle-engine-serving"
+
+
+def lifecycle(engine: FakeEngine, control: Path | None, marker: Path, *, source: bool = True, eng=None, **kw):
     return hook.Lifecycle(engine=eng or hook.VLLM(), http=hook.Http(f"http://127.0.0.1:{engine.port}", timeout=5),
-                          control=control, source=source,
-                          marker=(control or Path(kw.pop("marker_dir"))) / hook.SERVING, **kw)
+                          control=control, source=source, marker=marker, **kw)
 
 
 SLEEP = [("POST", "/sleep?level=1", None), ("POST", "/wake_up?tags=weights", None)]
 
 
-def test_vllm_source_sleeps_writes_ready_and_the_restored_copy_wakes(engine, control):
-    (control / hook.SERVING).write_text("stale")  # left from an earlier run: not serving now
-    t, res = start(lifecycle(engine, control))
+def test_vllm_source_sleeps_writes_ready_and_the_restored_copy_wakes(engine, control, marker):
+    marker.write_text("stale")  # left from an earlier run: not serving now
+    t, res = start(lifecycle(engine, control, marker))
     wait_for("ready-for-checkpoint", lambda: (control / hook.READY).exists())
     assert engine.requests[0] == ("GET", "/health", None) and engine.unhealthy == 0  # waited for health
     assert engine.calls() == SLEEP
     assert (control / hook.READY).read_text() == "vllm\n"
-    assert not (control / hook.SERVING).exists()
+    assert not marker.exists()
     (control / hook.RESTORE_COMPLETE).write_text("")
     assert finish(t, res) is hook.Outcome.RESTORED
     assert engine.calls() == SLEEP + [("POST", "/wake_up", None)]
-    assert (control / hook.SERVING).read_text() == "vllm\n"
+    assert marker.read_text() == "vllm\n"
     # written by rename: no temp files left beside them
-    assert sorted(p.name for p in control.iterdir()) == sorted([hook.READY, hook.RESTORE_COMPLETE, hook.SERVING])
+    assert sorted(p.name for p in control.iterdir()) == sorted([hook.READY, hook.RESTORE_COMPLETE])
+    assert [p.name for p in marker.parent.iterdir()] == [marker.name]
 
 
-def test_source_after_its_checkpoint_does_not_touch_the_engine(engine, control):
-    t, res = start(lifecycle(engine, control))
+def test_source_after_its_checkpoint_does_not_touch_the_engine(engine, control, marker):
+    t, res = start(lifecycle(engine, control, marker))
     wait_for("ready", lambda: (control / hook.READY).exists())
     (control / hook.SNAPSHOT_COMPLETE).write_text("qwen-7b\n")
     assert finish(t, res) is hook.Outcome.CHECKPOINTED
     assert engine.calls() == SLEEP  # its CUDA state may still be checkpointed (after-checkpoint: exit)
-    assert not (control / hook.SERVING).exists()
+    assert not marker.exists()
 
 
-def test_source_that_keeps_running_wakes_after_its_checkpoint(engine, control):
-    t, res = start(lifecycle(engine, control, resume_after_checkpoint=True))
+def test_source_that_keeps_running_wakes_after_its_checkpoint(engine, control, marker):
+    t, res = start(lifecycle(engine, control, marker, resume_after_checkpoint=True))
     wait_for("ready", lambda: (control / hook.READY).exists())
     (control / hook.SNAPSHOT_COMPLETE).write_text("qwen-7b\n")
     assert finish(t, res) is hook.Outcome.CHECKPOINTED
     assert engine.calls() == SLEEP + [("POST", "/wake_up", None)]
-    assert (control / hook.SERVING).exists()
+    assert marker.exists()
 
 
-def test_failed_checkpoint_wakes_the_engine(engine, control):
-    t, res = start(lifecycle(engine, control))
+def test_failed_checkpoint_wakes_the_engine(engine, control, marker):
+    t, res = start(lifecycle(engine, control, marker))
     wait_for("ready", lambda: (control / hook.READY).exists())
     (control / hook.CHECKPOINT_FAILED).write_text("criu dump failed\n")
     assert finish(t, res) is hook.Outcome.FAILED
     assert engine.calls()[-1] == ("POST", "/wake_up", None)
 
 
-def test_no_checkpoint_in_time_wakes_the_engine(engine, control):
-    t, res = start(lifecycle(engine, control, checkpoint_timeout=0.5))
+def test_no_checkpoint_in_time_wakes_the_engine(engine, control, marker):
+    t, res = start(lifecycle(engine, control, marker, checkpoint_timeout=0.5))
     assert finish(t, res) is hook.Outcome.TIMED_OUT
     assert engine.calls() == SLEEP + [("POST", "/wake_up", None)]
-    assert (control / hook.SERVING).exists()
+    assert marker.exists()
 
 
-def test_time_frozen_between_checkpoint_and_restore_does_not_count(engine, control):
+def test_time_frozen_between_checkpoint_and_restore_does_not_count(engine, control, marker):
     """Restored on a node whose monotonic clock is far ahead: the wait goes on."""
     jump = {"by": 0.0}
-    life = lifecycle(engine, control, checkpoint_timeout=60.0, clock=lambda: time.monotonic() + jump["by"])
+    life = lifecycle(engine, control, marker, checkpoint_timeout=60.0, clock=lambda: time.monotonic() + jump["by"])
     t, res = start(life)
     wait_for("ready", lambda: (control / hook.READY).exists())
     jump["by"] = 1e6
@@ -182,15 +191,15 @@ def test_time_frozen_between_checkpoint_and_restore_does_not_count(engine, contr
     assert finish(t, res) is hook.Outcome.RESTORED
 
 
-def test_serve_role_releases_nothing(engine, tmp_path):
-    t, res = start(lifecycle(engine, None, source=False, marker_dir=str(tmp_path)))
+def test_serve_role_releases_nothing(engine, marker):
+    t, res = start(lifecycle(engine, None, marker, source=False))
     assert finish(t, res) is hook.Outcome.SERVING
     assert engine.calls() == []
-    assert (tmp_path / hook.SERVING).exists()
+    assert marker.exists()
 
 
-def test_sglang_releases_and_resumes_the_kv_cache(engine, control):
-    t, res = start(lifecycle(engine, control, eng=hook.SGLang()))
+def test_sglang_releases_and_resumes_the_kv_cache(engine, control, marker):
+    t, res = start(lifecycle(engine, control, marker, eng=hook.SGLang()))
     wait_for("ready", lambda: (control / hook.READY).exists())
     assert engine.calls() == [("POST", "/release_memory_occupation", {"tags": ["kv_cache"]})]
     (control / hook.RESTORE_COMPLETE).write_text("")
@@ -198,19 +207,19 @@ def test_sglang_releases_and_resumes_the_kv_cache(engine, control):
     assert engine.calls()[-1] == ("POST", "/resume_memory_occupation", {"tags": ["kv_cache"]})
 
 
-def test_an_engine_without_sleep_mode_is_never_marked_ready(control):
+def test_an_engine_without_sleep_mode_is_never_marked_ready(control, marker):
     e = FakeEngine(unhealthy=0, status={"/sleep?level=1": 404})
     try:
-        t, res = start(lifecycle(e, control))
+        t, res = start(lifecycle(e, control, marker))
         with pytest.raises(hook.HookError, match=r"POST /sleep\?level=1 answered 404"):
             finish(t, res)
     finally:
         e.close()
-    assert list(control.iterdir()) == []
+    assert list(control.iterdir()) == [] and not marker.exists()
 
 
-def test_source_without_a_control_dir_is_an_error(engine, tmp_path):
-    t, res = start(lifecycle(engine, None, marker_dir=str(tmp_path)))
+def test_source_without_a_control_dir_is_an_error(engine, marker):
+    t, res = start(lifecycle(engine, None, marker))
     with pytest.raises(hook.HookError, match="no control dir"):
         finish(t, res)
     assert engine.calls() == []
@@ -230,12 +239,12 @@ while True:
 
 
 @pytest.fixture
-def supervise(engine, control, tmp_path):
+def supervise(engine, control, marker, tmp_path):
     procs: list[subprocess.Popen] = []
 
     def run(*extra: str, source: bool = True) -> tuple[subprocess.Popen, Path]:
         got = tmp_path / "engine-got-signal"
-        env = {"PATH": os.environ["PATH"], "REKINDLE_CONTROL_DIR": str(control)}
+        env = {"PATH": os.environ["PATH"], "REKINDLE_CONTROL_DIR": str(control), hook.MARKER_ENV: str(marker)}
         if source:
             env["REKINDLE_CHECKPOINT"] = "qwen-7b"
         p = subprocess.Popen([sys.executable, str(HOOK), "run", "--engine", "vllm", "--port", str(engine.port),
@@ -286,18 +295,31 @@ def test_failed_checkpoint_fails_the_job_with_the_reason(supervise, control, eng
     assert engine.calls()[-1] == ("POST", "/wake_up", None) and got.exists()
 
 
-def test_restore_target_just_serves(supervise, control, engine):
+def test_restore_target_just_serves(supervise, control, engine, marker):
     p, got = supervise(source=False)
-    wait_for("serving", lambda: (control / hook.SERVING).exists())
+    wait_for("serving", lambda: marker.exists())
     assert engine.calls() == [] and p.poll() is None
-    env = {"PATH": os.environ["PATH"], "REKINDLE_CONTROL_DIR": str(control)}
+    env = {"PATH": os.environ["PATH"], hook.MARKER_ENV: str(marker)}
     assert subprocess.run([sys.executable, str(HOOK), "probe"], env=env).returncode == 0
     p.send_signal(signal.SIGTERM)
     assert p.wait(DEADLINE) == 3
 
 
 def test_probe_fails_until_serving(tmp_path):
-    env = {"PATH": os.environ["PATH"], "REKINDLE_CONTROL_DIR": str(tmp_path)}
+    marker = tmp_path / "rekindle-engine-serving"
+    env = {"PATH": os.environ["PATH"], hook.MARKER_ENV: str(marker)}
     assert subprocess.run([sys.executable, str(HOOK), "probe"], env=env).returncode == 1
-    (tmp_path / hook.SERVING).write_text("vllm\n")
+    marker.write_text("vllm\n")
     assert subprocess.run([sys.executable, str(HOOK), "probe"], env=env).returncode == 0
+
+
+def test_the_marker_is_never_in_the_control_dir_or_a_volume():
+    """A restarted restore container keeps its control dir (same pod and name) and its volumes;
+    a marker there would pass the startup probe while the restore still runs."""
+    marker = hook.serving_marker({"REKINDLE_CONTROL_DIR": "/rekindle"})
+    assert marker == Path(hook.DEFAULT_MARKER) and not marker.is_relative_to("/rekindle")
+    for f in ("source-job.yaml", "restore-deployment.yaml"):
+        for engine in ("vllm", "sglang"):
+            for d in yaml.safe_load_all((HOOK.parents[1] / engine / f).read_text()):
+                for c in (d.get("spec", {}).get("template", {}).get("spec", {}).get("containers", [])):
+                    assert not any(marker.is_relative_to(m["mountPath"]) for m in c.get("volumeMounts", []))
