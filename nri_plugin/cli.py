@@ -179,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("nri-toggle", add_help=False,
                        help="switch NRI on in a containerd config (v2 for 1.7, v3 for 2.x)")
-    p.set_defaults(func=cmd_passthrough, target="runtime.nodeconfig")
+    p.set_defaults(func=cmd_passthrough, target="runtime.nritoggle")
 
     p = sub.add_parser("cuda-checkpoint", add_help=False,
                        help="NVIDIA cuda-checkpoint compatible tool (driver API, no extra binary)")
@@ -358,7 +358,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Pass-through subcommands own their flags (--help included).
     if argv and argv[0] in ("nri-toggle", "cuda-checkpoint"):
         args = argparse.Namespace(func=cmd_passthrough, rest=argv[1:], verbose=False,
-                                  target={"nri-toggle": "runtime.nodeconfig",
+                                  target={"nri-toggle": "runtime.nritoggle",
                                           "cuda-checkpoint": "runtime.cuda_cli"}[argv[0]])
         logs.setup(verbose=False, fmt="text")
     else:

@@ -12,32 +12,31 @@ Contract:
   version 1 is refused (:class:`~runtime.errors.ConfigError`, asking to migrate first).
 - :func:`apply` is read -> transform -> write: the file is backed up to
   ``<path>.rekindle-backup-<UTC timestamp>`` and replaced atomically, only when something
-  changes; an absent file is created with minimal content for the installed containerd.
-- :func:`main` is the ``nri-toggle`` command line (``--config --socket-path --dry-run --restart``).
+  changes; an absent file is created with minimal content for the installed containerd. The
+  path is a node path seen through a :class:`~runtime.nodehost.HostView`; k3s and RKE2 nodes
+  are refused. The drop-in alternative is :mod:`runtime.nodedropin`, the command line
+  ``rekindle nri-toggle`` is :mod:`runtime.nritoggle`.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import difflib
 import logging
 import os
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import tomlkit
 import tomlkit.exceptions
 from tomlkit.items import Table
 
 from runtime.errors import ConfigError
+from runtime.nodehost import HostView, check_not_managed
 
 log = logging.getLogger(__name__)
 
@@ -153,10 +152,21 @@ def _write_atomic(path: Path, text: str, mode: int) -> None:
         raise
 
 
+def _backup(path: Path) -> Path:
+    """Copy path to <path>.rekindle-backup-<UTC timestamp> (metadata kept) and return the copy."""
+    backup = path.with_name(f"{path.name}.rekindle-backup-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
+    shutil.copy2(path, backup)
+    return backup
+
+
 def apply(path: Path | str = DEFAULT_CONFIG, socket_path: str = DEFAULT_SOCKET, dry_run: bool = False,
-          *, new_file_version: int | None = None) -> ToggleResult:
-    """Enable NRI in the config file at path (read -> enable_nri -> backup + write when changed)."""
-    path = Path(path)
+          *, new_file_version: int | None = None, view: HostView = HostView()) -> ToggleResult:
+    """Enable NRI in the config file at path (read -> enable_nri -> backup + write when changed).
+
+    path is a node path, opened through view; k3s and RKE2 nodes are refused."""
+    check_not_managed(view, socket_path)
+    host = Path(path)
+    path = view.see(str(path))
     created = not path.exists()
     if created:
         old, mode = "", 0o644
@@ -164,68 +174,24 @@ def apply(path: Path | str = DEFAULT_CONFIG, socket_path: str = DEFAULT_SOCKET, 
         try:
             old = path.read_text()
         except OSError as e:
-            raise ConfigError(f"cannot read {path}: {e}") from None
+            raise ConfigError(f"cannot read {host}: {e}") from None
         mode = path.stat().st_mode & 0o7777
     try:
         blank = _is_blank(_parse(old))
         version = (new_file_version or _installed_config_version()) if blank else 0
         new, changed = enable_nri(minimal_config(version) if created else old, socket_path, empty_version=version)
     except ConfigError as e:
-        raise ConfigError(f"{path}: {e}") from None
+        raise ConfigError(f"{host}: {e}") from None
     changed = changed or created
     final_version = config_version(_parse(new))
     diff = "".join(difflib.unified_diff(
         [] if created else old.splitlines(keepends=True), new.splitlines(keepends=True),
-        fromfile=str(path) if not created else "/dev/null", tofile=str(path)))
+        fromfile=str(host) if not created else "/dev/null", tofile=str(host)))
     backup = None
     if changed and not dry_run:
         if not created:
-            backup = path.with_name(f"{path.name}.rekindle-backup-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
-            shutil.copy2(path, backup)
+            backup = Path(view.host_path(_backup(path)))
         _write_atomic(path, new, mode)
-        log.info("enabled NRI in %s (socket %s)%s", path, socket_path, f", backup {backup}" if backup else "")
-    return ToggleResult(path=path, version=final_version, changed=changed, restart_needed=changed and not dry_run,
+        log.info("enabled NRI in %s (socket %s)%s", host, socket_path, f", backup {backup}" if backup else "")
+    return ToggleResult(path=host, version=final_version, changed=changed, restart_needed=changed and not dry_run,
                         backup_path=backup, created=created, diff=diff)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="rekindle nri-toggle",
-                                 description="Enable NRI in containerd's config (keeps every other setting).")
-    ap.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="containerd config file (default: %(default)s)")
-    ap.add_argument("--socket-path", default=DEFAULT_SOCKET, help="NRI socket (default: %(default)s)")
-    ap.add_argument("--dry-run", action="store_true", help="show the change, write nothing")
-    ap.add_argument("--restart", action="store_true", help="systemctl restart containerd when the file changed")
-    ap.add_argument("--json", action="store_true",
-                    help='print {"changed", "restart_needed", "backup", "version", "path"} as JSON')
-    args = ap.parse_args(argv)
-    try:
-        res = apply(args.config, args.socket_path, dry_run=args.dry_run)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    if args.json:
-        print(json.dumps({"path": str(res.path), "version": res.version, "changed": res.changed,
-                          "restart_needed": res.restart_needed,
-                          "backup": str(res.backup_path) if res.backup_path else None}))
-        return 0
-    if args.dry_run:
-        print(res.diff if res.changed else f"{res.path}: NRI already enabled; nothing to do", end="" if res.changed else "\n")
-        return 0
-    if not res.changed:
-        print(f"{res.path}: NRI already enabled (config version {res.version}); nothing changed")
-        return 0
-    print(f"{res.path}: NRI enabled (config version {res.version})"
-          + (f"; backup at {res.backup_path}" if res.backup_path else "; file created"))
-    if args.restart and res.restart_needed:
-        r = subprocess.run(["systemctl", "restart", "containerd"], capture_output=True, text=True)
-        if r.returncode != 0:
-            print(f"error: systemctl restart containerd failed: {r.stderr.strip()}", file=sys.stderr)
-            return 1
-        print("containerd restarted")
-    elif res.restart_needed:
-        print("restart containerd for the change to take effect (or pass --restart)")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

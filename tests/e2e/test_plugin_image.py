@@ -78,7 +78,7 @@ def _ensure_shared(path: Path) -> None:
 
 def _rendered_pod_spec(sandbox, store: Path) -> tuple[dict, dict]:
     values = {
-        "image": {"name": "localhost/rekindle/plugin", "pullPolicy": "Never"},
+        "image": {"name": "localhost/rekindle/plugin", "pullPolicy": "Never", "allowLocal": True},
         "nri": {"plugin": {"index": 90}, "socketDir": str(sandbox.nri_socket.parent)},
         "containerd": {"stateDir": str(sandbox.state_dir), "rootDir": str(sandbox.root_dir)},
         "stateDir": str(STATE_DIR),

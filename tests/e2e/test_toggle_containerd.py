@@ -3,6 +3,8 @@
 For each runtime: `containerd config default` -> private root/state/sockets -> nodeconfig.apply
 -> start containerd with the result -> the NRI socket appears and the log says NRI is on.
 The 1.7 default has NRI disabled, so the same config without the toggle must not open the socket.
+The drop-in mode (nodedropin.apply_drop_in) is checked the same way, plus `containerd config
+dump`: the merged config containerd itself computes from the main file and its imports.
 """
 
 from __future__ import annotations
@@ -12,13 +14,14 @@ import signal
 import subprocess
 import tempfile
 import time
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import tomlkit
 
-from runtime import nodeconfig
+from runtime import nodeconfig, nodedropin
 from runtime.sandbox import Runtime
 
 BOOTED = "containerd successfully booted"
@@ -106,3 +109,38 @@ def test_untoggled_1_7_default_keeps_nri_off(workdir: Path) -> None:
     assert BOOTED in log
     assert not seen
     assert "created NRI interface" not in log
+
+
+def config_dump(runtime: Runtime, cfg: Path) -> dict:
+    out = subprocess.run([str(runtime.containerd), "--config", str(cfg), "config", "dump"], check=True,
+                         capture_output=True, text=True).stdout
+    return tomllib.loads(out)
+
+
+@pytest.mark.parametrize("runtime", [Runtime.V1_7, Runtime.V2_1], ids=lambda r: f"containerd-{r.value}")
+def test_drop_in_turns_nri_on_and_keeps_the_operators_nri_settings(runtime: Runtime, workdir: Path) -> None:
+    cfg = default_config(runtime, workdir)
+    # An operator's own NRI setting in the main config: containerd 1.7 replaces a plugin's whole
+    # table with an imported one, so the drop-in must carry it.
+    doc = tomlkit.parse(cfg.read_text())
+    doc["plugins"][nodeconfig.NRI_PLUGIN]["plugin_request_timeout"] = "7s"
+    cfg.write_text(tomlkit.dumps(doc))
+    main_before = cfg.read_text()
+    nri_socket = workdir / "nri.sock"
+    drop_in = workdir / "conf.d" / nodedropin.DROP_IN_NAME
+
+    res = nodedropin.apply_drop_in(cfg, drop_in, socket_path=str(nri_socket))
+    assert res.changed and res.import_added and res.version == runtime.config_version
+    assert not nodedropin.apply_drop_in(cfg, drop_in, socket_path=str(nri_socket)).changed
+    # The main config gained only the import; NRI's table there still says what it said.
+    assert tomllib.loads(cfg.read_text())["plugins"] == tomllib.loads(main_before)["plugins"]
+
+    merged = config_dump(runtime, cfg)
+    nri = merged["plugins"][nodeconfig.NRI_PLUGIN]
+    assert (nri["disable"], nri["disable_connections"], nri["socket_path"]) == (False, False, str(nri_socket))
+    assert nri["plugin_request_timeout"] == "7s"
+    assert str(drop_in) in merged["imports"]
+
+    seen, log = run_containerd(runtime, cfg, nri_socket, wait=30)
+    assert seen, f"NRI socket {nri_socket} never appeared; log tail:\n" + "\n".join(log.splitlines()[-30:])
+    assert "created NRI interface" in log

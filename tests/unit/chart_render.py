@@ -215,14 +215,29 @@ def _child(request: dict) -> dict[str, Any]:
     return json.loads(proc.stdout)
 
 
+# The chart refuses its localhost/ placeholder image; renders use this one unless told otherwise.
+REGISTRY_IMAGE = "registry.example.com/rekindle/plugin"
+
+
+def merge(base: dict, over: dict) -> dict:
+    """over on top of base, maps merged key by key (a None in over stays: Helm drops that key)."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
 def render(values: dict | None = None, *, release: str = "rekindle", namespace: str = "kube-system",
-           seed: list[dict] | None = None) -> dict[str, Any]:
+           seed: list[dict] | None = None, registry_image: bool = True) -> dict[str, Any]:
     """Install the chart against a fake API server, in a child process.
 
     Returns {"objects": [rendered objects], "created": [objects POSTed to the
     server], "notes": NOTES.txt text, "manifest": the raw manifest}.
     Raises RenderError with Helm's message when Helm refuses (schema, template).
+    With registry_image, image.name defaults to REGISTRY_IMAGE instead of the placeholder.
     """
+    if registry_image:
+        values = merge({"image": {"name": REGISTRY_IMAGE}}, values or {})
     out = _child({"op": "render", "values": values, "release": release, "namespace": namespace, "seed": seed})
     if "error" in out:
         raise RenderError(out["error"])

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime import nodeconfig
+from runtime import nodeconfig, nritoggle
 from runtime.errors import ConfigError
 
 DATA = Path(__file__).resolve().parent.parent / "data"
@@ -184,12 +184,12 @@ def test_apply_garbage_leaves_the_file_alone(tmp_path: Path) -> None:
 def test_main_reports_and_exits(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cfg = tmp_path / "config.toml"
     cfg.write_text((DATA / "containerd-2.1.9-default.toml").read_text())
-    assert nodeconfig.main(["--config", str(cfg), "--socket-path", SOCK]) == 0
+    assert nritoggle.main(["--config", str(cfg), "--socket-path", SOCK]) == 0
     assert "NRI enabled (config version 3); backup at" in capsys.readouterr().out
-    assert nodeconfig.main(["--config", str(cfg), "--socket-path", SOCK]) == 0
+    assert nritoggle.main(["--config", str(cfg), "--socket-path", SOCK]) == 0
     assert "nothing changed" in capsys.readouterr().out
     cfg.write_text("version = 1\n")
-    assert nodeconfig.main(["--config", str(cfg)]) == 1
+    assert nritoggle.main(["--config", str(cfg)]) == 1
     assert "migrate" in capsys.readouterr().err
 
 
@@ -197,7 +197,7 @@ def test_main_json_reports_change_then_nothing(tmp_path, capsys):
     """The chart's init container parses this JSON to decide on a containerd restart."""
     import json
 
-    from runtime.nodeconfig import main
+    from runtime.nritoggle import main
     cfg = tmp_path / "config.toml"
     cfg.write_text((DATA / "containerd-1.7.24-debian.toml").read_text())
     assert main(["--json", "--config", str(cfg)]) == 0

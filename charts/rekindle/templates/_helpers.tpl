@@ -65,3 +65,21 @@ NRI plugin index, zero-padded to two digits.
 {{- define "rekindle.storePath" -}}
 {{- printf "%s/store" (trimSuffix "/" .Values.stateDir) -}}
 {{- end -}}
+
+{{/*
+The plugin container's own mounts (not hostBindSources), as JSON: mount path -> what it is.
+validate.yaml refuses a hostBindSources entry that repeats one (a duplicate mountPath). Every
+mount added to the plugin container belongs here too: tests/unit/test_chart.py checks it.
+*/}}
+{{- define "rekindle.chartMounts" -}}
+{{- $m := dict -}}
+{{- $_ := set $m "/var/run/nri" "the NRI socket dir (nri.socketDir)" -}}
+{{- $_ = set $m (trimSuffix "/" .Values.containerd.stateDir) "containerd.stateDir" -}}
+{{- $_ = set $m (trimSuffix "/" .Values.containerd.rootDir) "containerd.rootDir" -}}
+{{- $_ = set $m "/host/proc" "the host's /proc" -}}
+{{- $_ = set $m "/sys/fs/cgroup" "the cgroup filesystem" -}}
+{{- $_ = set $m (trimSuffix "/" .Values.stateDir) "stateDir" -}}
+{{- $_ = set $m (include "rekindle.storePath" .) "the artifact store (<stateDir>/store)" -}}
+{{- $_ = set $m "/etc/rekindle" "the HMAC key Secret" -}}
+{{- toJson $m -}}
+{{- end -}}
