@@ -25,7 +25,6 @@ from __future__ import annotations
 import bisect
 import ctypes
 import errno
-import hashlib
 import logging
 import mmap
 import os
@@ -40,7 +39,7 @@ from dataclasses import dataclass
 from runtime import criu_image as img
 from runtime.errors import RekindleError
 from runtime.layout import BULK_DIR, CRIU_DIR, BulkFile, BulkRange, bulk_file, bulk_pagemap
-from runtime.store import WORKERS, Artifact, combine_pieces, piece_ranges
+from runtime.store import WORKERS, Artifact, combine_pieces, new_hash, piece_ranges
 
 log = logging.getLogger(__name__)
 
@@ -243,7 +242,7 @@ class _Filler:
     def piece(self, p: _Piece) -> bytes:
         _m, view, addr = self._buffer()
         fd, pid, segs = self.fds[p.file], self.pids[p.file], self.segments[p.file]
-        digest = hashlib.sha256()
+        digest = new_hash()
         pos, end, written = p.offset, p.offset + p.length, 0
         while pos < end:
             want = min(CHUNK, end - pos)

@@ -33,7 +33,7 @@ FORMAT_VERSION = 2
 MAX_MANIFEST_BYTES = 16 * 1024 * 1024
 SIG_PREFIX = "hmac-sha256:"
 
-_SHA_RE = re.compile(r"[0-9a-f]{64}")
+_DIGEST_RE = re.compile(r"[0-9a-f]{64}")
 
 
 def _check(ok: bool, message: str) -> None:
@@ -99,11 +99,11 @@ class MountInfo:
 class FileEntry:
     path: str
     size: int
-    sha256: str
+    digest: str  # BLAKE3, hex (runtime.store)
 
     def __post_init__(self) -> None:
         _check(self.size >= 0, f"file {self.path!r}: negative size")
-        _check(bool(_SHA_RE.fullmatch(self.sha256)), f"file {self.path!r}: bad sha256")
+        _check(bool(_DIGEST_RE.fullmatch(self.digest)), f"file {self.path!r}: bad digest")
 
 
 @dataclass(frozen=True, slots=True)

@@ -299,16 +299,19 @@ def test_two_restores_of_one_artifact_at_once(sandbox, pod, plugin):
 def _resign(plugin: PluginProcess, artifact_dir, replace: dict[str, bytes]) -> None:
     """Swap files in an artifact and re-sign it with the node's key: an artifact that passes the
     signature and digest checks but carries a hostile payload (defence in depth)."""
-    import hashlib
-
     from runtime.manifest import Manifest, sign
+    from runtime.store import hash_fd
     manifest = Manifest.from_json((artifact_dir / "manifest.json").read_bytes())
     for rel, data in replace.items():
         (artifact_dir / rel).write_bytes(data)
     files = []
     for f in manifest.files:
-        data = (artifact_dir / f.path).read_bytes()
-        files.append(type(f)(f.path, len(data), hashlib.sha256(data).hexdigest()))
+        fd = os.open(artifact_dir / f.path, os.O_RDONLY)
+        try:
+            size, digest = hash_fd(fd)
+        finally:
+            os.close(fd)
+        files.append(type(f)(f.path, size, digest))
     import dataclasses
     raw = dataclasses.replace(manifest, files=tuple(files)).to_json()
     (artifact_dir / "manifest.json").write_bytes(raw)

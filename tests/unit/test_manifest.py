@@ -40,7 +40,7 @@ def make_manifest(**changes: Any) -> Manifest:
         security=profile(),
         process=ProcessInfo(root_pid=7, args=("python", "-m", "serve")),
         mounts=(MountInfo(key="shm", destination="/dev/shm", type="tmpfs"),),
-        files=(FileEntry(path="criu/core-1.img", size=3, sha256=SHA),),
+        files=(FileEntry(path="criu/core-1.img", size=3, digest=SHA),),
         timings={"dump": 1.5},
     )
     return dataclasses.replace(base, **changes)
@@ -91,7 +91,7 @@ def _mutate(path: str, value: Any) -> bytes:
     (_mutate("security.privileged", 0), "manifest.security.privileged: expected bool"),
     (_mutate("process.root_pid", True), "manifest.process.root_pid: expected int"),
     (_mutate("process.args", "python"), "manifest.process.args: expected a list"),
-    (_mutate("files.0.sha256", "xyz"), "bad sha256"),
+    (_mutate("files.0.digest", "xyz"), "bad digest"),
     (_mutate("files.0.size", -1), "negative size"),
     (_mutate("security.capabilities", ["CAP_SYS_ADMIN", "CAP_CHOWN"]), "sorted and unique"),
     (_mutate("security.seccomp", "whatever"), "bad seccomp value"),

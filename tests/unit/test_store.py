@@ -4,7 +4,7 @@ locks against removal while read, list, delete, prune and sweep of leftovers."""
 from __future__ import annotations
 
 import dataclasses
-import hashlib
+import blake3
 import json
 import os
 import shutil
@@ -109,7 +109,7 @@ def test_publish_then_open_returns_the_signed_manifest_with_file_digests(tmp_pat
         assert artifact.version == version.name
         assert [(f.path, f.size) for f in artifact.manifest.files] == [
             ("criu/core-1.img", 4), ("rootfs-diff.tar", 3)]
-        assert artifact.manifest.files[1].sha256 == hashlib.sha256(b"tar").hexdigest()
+        assert artifact.manifest.files[1].digest == blake3.blake3(b"tar").hexdigest()
         assert artifact.manifest.generation > 0
         artifact.verify_files()
 
@@ -517,7 +517,7 @@ def test_large_file_digest_is_by_pieces_and_catches_one_flipped_byte(tmp_path):
     finally:
         os.close(fd)
     assert size == 2 * store_mod.PIECE + 12345
-    assert digest != hashlib.sha256(big.read_bytes()).hexdigest()  # the two-level form
+    assert digest != blake3.blake3(big.read_bytes()).hexdigest()  # the two-level form
     with open(big, "r+b") as f:
         f.seek(2 * store_mod.PIECE + 100)
         f.write(b"\x01")
