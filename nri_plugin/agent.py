@@ -78,6 +78,7 @@ class NodeEngine:
         self.facts = facts
         self.image_ref = image_ref
         self.generations = GenerationBook(settings.state_dir)
+        self.prefetcher: Prefetcher | None = None  # set by run_plugin
 
     def checkpoint(self, work: Work) -> dict[str, float]:
         req = checkpoint_flow.CheckpointRequest(
@@ -96,8 +97,14 @@ class NodeEngine:
             image_ref=(self.image_ref(work.image) if self.image_ref and work.image else "") or "",
             log_dir=os.path.join(self.settings.state_dir, "logs"),
             path=restore_flow.RestorePath(self.settings.restore_path))
+        prefetcher = self.prefetcher
+
+        def progress(phase: str, done: int, total: int) -> None:
+            if prefetcher is not None and done == total == 0:  # a phase starts
+                prefetcher.on_phase(work.pod_uid, phase)
+
         return restore_flow.restore(req, self.store, self.key, self.facts, control=work.control, cuda=self.cuda,
-                                    generations=self.generations)
+                                    generations=self.generations, progress=progress)
 
     async def probe(self, netns: str, probe: ReadyProbe) -> bool:
         return await run_probe(netns, probe.kind.value, probe.host, probe.port, probe.path)
@@ -150,10 +157,11 @@ def run_plugin(settings: Settings, max_parallel: int = 2) -> int:
         jobs = Jobs(engine, status, max_parallel=max_parallel,
                     probes=ProbeSlots(settings.probes_per_pod, settings.probes_per_node))
         jobs.bind_loop(loop)
+        engine.prefetcher = Prefetcher(store, key) if settings.prefetch else None
         plugin = RekindlePlugin(settings, store=store, key=key, status=status, jobs=jobs,
                                 specs=specs, facts=facts, image_ref=image_ref,
                                 generations=engine.generations,
-                                prefetcher=Prefetcher(store, key) if settings.prefetch else None)
+                                prefetcher=engine.prefetcher)
         # Leftovers of dead publishes, old logs and status records: now and every few minutes.
         stop_housekeeping = threading.Event()
         threading.Thread(target=_housekeeping, args=(settings, store, stop_housekeeping),

@@ -26,6 +26,7 @@ class Prefetcher:
         self.store, self.key, self.threads = store, key, threads
         self._pool = ThreadPoolExecutor(max_workers=max_running, thread_name_prefix="rekindle-prefetcher")
         self._cancel: dict[str, threading.Event] = {}
+        self._go: dict[str, threading.Event] = {}
         self._lock = threading.Lock()
 
     def start(self, pod_uid: str, namespace: str, annotations: dict[str, str]) -> bool:
@@ -36,8 +37,21 @@ class Prefetcher:
             if pod_uid in self._cancel:
                 return False
             cancel = self._cancel[pod_uid] = threading.Event()
-        self._pool.submit(self._run, pod_uid, namespace, name, cancel)
+            go = self._go[pod_uid] = threading.Event()
+            go.set()
+        self._pool.submit(self._run, pod_uid, namespace, name, cancel, go)
         return True
+
+    def pause(self, pod_uid: str, paused: bool) -> None:
+        """Hold the pod's prefetch reads (while its restore runs CRIU) or let them go on."""
+        with self._lock:
+            go = self._go.get(pod_uid)
+        if go is not None:
+            (go.clear if paused else go.set)()
+
+    def on_phase(self, pod_uid: str, phase: str) -> None:
+        """The restore's phase hook: CRIU's own reads go first."""
+        self.pause(pod_uid, phase == "criu_restore")
 
     def cancel(self, pod_uid: str) -> None:
         with self._lock:
@@ -45,12 +59,13 @@ class Prefetcher:
         if event is not None:
             event.set()
 
-    def _run(self, pod_uid: str, namespace: str, name: str, cancel: threading.Event) -> None:
+    def _run(self, pod_uid: str, namespace: str, name: str, cancel: threading.Event,
+             go: threading.Event) -> None:
         try:
             if cancel.is_set():
                 return
             with self.store.open(namespace, name, self.key) as artifact:
-                prefetch.warm(artifact, cancel, self.threads)
+                prefetch.warm(artifact, cancel, self.threads, go=go)
         except RekindleError as exc:
             log.info("prefetch of %s/%s skipped: %s", namespace, name, exc)
         except Exception:  # noqa: BLE001 - an optimisation never takes the plugin down
@@ -58,9 +73,12 @@ class Prefetcher:
         finally:
             with self._lock:
                 self._cancel.pop(pod_uid, None)
+                self._go.pop(pod_uid, None)
 
     def shutdown(self) -> None:
         with self._lock:
             for event in self._cancel.values():
+                event.set()
+            for event in self._go.values():
                 event.set()
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -45,10 +45,12 @@ def mem_available() -> int:
 
 
 def warm(artifact: Artifact, cancel: threading.Event, threads: int = 16,
-         budget: int | None = None) -> PrefetchResult:
-    """Read every listed file once, largest first, on ``threads`` threads."""
+         budget: int | None = None, go: threading.Event | None = None) -> PrefetchResult:
+    """Read every listed file once on ``threads`` threads: the small ones first (the restore
+    copies them first), then the bulk pages. While ``go`` is clear the reads wait (the restore
+    is in CRIU, whose own reads must not queue behind ours on a disk)."""
     t0 = time.monotonic()
-    files = sorted(artifact.manifest.files, key=lambda f: -f.size)
+    files = sorted(artifact.manifest.files, key=lambda f: f.size)
     total = sum(f.size for f in files)
     limit = int(mem_available() * MEMORY_SHARE) if budget is None else budget
     if total > limit:
@@ -63,6 +65,9 @@ def warm(artifact: Artifact, cancel: threading.Event, threads: int = 16,
         local = threading.local()
 
         def read(job: tuple[int, int, int]) -> int:
+            while go is not None and not go.wait(0.1):
+                if cancel.is_set():
+                    return 0
             if cancel.is_set():
                 return 0
             buf = getattr(local, "buf", None)

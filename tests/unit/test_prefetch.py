@@ -46,3 +46,18 @@ def test_prefetcher_starts_only_for_valid_restore_annotations(tmp_path: Path) ->
         assert not p._cancel
     finally:
         p.shutdown()
+
+
+def test_warm_waits_while_paused(tmp_path: Path) -> None:
+    store = ArtifactStore(str(tmp_path))
+    publish(store, files={"bulk/pages-1.bulk": b"p" * (9 << 20)})
+    go, done = threading.Event(), []
+    with store.open("team-a", "qwen-7b", KEY) as art:
+        t = threading.Thread(target=lambda: done.append(warm(art, threading.Event(), threads=1,
+                                                             budget=1 << 30, go=go)))
+        t.start()
+        time.sleep(0.3)
+        assert not done  # paused: the restore is in CRIU
+        go.set()
+        t.join(10)
+    assert done and done[0].bytes == 9 << 20
