@@ -206,8 +206,11 @@ def test_a_restore_uses_only_the_bytes_it_verified(sandbox, pod, plugin, tmp_pat
     except RekindleError as exc:
         # Only a tampered file may stop it; and then nothing of the restore ever ran.
         assert attack is _attack_hardlink and "content changed" in str(exc), exc
-        members = [p for p in os.listdir("/proc") if p.isdigit() and _in_pidns(p, target.namespaces["pid"].inode)]
-        assert members == [str(target.init_pid)], members
+        # The stopped tree was killed (SIGKILL): gone once the init has reaped it.
+        def alone() -> bool:
+            members = [p for p in os.listdir("/proc") if p.isdigit() and _in_pidns(p, target.namespaces["pid"].inode)]
+            return members == [str(target.init_pid)]
+        wait_for(alone, 10, "the killed restore to be reaped")
         return
     assert attack is not _attack_hardlink, "a rewritten pages file was restored"
     ip = sandbox.cri.pod_ip(b.id)
