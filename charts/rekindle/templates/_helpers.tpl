@@ -65,3 +65,7 @@ NRI plugin index, zero-padded to two digits.
 {{- define "rekindle.storePath" -}}
 {{- printf "%s/store" (trimSuffix "/" .Values.stateDir) -}}
 {{- end -}}
+
+{{- define "rekindle.serviceAccountName" -}}
+{{- include "rekindle.fullname" . -}}
+{{- end -}}
