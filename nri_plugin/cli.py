@@ -2,7 +2,7 @@
 
 Subcommands: plugin, checkpoint, restore, artifacts (list|inspect|delete|prune), status, doctor,
 nri-toggle, cuda-checkpoint. Every command that prints takes ``-o text|json`` (``--json`` is
-``-o json``). Exit codes: 0 success, 1 failure, 2 usage error. Errors print one line
+``-o json``), except cuda-checkpoint, which keeps NVIDIA's flags and prints one word. Exit codes: 0 success, 1 failure, 2 usage error. Errors print one line
 (``rekindle: error: ...``); ``-v`` adds tracebacks.
 
 The HMAC key: every command uses the plugin's key, ``--hmac-key-file``, else

@@ -195,15 +195,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--socket-path", default=DEFAULT_SOCKET, help="NRI socket (default: %(default)s)")
     ap.add_argument("--dry-run", action="store_true", help="show the change, write nothing")
     ap.add_argument("--restart", action="store_true", help="systemctl restart containerd when the file changed")
-    ap.add_argument("--json", action="store_true",
-                    help='print {"changed", "restart_needed", "backup", "version", "path"} as JSON')
+    ap.add_argument("-o", "--output", choices=("text", "json"), default="text",
+                    help='json: print {"changed", "restart_needed", "backup", "version", "path"}')
+    ap.add_argument("--json", dest="output", action="store_const", const="json", help="same as -o json")
     args = ap.parse_args(argv)
     try:
         res = apply(args.config, args.socket_path, dry_run=args.dry_run)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    if args.json:
+    if args.output == "json":
         print(json.dumps({"path": str(res.path), "version": res.version, "changed": res.changed,
                           "restart_needed": res.restart_needed,
                           "backup": str(res.backup_path) if res.backup_path else None}))

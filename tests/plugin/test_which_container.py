@@ -14,7 +14,7 @@ from nri_plugin.config import Settings
 from nri_plugin.events import RuntimeInfo
 from nri_plugin.handlers import RekindlePlugin
 from nri_plugin.jobs import Jobs, Skipped, Work
-from nri_plugin.policy import Intent, Role, decide
+from nri_plugin.policy import decide
 from nri_plugin.proto import nri_api_pb2 as api
 from nri_plugin.stub import Reply
 from runtime import control

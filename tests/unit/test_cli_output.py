@@ -82,3 +82,12 @@ def test_observers_hear_every_write_and_a_failing_one_changes_nothing(tmp_path):
     book.write(ContainerStatus(namespace="ns", pod="p", container="c", phase=Phase.RESTORED))
     assert heard == [Phase.RESTORING, Phase.RESTORED]
     assert book.read("ns", "p", "c").phase is Phase.RESTORED
+
+
+def test_nri_toggle_takes_o_json_too(tmp_path):
+    cfg = tmp_path / "config.toml"
+    cfg.write_text("version = 2\n")
+    for flag in (["-o", "json"], ["--json"]):
+        res = rekindle("nri-toggle", "--dry-run", "--config", str(cfg), *flag)
+        assert res.returncode == 0, res.stderr
+        assert json.loads(res.stdout)["changed"] is True
