@@ -2,8 +2,9 @@
 
 Subcommands: plugin, checkpoint, restore, artifacts (list|inspect|delete|prune), status, doctor,
 nri-toggle, cuda-checkpoint. Every command that prints takes ``-o text|json`` (``--json`` is
-``-o json``), except cuda-checkpoint, which keeps NVIDIA's flags and prints one word. Exit codes: 0 success, 1 failure, 2 usage error. Errors print one line
-(``rekindle: error: ...``); ``-v`` adds tracebacks.
+``-o json``), except cuda-checkpoint, which keeps NVIDIA's flags and prints one word.
+Exit codes: 0 success, 1 failure, 2 usage error. Errors print one line (``rekindle: error:
+...``); ``-v`` adds tracebacks.
 
 The HMAC key: every command uses the plugin's key, ``--hmac-key-file``, else
 ``$REKINDLE_HMAC_KEY_FILE`` (the chart sets it in the plugin's pod), else ``<state-dir>/hmac.key``.

@@ -99,6 +99,18 @@ def events_for(api: FakeApiServer, pod: str, reason: str, timeout: float = 30.0)
         time.sleep(0.2)
 
 
+def status_patch(api: FakeApiServer, pod: str, timeout: float = 30.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        found = [r for r in list(api.requests) if r.method == "PATCH" and r.path.endswith(f"/pods/{pod}/status")]
+        if found:
+            (patch,) = found
+            return patch
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no status patch for {pod}")
+        time.sleep(0.2)
+
+
 def test_readyz_metrics_events_and_logs_after_a_checkpoint_and_a_restore(sandbox, pod, plugin, api):
     port = plugin.port
     code, text = http(port, "/readyz")
@@ -135,8 +147,7 @@ def test_readyz_metrics_events_and_logs_after_a_checkpoint_and_a_restore(sandbox
     ev = events_for(api, b.name, "Restored")
     kubernetes_validate.validate(ev, K8S_VERSION, strict=True)
     assert ev["message"].startswith("from default/obs-a in ") and "criu" in ev["message"]
-    patches = [r for r in api.requests if r.method == "PATCH" and r.path.endswith(f"/pods/{b.name}/status")]
-    (patch,) = patches
+    patch = status_patch(api, b.name)
     assert patch.content_type == "application/strategic-merge-patch+json"
     assert patch.body["metadata"]["uid"] == b.uid
     (cond,) = patch.body["status"]["conditions"]
@@ -147,7 +158,9 @@ def test_readyz_metrics_events_and_logs_after_a_checkpoint_and_a_restore(sandbox
     merged["metadata"].update(patch.body["metadata"])
     merged["status"] = patch.body["status"]
     kubernetes_validate.validate(merged, K8S_VERSION, strict=True)
-    assert m['rekindle_kubernetes_reports_sent_total{kind="event"}'] >= 2
+    wait_metric(port, 'rekindle_kubernetes_reports_sent_total{kind="condition"}', 1)
+    m = wait_metric(port, 'rekindle_kubernetes_reports_sent_total{kind="event"}', 2)
+    assert m['rekindle_kubernetes_reports_dropped_total{reason="rejected"}'] == 0
 
     # JSON log lines carry the pod, artifact, phase and seconds (the engine's too).
     lines = [json.loads(line) for line in plugin.log().splitlines() if line.startswith("{")]

@@ -69,6 +69,14 @@ def sample(metrics: Metrics, name: str, **labels: str) -> float:
     return metrics.registry.get_sample_value(name, labels) or 0.0
 
 
+def wait_sample(metrics: Metrics, name: str, want: float, timeout: float = 10.0, **labels: str) -> float:
+    """The counter once it reaches ``want`` (it moves after the server's answer is read)."""
+    deadline = time.monotonic() + timeout
+    while (got := sample(metrics, name, **labels)) < want and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return got
+
+
 def test_restored_sends_a_normal_event_and_a_true_condition(api, reporter):
     reporter.publish(outcome(OutcomeKind.RESTORED, timings=RESTORE_TIMINGS, bytes=17 << 30))
     event, patch = api.wait_for(2)
@@ -90,8 +98,8 @@ def test_restored_sends_a_normal_event_and_a_true_condition(api, reporter):
     assert patch.body["metadata"] == {"uid": UID}  # never patches a newer pod of the same name
     (cond,) = patch.body["status"]["conditions"]
     assert (cond["type"], cond["status"], cond["reason"]) == (CONDITION, "True", "Restored")
-    assert sample(reporter.metrics, "rekindle_kubernetes_reports_sent_total", kind="event") == 1
-    assert sample(reporter.metrics, "rekindle_kubernetes_reports_sent_total", kind="condition") == 1
+    assert wait_sample(reporter.metrics, "rekindle_kubernetes_reports_sent_total", 1, kind="event") == 1
+    assert wait_sample(reporter.metrics, "rekindle_kubernetes_reports_sent_total", 1, kind="condition") == 1
 
 
 def test_cold_start_sends_a_warning_and_a_false_condition_with_the_reason(api, reporter):
@@ -122,7 +130,7 @@ def test_source_outcomes_send_an_event_and_no_condition(api, reporter, kind, rea
         assert event.body["message"] == "team-a/qwen-7b (64.0 MiB) in 2.1 s: inspect 0.1 s, criu 1.5 s, publish 0.4 s"
     else:
         assert reason in event.body["message"]
-    time.sleep(0.3)  # nothing else follows (no condition for a source)
+    reporter.close()  # sends what is queued: nothing else follows (no condition for a source)
     assert len(api.requests) == 1
 
 
@@ -142,12 +150,8 @@ def test_api_down_is_retried_a_bounded_number_of_times_then_dropped_and_counted(
     try:
         rep.publish(outcome(OutcomeKind.PUBLISHED, role="checkpoint"))
         api.wait_for(3)
-        deadline = time.monotonic() + 5
-        while rep.dropped < 1 and time.monotonic() < deadline:
-            time.sleep(0.02)
-        time.sleep(0.3)
-        assert len(api.requests) == 3  # attempts, not more
-        assert sample(metrics, "rekindle_kubernetes_reports_dropped_total", reason="api_unavailable") == 1
+        assert wait_sample(metrics, "rekindle_kubernetes_reports_dropped_total", 1, reason="api_unavailable") == 1
+        assert len(api.requests) == 3  # attempts, not more: the report is given up
     finally:
         rep.close()
 
@@ -160,10 +164,7 @@ def test_unreachable_api_is_dropped_and_counted(tmp_path):
                        on_drop=metrics.report_dropped).start()
     try:
         rep.publish(outcome(OutcomeKind.RESTORED, timings=RESTORE_TIMINGS))
-        deadline = time.monotonic() + 10
-        while rep.dropped < 2 and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert sample(metrics, "rekindle_kubernetes_reports_dropped_total", reason="api_unavailable") == 2
+        assert wait_sample(metrics, "rekindle_kubernetes_reports_dropped_total", 2, reason="api_unavailable") == 2
     finally:
         rep.close()
 
@@ -177,9 +178,8 @@ def test_a_rejected_report_is_not_retried(api, tmp_path, code):
     try:
         rep.publish(outcome(OutcomeKind.COLD_START, "annotation rekindle.dev/restore: bad"))
         api.wait_for(2)
-        time.sleep(0.3)
-        assert len(api.requests) == 2  # the event and the patch, once each
-        assert sample(metrics, "rekindle_kubernetes_reports_dropped_total", reason="rejected") == 2
+        assert wait_sample(metrics, "rekindle_kubernetes_reports_dropped_total", 2, reason="rejected") == 2
+        assert len(api.requests) == 2  # the event and the patch, once each: both given up
     finally:
         rep.close()
 
@@ -210,7 +210,7 @@ def test_status_records_flow_through_the_reporter_once_per_container(api, report
     book.write(rec)
     book.write(rec)           # rewritten: still one outcome
     reqs = api.wait_for(2)
-    time.sleep(0.3)
+    reporter.close()  # whatever was queued is sent by now
     assert len(api.requests) == 2 and reqs[0].body["reason"] == "Restored"
 
 

@@ -104,7 +104,7 @@ def test_ready_only_while_registered_and_synchronized(tmp_path, capture):
                 in metrics_text[1]
             conn.close()  # the runtime goes away
             await until(lambda: get(port, "/readyz")[0] == 503)
-            assert metrics.registry.get_sample_value("rekindle_nri_connected") == 0
+            await until(lambda: metrics.registry.get_sample_value("rekindle_nri_connected") == 0)
             conn2 = await rt.next_plugin()  # the stub reconnects
             await conn2.handshake()
             await until(lambda: get(port, "/readyz")[0] == 200)
