@@ -94,7 +94,7 @@ from nri_plugin.cli import main
 sys.exit(main())
 PY
 chmod 0755 "$rootfs/usr/local/bin/rekindle"
-chroot "$rootfs" python3 -c 'import nri_plugin, runtime, grpc, google.protobuf, tomlkit' \
+chroot "$rootfs" python3 -c 'import nri_plugin, runtime, grpc, google.protobuf, tomlkit, prometheus_client, kubernetes.client' \
   || die "the project does not import inside the image"
 
 # 3. trim

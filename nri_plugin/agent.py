@@ -1,7 +1,12 @@
 """Composition root: builds the plugin, the engine and their clients from ``Settings``.
 
-``run_plugin`` is the DaemonSet's long-lived process. ``checkpoint_once`` / ``restore_once`` run
-the same engine for one container from the CLI (a node operator's manual path).
+``run_plugin`` is the DaemonSet's long-lived process: the stub and the Rekindle plugin, the jobs,
+and what tells the outside what happened: the status files (``rekindle status``), an outcome
+``Reporter`` observing them that feeds the Prometheus metrics and, with ``--events``, the
+Kubernetes Events and pod condition (``events_k8s``), and the HTTP endpoint with ``/metrics``,
+``/readyz`` (registered and synchronized with the runtime) and ``/healthz`` (the event loop
+beats). ``checkpoint_once`` / ``restore_once`` run the same engine for one container from the
+CLI (a node operator's manual path).
 """
 
 from __future__ import annotations
@@ -28,10 +33,14 @@ from runtime.rollback import GenerationBook
 from runtime.status import StatusBook
 from runtime.store import ArtifactStore
 
+from . import guards
 from .config import Settings
 from .handlers import RekindlePlugin
 from .prefetch import Prefetcher
-from .jobs import Jobs, Work
+from .health import HEARTBEAT, Health
+from .jobs import Jobs, Skipped, Work
+from .metrics import Metrics
+from .outcomes import Reporter
 from .policy import AfterCheckpoint, ReadyProbe
 from .probes import ProbeSlots
 from .stub import Identity, Stub
@@ -70,17 +79,31 @@ class NodeEngine:
     """Adapts the runtime flows to the jobs' ``Engine`` protocol."""
 
     def __init__(self, settings: Settings, store: ArtifactStore, key: bytes, cuda: Any,
-                 facts: NodeFacts, image_ref: Any) -> None:
+                 facts: NodeFacts, image_ref: Any, running: guards.RunningContainers | None = None) -> None:
         self.settings = settings
         self.store = store
         self.key = key
         self.cuda = cuda
         self.facts = facts
         self.image_ref = image_ref
+        self.running = running  # pod sandbox id -> [(container id, name)] running or created
         self.generations = GenerationBook(settings.state_dir)
         self.prefetcher: Prefetcher | None = None  # set by run_plugin
 
+    def _source_rules(self, work: Work) -> None:
+        """Right before a checkpoint: the rules of ``guards`` that only now have an answer."""
+        skip = guards.existing_artifact(self.store, self.key, work.namespace, work.intent)
+        if skip is None and not work.intent.named:
+            if self.running is None:
+                skip = ("the pod names no container and this plugin has no containerd API to list its other "
+                        "containers; no checkpoint taken")
+            else:
+                skip = guards.other_containers(work.intent, work.container_id, self.running(work.pod_id))
+        if skip:
+            raise Skipped(skip)
+
     def checkpoint(self, work: Work) -> dict[str, float]:
+        self._source_rules(work)
         req = checkpoint_flow.CheckpointRequest(
             containerd_state=self.settings.containerd_state, container_id=work.container_id,
             namespace=work.namespace, name=work.artifact, pod=work.pod, pod_uid=work.pod_uid,
@@ -88,7 +111,8 @@ class NodeEngine:
             image_ref=(self.image_ref(work.image) if self.image_ref and work.image else "") or "",
             exit_after=work.intent.after_checkpoint is AfterCheckpoint.EXIT,
             log_dir=os.path.join(self.settings.state_dir, "logs"))
-        return checkpoint_flow.checkpoint(req, self.store, self.key, control=work.control, cuda=self.cuda)
+        return checkpoint_flow.checkpoint(req, self.store, self.key, control=work.control, cuda=self.cuda,
+                                          progress=work.progress)
 
     def restore(self, work: Work) -> dict[str, float]:
         req = restore_flow.RestoreRequest(
@@ -102,6 +126,8 @@ class NodeEngine:
         def progress(phase: str, done: int, total: int) -> None:
             if prefetcher is not None and done == total == 0:  # a phase starts
                 prefetcher.on_phase(work.pod_uid, phase)
+            if work.progress is not None:  # live progress in the status record
+                work.progress(phase, done, total)
 
         return restore_flow.restore(req, self.store, self.key, self.facts, control=work.control, cuda=self.cuda,
                                     generations=self.generations, progress=progress)
@@ -110,14 +136,15 @@ class NodeEngine:
         return await run_probe(netns, probe.kind.value, probe.host, probe.port, probe.path)
 
 
-def _clients(settings: Settings) -> tuple[Any, Any]:
-    """containerd spec access and an image-digest lookup, when the socket is there."""
+def _clients(settings: Settings) -> tuple[Any, Any, guards.RunningContainers | None]:
+    """containerd spec access, an image-digest lookup and a pod's live containers, when the
+    socket is there."""
     if not os.path.exists(settings.containerd_socket):
         log.warning("no containerd socket at %s: entrypoint swap on NRI < 0.10 disabled",
                     settings.containerd_socket)
-        return None, None
+        return None, None, None
     from runtime.containerd.client import ContainerdClient
-    from runtime.containerd.cri import CRIClient
+    from runtime.containerd.cri import CRIClient, ContainerState
     specs = ContainerdClient(settings.containerd_socket, namespace=settings.containerd_namespace)
     cri = CRIClient(settings.containerd_socket, timeout=1.0)
 
@@ -127,7 +154,11 @@ def _clients(settings: Settings) -> tuple[Any, Any]:
         except Exception as exc:  # noqa: BLE001 - a missing digest is reported by the check
             log.debug("image digest of %s unavailable: %s", image, exc)
             return ""
-    return specs, image_ref
+
+    def running(pod_id: str) -> list[tuple[str, str]]:
+        live = (ContainerState.RUNNING, ContainerState.CREATED)
+        return [(c.id, c.name) for c in cri.list_containers(pod_id=pod_id) if c.state in live]
+    return specs, image_ref, running
 
 
 def _engine(settings: Settings) -> tuple[ArtifactStore, bytes, NodeFacts, NodeEngine, Any, Any]:
@@ -137,8 +168,42 @@ def _engine(settings: Settings) -> tuple[ArtifactStore, bytes, NodeFacts, NodeEn
     cuda = _cuda()
     cuda_facts = restore_flow.cuda_facts(cuda)
     facts = NodeFacts.detect(cuda=cuda_facts)
-    specs, image_ref = _clients(settings)
-    return store, key, facts, NodeEngine(settings, store, key, cuda, facts, image_ref), specs, image_ref
+    specs, image_ref, running = _clients(settings)
+    engine = NodeEngine(settings, store, key, cuda, facts, image_ref, running)
+    return store, key, facts, engine, specs, image_ref
+
+
+def _reporting(settings: Settings, status: StatusBook) -> tuple[Metrics, Health, Any, Any]:
+    """Metrics, health, the HTTP endpoint (bound now: a port in use stops the plugin) and the
+    Kubernetes reporter (configured now: no service account with --events stops it too)."""
+    metrics = Metrics(store_path=settings.store)
+    health = Health()
+    reporter = Reporter([metrics])
+    kube = None
+    if settings.events:
+        from .events_k8s import KubeReporter, connect
+        kube = KubeReporter(connect(settings.kubeconfig), settings.node_name, on_sent=metrics.report_sent,
+                            on_drop=metrics.report_dropped).start()
+        reporter.add(kube)
+        log.info("reporting outcomes to Kubernetes as node %s", settings.node_name)
+    status.observe(reporter)
+    endpoint = None
+    if settings.metrics_port:
+        from .httpd import HttpEndpoint
+        endpoint = HttpEndpoint(settings.metrics_address, settings.metrics_port, metrics.registry, health)
+        try:
+            endpoint.start()
+        except OSError as exc:
+            from runtime.errors import ConfigError
+            raise ConfigError(f"cannot serve metrics on {settings.metrics_address}:{settings.metrics_port}: "
+                              f"{exc} (--metrics-port 0 turns the endpoint off)") from exc
+    return metrics, health, endpoint, kube
+
+
+async def _heartbeat(health: Health) -> None:
+    while True:
+        health.beat()
+        await asyncio.sleep(HEARTBEAT)
 
 
 def run_plugin(settings: Settings, max_parallel: int = 2) -> int:
@@ -149,6 +214,7 @@ def run_plugin(settings: Settings, max_parallel: int = 2) -> int:
     status = StatusBook(settings.state_dir)
     log.info("node %s: kernel %s, CRIU %s, CUDA %s", facts.hostname, facts.kernel, facts.criu_version,
              facts.cuda.driver_version if facts.cuda else "none")
+    metrics, health, endpoint, kube = _reporting(settings, status)
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
@@ -169,16 +235,25 @@ def run_plugin(settings: Settings, max_parallel: int = 2) -> int:
         fd = os.environ.get("NRI_PLUGIN_SOCKET")
         stub = Stub(plugin, Identity(os.environ.get("NRI_PLUGIN_NAME", settings.name),
                                      os.environ.get("NRI_PLUGIN_IDX", settings.idx)),
-                    socket_path=settings.socket_path, preconnected_fd=int(fd) if fd else None)
+                    socket_path=settings.socket_path, preconnected_fd=int(fd) if fd else None,
+                    observers=(health, metrics))
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stub.stop)
+        beat = loop.create_task(_heartbeat(health), name="rekindle-heartbeat")
         log.info("rekindle plugin %s-%s starting on %s", settings.idx, settings.name, settings.socket_path)
         await stub.run()
         stop_housekeeping.set()
+        beat.cancel()
         await jobs.shutdown()
         log.info("rekindle plugin stopped")
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    finally:
+        if kube is not None:
+            kube.close()
+        if endpoint is not None:
+            endpoint.stop()
     return 0
 
 

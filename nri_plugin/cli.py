@@ -1,8 +1,10 @@
 """The ``rekindle`` command: the NRI plugin and the node operator's tools.
 
-Subcommands: plugin, checkpoint, restore, artifacts (list|inspect|delete), status, doctor,
-nri-toggle, cuda-checkpoint. Exit codes: 0 success, 1 failure, 2 usage error. Errors print one
-line (``rekindle: error: ...``); ``-v`` adds tracebacks.
+Subcommands: plugin, checkpoint, restore, artifacts (list|inspect|delete|prune), status, doctor,
+nri-toggle, cuda-checkpoint. Every command that prints takes ``-o text|json`` (``--json`` is
+``-o json``), except cuda-checkpoint, which keeps NVIDIA's flags and prints one word.
+Exit codes: 0 success, 1 failure, 2 usage error. Errors print one line (``rekindle: error:
+...``); ``-v`` adds tracebacks.
 
 The HMAC key: every command uses the plugin's key, ``--hmac-key-file``, else
 ``$REKINDLE_HMAC_KEY_FILE`` (the chart sets it in the plugin's pod), else ``<state-dir>/hmac.key``.
@@ -49,6 +51,15 @@ def _paths(p: argparse.ArgumentParser) -> None:
     p.add_argument("--containerd-socket", default=d.containerd_socket, help="containerd socket (default: %(default)s)")
 
 
+def _output(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-o", "--output", choices=("text", "json"), default="text", help="output format")
+    p.add_argument("--json", dest="output", action="store_const", const="json", help="same as -o json")
+
+
+def _json(args: argparse.Namespace) -> bool:
+    return getattr(args, "output", "text") == "json"
+
+
 def _restore_path(p: argparse.ArgumentParser) -> None:
     p.add_argument("--restore-path", choices=("bulk", "stock"),
                    default=os.environ.get("REKINDLE_RESTORE_PATH", "bulk"),
@@ -61,7 +72,8 @@ def _settings(args: argparse.Namespace):
     fields = {k: getattr(args, k) for k in ("state_dir", "store", "hmac_key_file", "containerd_state",
                                               "containerd_socket") if hasattr(args, k)}
     for k in ("name", "idx", "socket_path", "init_binary", "restore_timeout", "restore_path", "create_key",
-              "probes_per_pod", "probes_per_node", "prefetch"):
+              "probes_per_pod", "probes_per_node", "prefetch", "metrics_port", "metrics_address", "events",
+              "kubeconfig", "node_name", "containerd_config"):
         if hasattr(args, k):
             fields[k] = getattr(args, k)
     return Settings(**fields)
@@ -120,6 +132,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-prefetch", dest="prefetch", action="store_false",
                    default=os.environ.get("REKINDLE_PREFETCH", "1") != "0",
                    help="do not read a restore's artifact ahead from RunPodSandbox on ($REKINDLE_PREFETCH=0)")
+    p.add_argument("--metrics-port", type=_decimal, default=9464,
+                   help="port of /metrics, /readyz and /healthz; 0 turns the endpoint off (default: %(default)s)")
+    p.add_argument("--metrics-address", default="0.0.0.0", help="address to serve them on (default: %(default)s)")
+    p.add_argument("--events", action="store_true",
+                   help="report outcomes to Kubernetes: Events on the pod and the pod condition "
+                        "rekindle.dev/Restored (in-cluster service account, or --kubeconfig)")
+    p.add_argument("--kubeconfig", default="", help="with --events: a kubeconfig file instead of the service account")
+    p.add_argument("--node-name", default=os.environ.get("NODE_NAME", ""),
+                   help="this node's Kubernetes name, for Events ($NODE_NAME)")
     p.set_defaults(func=cmd_plugin)
 
     p = sub.add_parser("checkpoint", help="checkpoint a running container (its init must be in source mode)")
@@ -128,6 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--namespace", required=True, help="Kubernetes namespace the artifact belongs to")
     p.add_argument("--name", required=True, help="artifact name")
     p.add_argument("--exit", action="store_true", help="stop the source workload afterwards")
+    _output(p)
     p.set_defaults(func=cmd_checkpoint)
 
     p = sub.add_parser("restore", help="restore an artifact into a waiting container (init in restore mode)")
@@ -136,6 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--namespace", required=True)
     p.add_argument("--name", required=True)
     _restore_path(p)
+    _output(p)
     p.set_defaults(func=cmd_restore)
 
     p = sub.add_parser("artifacts", help="list, inspect or delete artifacts in the store")
@@ -163,18 +186,21 @@ def build_parser() -> argparse.ArgumentParser:
                             help="keep only the newest N versions of each name")
             ap.add_argument("--leftovers", action="store_true",
                             help="also sweep abandoned staging dirs, trash and unreferenced versions")
-        ap.add_argument("--json", action="store_true", help="machine-readable output")
+        _output(ap)
         ap.set_defaults(func=cmd_artifacts)
 
-    p = sub.add_parser("status", help="what Rekindle did with each annotated container on this node")
+    p = sub.add_parser("status", help="what Rekindle did with each annotated container on this node, "
+                                      "and the live progress of running checkpoints and restores")
     _common(p); _paths(p)
-    p.add_argument("--json", action="store_true")
+    _output(p)
     p.set_defaults(func=cmd_status)
 
-    p = sub.add_parser("doctor", help="check this node's prerequisites")
+    p = sub.add_parser("doctor", help="check this node's prerequisites (connects to NRI and containerd)")
     _common(p); _paths(p)
     p.add_argument("--socket-path", default="/var/run/nri/nri.sock", help="NRI socket (default: %(default)s)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--containerd-config", default="/etc/containerd/config.toml",
+                   help="containerd's config file, checked for NRI (default: %(default)s)")
+    _output(p)
     p.set_defaults(func=cmd_doctor)
 
     p = sub.add_parser("nri-toggle", add_help=False,
@@ -199,7 +225,12 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
     from .agent import checkpoint_once
     t0 = time.monotonic()
     timings = checkpoint_once(_settings(args), args.container_id, args.namespace, args.name, exit_after=args.exit)
-    print(f"published {args.namespace}/{args.name} in {time.monotonic() - t0:.2f}s")
+    total = time.monotonic() - t0
+    if _json(args):
+        print(json.dumps({"namespace": args.namespace, "name": args.name, "seconds": round(total, 3),
+                          "timings": timings}, indent=2))
+        return 0
+    print(f"published {args.namespace}/{args.name} in {total:.2f}s")
     for phase, secs in timings.items():
         print(f"  {phase:<24} {secs:8.2f}s")
     return 0
@@ -209,7 +240,12 @@ def cmd_restore(args: argparse.Namespace) -> int:
     from .agent import restore_once
     t0 = time.monotonic()
     timings = restore_once(_settings(args), args.container_id, args.namespace, args.name)
-    print(f"restored {args.namespace}/{args.name} into {args.container_id[:12]} in {time.monotonic() - t0:.2f}s")
+    total = time.monotonic() - t0
+    if _json(args):
+        print(json.dumps({"namespace": args.namespace, "name": args.name, "container_id": args.container_id,
+                          "seconds": round(total, 3), "timings": timings}, indent=2))
+        return 0
+    print(f"restored {args.namespace}/{args.name} into {args.container_id[:12]} in {total:.2f}s")
     for phase, secs in timings.items():
         print(f"  {phase:<24} {secs:8.2f}s")
     return 0
@@ -236,14 +272,17 @@ def cmd_artifacts(args: argparse.Namespace) -> int:
         return _list(store, _key(settings), args)
     if args.action == "delete":
         store.delete(args.namespace, args.name, wait=args.wait)
-        print(f"deleted {args.namespace}/{args.name}")
+        if _json(args):
+            print(json.dumps({"deleted": f"{args.namespace}/{args.name}"}))
+        else:
+            print(f"deleted {args.namespace}/{args.name}")
         return 0
     if args.action == "prune":
         if args.older_than is None and args.keep_last is None and not args.leftovers:
             raise SystemExit("rekindle artifacts prune: say what to prune: --older-than, --keep-last or --leftovers")
         done = store.prune(args.namespace, older_than=args.older_than, keep_last=args.keep_last)
         swept = store.sweep(args.namespace) if args.leftovers else []
-        if args.json:
+        if _json(args):
             print(json.dumps({"removed": done, "swept": [f"{r.namespace}/{r.entry}" for r in swept]}, indent=2))
         else:
             for item in done:
@@ -258,7 +297,7 @@ def cmd_artifacts(args: argparse.Namespace) -> int:
             artifact.verify_files()
         doc = json.loads(artifact.manifest.to_json())
         m = artifact.manifest
-    if args.json:
+    if _json(args):
         print(json.dumps(doc, indent=2, sort_keys=True))
         return 0
     size = sum(f.size for f in m.files)
@@ -277,7 +316,7 @@ def cmd_artifacts(args: argparse.Namespace) -> int:
 def _list(store, key: bytes, args: argparse.Namespace) -> int:  # type: ignore[no-untyped-def]
     rows = store.list(args.namespace, key=key)
     extra = store.leftovers(args.namespace) if args.all else []
-    if args.json:
+    if _json(args):
         doc = [{"namespace": r.namespace, "name": r.name, "ok": r.problem is None, "problem": r.problem,
                 "version": r.version or None,
                 "generation": r.manifest.generation if r.manifest else None,
@@ -306,25 +345,46 @@ def _list(store, key: bytes, args: argparse.Namespace) -> int:  # type: ignore[n
     return 0
 
 
+def _bytes(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _progress(p) -> str:  # type: ignore[no-untyped-def]
+    """``fill 3.1 GiB of 17.6 GiB (17%), 1.8 GiB/s, 2s`` for a running phase."""
+    text = p.phase
+    if p.bytes_total:
+        text += f" {_bytes(p.bytes_done)} of {_bytes(p.bytes_total)} ({100 * p.bytes_done // p.bytes_total}%)"
+    if p.rate:
+        text += f", {_bytes(p.rate)}/s"
+    if p.phase_started_at:
+        text += f", {max(time.time() - p.phase_started_at, 0):.0f}s"
+    return text
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     from runtime.status import StatusBook
     rows = StatusBook(args.state_dir).list()
-    if args.json:
+    if _json(args):
         print(json.dumps([json.loads(r.to_json()) for r in rows], indent=2))
         return 0
     if not rows:
         print("no annotated containers seen")
     for r in rows:
         timing = ", ".join(f"{k} {v:.2f}s" for k, v in r.timings.items())
+        live = f"  <{_progress(r.progress)}>" if r.progress is not None and not r.phase.final else ""
+        size = f"  {_bytes(r.bytes)}" if r.bytes else ""
         print(f"{r.namespace}/{r.pod}:{r.container}  {r.role or '-'} {r.artifact or '-'}  {r.phase.value}"
-              + (f"  ({r.reason})" if r.reason else "") + (f"  [{timing}]" if timing else ""))
+              + live + size + (f"  ({r.reason})" if r.reason else "") + (f"  [{timing}]" if timing else ""))
     return 0
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from runtime.doctor import run_checks
+    from .preflight import run_checks
     checks = run_checks(_settings(args))
-    if args.json:
+    if _json(args):
         print(json.dumps([c.__dict__ for c in checks], indent=2))
     else:
         for c in checks:

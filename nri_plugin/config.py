@@ -45,6 +45,12 @@ class Settings:
     prefetch: bool = True           # read a restore's artifact ahead from RunPodSandbox on
     probes_per_pod: int = 1         # ready-probes of one pod at once (its checkpoint sources)
     probes_per_node: int = 16       # ready-probes of the whole node at once
+    metrics_port: int = 9464        # /metrics, /readyz, /healthz; 0: no HTTP endpoint at all
+    metrics_address: str = "0.0.0.0"
+    events: bool = False            # report outcomes to Kubernetes (Events, pod condition)
+    kubeconfig: str = ""            # with events: a kubeconfig file instead of the service account
+    node_name: str = ""             # the Kubernetes node (the chart: $NODE_NAME from spec.nodeName)
+    containerd_config: str = "/etc/containerd/config.toml"  # read by `rekindle doctor` only
 
     @property
     def key_path(self) -> Path:
@@ -79,6 +85,13 @@ class Settings:
         for label, value in (("--max-probes-per-pod", self.probes_per_pod), ("--max-probes", self.probes_per_node)):
             if not 1 <= value <= 1024:
                 problems.append(f"{label} must be 1..1024, got {value}")
+        if not 0 <= self.metrics_port <= 65535:
+            problems.append(f"--metrics-port must be 0..65535 (0: off), got {self.metrics_port}")
+        if self.events and not self.node_name:
+            problems.append("--events needs the node's name: --node-name or $NODE_NAME "
+                            "(the chart sets it from spec.nodeName)")
+        if self.kubeconfig and not self.events:
+            problems.append("--kubeconfig is only used with --events")
         if self.init_source() is None:
             problems.append("no rekindle-init binary found (build it with `make`, or pass --init-binary)")
         return problems

@@ -11,6 +11,11 @@ PostStartContainer hand the container to ``Jobs`` (wait-ready + checkpoint, or r
 Stop/Remove        cancel jobs, clean up.
 Synchronize        pick up containers whose jobs were lost when the plugin restarted.
 
+Which container (``guards``): a restore into a pod that names no container goes only into the
+container named like the artifact's source container; a source whose artifact is already
+published is left alone unless ``rekindle.dev/overwrite: "true"``. Both are recorded as
+``skipped`` with the reason.
+
 Failure policy: anything wrong -> the container is left (or put back) on its cold start, the
 reason is logged with the pod and container, and recorded in its status file. Handlers never
 return an error to containerd: that would fail the pod instead of starting it cold. What a
@@ -40,11 +45,12 @@ from runtime.rollback import GenerationBook
 from runtime.status import ContainerStatus, Phase, StatusBook
 from runtime.store import ArtifactStore
 
+from . import guards, logs
 from .config import Settings
 from .events import RuntimeInfo
-from .jobs import Jobs, Work
+from .jobs import Jobs, Skipped, Work
 from .prefetch import Prefetcher
-from .policy import Intent, Role, decide
+from .policy import Intent, Role, decide, role_hint
 from .proto import nri_api_pb2 as api
 from .stub import HandlerOverrun, Reply
 from .swap import SpecAccess, Strategy, choose, init_command, is_swapped, swap_by_spec_update
@@ -125,18 +131,30 @@ class RekindlePlugin:
             return empty
         if intent is None:
             return empty
+        logs.bind(artifact=intent.artifact)
         try:
             ctl = control.control_dir_for(self.settings.state_dir, pod.uid, ctr.name)
-            manifest = self._precheck_restore(pod, ctr, intent) if intent.role is Role.RESTORE else None
+            if intent.role is Role.RESTORE:
+                manifest = self._precheck_restore(pod, ctr, intent)
+            else:
+                manifest = None
+                skip = guards.existing_artifact(self.store, self.key, pod.namespace, intent)
+                if skip:
+                    raise Skipped(skip)
             ctl.prepare()
+        except Skipped as exc:
+            log.info("%s: %s %s: %s", who(pod, ctr), intent.role.value, intent.artifact, exc)
+            self._record(pod, ctr, intent, Phase.SKIPPED, str(exc))
+            return empty
         except RekindleError as exc:
             log.warning("%s: %s %s: %s; cold start", who(pod, ctr), intent.role.value, intent.artifact, exc)
             self._record(pod, ctr, intent, Phase.COLD_START, str(exc))
             return empty
 
         adjust = api.ContainerAdjustment()
-        adjust.mounts.add(destination=control.CONTAINER_PATH, type="bind", source=str(ctl.path),
-                          options=["rbind", "rw", "nosuid", "nodev"])
+        for path in control.CONTAINER_PATHS:
+            adjust.mounts.add(destination=path, type="bind", source=str(ctl.path),
+                              options=["rbind", "rw", "nosuid", "nodev"])
         adjust.mounts.add(destination=control.INIT_DIR_IN_CONTAINER, type="bind",
                           source=str(self.settings.bin_dir), options=["rbind", "ro", "nosuid", "nodev"])
         for name in control.ENV_NAMES:
@@ -163,6 +181,9 @@ class RekindlePlugin:
                                 f"{': ' + prev.reason if prev.reason else ''}); not retrying")
         with self.store.open(pod.namespace, intent.artifact, self.key) as artifact:
             manifest = artifact.manifest
+        skip = guards.source_container_mismatch(intent, ctr.name, manifest)
+        if skip:
+            raise Skipped(skip)
         if self.generations is not None:
             self.generations.check(pod.namespace, intent.artifact, manifest.generation)
         image = ctr.annotations.get(IMAGE_NAME_ANNOTATION, "")
@@ -287,14 +308,18 @@ class RekindlePlugin:
             namespace=pod.namespace, pod=pod.name, pod_uid=pod.uid, container=ctr.name,
             image=ctr.annotations.get(IMAGE_NAME_ANNOTATION, ""),
             netns=next((ns.path for ns in pod.linux.namespaces if ns.type == "network"), ""),
+            pod_id=pod.id or ctr.pod_sandbox_id,
         )
 
     def _record(self, pod: api.PodSandbox, ctr: api.Container, intent: Intent | None,
                 phase: Phase, reason: str) -> None:
+        # A malformed pod still says what it wanted (for its Event): the role, if recognisable.
+        hint = role_hint(dict(pod.annotations)) if intent is None else None
         try:
             self.status.write(ContainerStatus(
                 namespace=pod.namespace, pod=pod.name, container=ctr.name,
-                role=intent.role.value if intent else "", artifact=intent.artifact if intent else "",
+                role=intent.role.value if intent else (hint.value if hint else ""),
+                artifact=intent.artifact if intent else "",
                 phase=phase, reason=reason, container_id=ctr.id, pod_uid=pod.uid))
         except (OSError, ValueError) as exc:
             log.error("%s: cannot record status: %s", who(pod, ctr), exc)

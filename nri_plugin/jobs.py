@@ -8,26 +8,35 @@ node. Ready-probes are coroutines (no thread while they wait), under the caps of
 ``ProbeSlots`` (per pod, per node) and a hard deadline each.
 
 Outcomes always reach the container through its control dir, exactly once:
-  checkpoint: ``snapshot-complete`` or ``checkpoint-failed``;
+  checkpoint: ``snapshot-complete`` or ``checkpoint-failed`` (also when the engine declines
+              with ``Skipped``: the artifact exists, or the pod runs other containers);
   restore:    ``restore-pid`` + ``restore-complete``, or ``restore-failed`` (the init then starts
               the original command — the cold start).
+and to the status record: the phase, the reason, the timings (with ``total``: the engine call),
+the artifact's size, and while the engine runs its live progress (``nri_plugin.progress``).
+Each task runs with the container and artifact bound to the log context, and engine calls run
+in a copy of it, so the engine's log lines carry them too.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from runtime import control
 from runtime.errors import RekindleError
-from runtime.status import ContainerStatus, Phase, StatusBook
+from runtime.status import ContainerStatus, Phase, Progress, StatusBook
 
+from . import logs
 from .policy import Intent, ProbeKind, ReadyProbe, Role
 from .probes import ProbeSlots
+from .progress import ProgressRecorder
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +59,10 @@ class Work:
     image: str
     netns: str
     timings: dict[str, float] = field(default_factory=dict)
+    pod_id: str = ""          # the pod sandbox's id (to list the pod's other containers)
+    bytes: int = 0            # the artifact's size once published or restored
+    # Set by Jobs for the engine call: progress(phase, bytes_done, bytes_total).
+    progress: Callable[[str, int, int], None] | None = None
 
     @property
     def mode(self) -> str:
@@ -62,6 +75,10 @@ class Work:
     @property
     def who(self) -> str:
         return f"{self.namespace}/{self.pod}:{self.container}"
+
+
+class Skipped(RekindleError):
+    """The engine declined the work on purpose (the reason says why); not a failure."""
 
 
 class Engine(Protocol):
@@ -85,7 +102,11 @@ class Jobs:
         if work.container_id in self._tasks:
             return
         run = self._checkpoint if work.intent.role is Role.CHECKPOINT else self._restore
-        task = asyncio.get_running_loop().create_task(run(work), name=f"rekindle-{work.container_id[:12]}")
+        ctx = contextvars.copy_context()
+        ctx.run(logs.bind, namespace=work.namespace, pod=work.pod, container=work.container,
+                container_id=work.container_id, artifact=work.artifact)
+        task = asyncio.get_running_loop().create_task(run(work), name=f"rekindle-{work.container_id[:12]}",
+                                                      context=ctx)
         self._tasks[work.container_id] = task
         task.add_done_callback(lambda _t, cid=work.container_id: self._tasks.pop(cid, None))
 
@@ -146,11 +167,13 @@ class Jobs:
         how = await self._wait_ready(work)
         work.timings["wait_ready"] = round(time.monotonic() - t0, 3)
         log.info("%s: ready (%s) after %.1fs; checkpointing to %s", work.who, how,
-                 work.timings["wait_ready"], work.artifact)
+                 work.timings["wait_ready"], work.artifact, extra={"phase": "wait_ready",
+                                                                   "seconds": work.timings["wait_ready"]})
         self._set(work, Phase.CHECKPOINTING, "")
-        if await self._run(self.engine.checkpoint, work, Phase.PUBLISHED, Phase.CHECKPOINT_FAILED,
-                           control.CHECKPOINT_FAILED):
-            log.info("%s: published %s/%s (%s)", work.who, work.namespace, work.artifact, _fmt(work.timings))
+        if await self._run(self.engine.checkpoint, work, Phase.CHECKPOINTING, Phase.PUBLISHED,
+                           Phase.CHECKPOINT_FAILED, control.CHECKPOINT_FAILED):
+            log.info("%s: published %s/%s (%s)", work.who, work.namespace, work.artifact, _fmt(work.timings),
+                     extra={"phase": "published", "seconds": work.timings.get("total")})
 
     async def _wait_ready(self, work: Work) -> str:
         probe = work.intent.ready_probe
@@ -174,17 +197,30 @@ class Jobs:
     async def _restore(self, work: Work) -> None:
         self._set(work, Phase.RESTORING, "")
         # On failure the init reads restore-failed and starts the original command: the cold start.
-        if await self._run(self.engine.restore, work, Phase.RESTORED, Phase.COLD_START, control.RESTORE_FAILED):
-            log.info("%s: restored from %s (%s)", work.who, work.artifact, _fmt(work.timings))
+        if await self._run(self.engine.restore, work, Phase.RESTORING, Phase.RESTORED, Phase.COLD_START,
+                           control.RESTORE_FAILED):
+            log.info("%s: restored from %s (%s)", work.who, work.artifact, _fmt(work.timings),
+                     extra={"phase": "restored", "seconds": work.timings.get("total")})
 
-    async def _run(self, fn: Any, work: Work, ok: Phase, failed: Phase, failure_file: str) -> bool:
+    async def _run(self, fn: Any, work: Work, running: Phase, ok: Phase, failed: Phase, failure_file: str) -> bool:
         """Run one engine call; record and report its outcome (the file tells the container)."""
         self._running.add(work.container_id)
+        recorder = ProgressRecorder(lambda p: self._set(work, running, "", progress=p))
+        work.progress = recorder
         try:
             async with self._slots:
-                timings = await asyncio.get_running_loop().run_in_executor(self._pool, fn, work)
+                t0 = time.monotonic()
+                ctx = contextvars.copy_context()  # the engine's log lines carry this task's fields
+                timings = await asyncio.get_running_loop().run_in_executor(self._pool, ctx.run, fn, work)
         except asyncio.CancelledError:
             raise
+        except Skipped as exc:
+            reason = str(exc)
+            log.info("%s: %s", work.who, reason, extra={"phase": Phase.SKIPPED.value})
+            if not work.control.exists(control.RESTORE_COMPLETE):
+                work.control.write(failure_file, f"skipped: {reason}\n")
+            self._set(work, Phase.SKIPPED, reason)
+            return False
         except Exception as exc:  # noqa: BLE001 - every failure is reported to the pod
             reason = str(exc) or type(exc).__name__
             log.error("%s: %s %s failed: %s", work.who, "checkpoint" if work.mode == "source" else "restore from",
@@ -195,16 +231,20 @@ class Jobs:
             return False
         finally:
             self._running.discard(work.container_id)
+            work.progress = None
         work.timings.update(timings)
+        work.timings["total"] = round(time.monotonic() - t0, 3)
+        work.bytes = recorder.total_bytes
         self._set(work, ok, "")
         return True
 
-    def _set(self, work: Work, phase: Phase, reason: str) -> None:
+    def _set(self, work: Work, phase: Phase, reason: str, progress: Progress | None = None) -> None:
         try:
             self.status.write(ContainerStatus(
                 namespace=work.namespace, pod=work.pod, container=work.container,
                 role=work.intent.role.value, artifact=work.artifact, phase=phase, reason=reason,
-                container_id=work.container_id, pod_uid=work.pod_uid, timings=dict(work.timings)))
+                container_id=work.container_id, pod_uid=work.pod_uid, timings=dict(work.timings),
+                progress=progress, bytes=work.bytes))
         except (OSError, ValueError) as exc:
             log.error("%s: cannot record status: %s", work.who, exc)
 

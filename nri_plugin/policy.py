@@ -7,12 +7,20 @@ the caller logs it and leaves the container alone (cold start).
 Keys (pod annotations, documented in the README):
   rekindle.dev/checkpoint       NAME   this container is a checkpoint source
   rekindle.dev/restore          NAME   start this container from artifact NAME
-  rekindle.dev/container        CTR    which container the keys apply to (default: all)
+  rekindle.dev/container        CTR    which container the keys apply to
   rekindle.dev/ready-probe      file | http://[host]:PORT[/path] | tcp://[host]:PORT
                                 (host: an IP address or localhost; default 127.0.0.1)
   rekindle.dev/after-checkpoint keep-running | exit
   rekindle.dev/restore-timeout  seconds (1..86400)
+  rekindle.dev/overwrite        true | false (default): checkpoint even when the artifact exists
 Unknown ``rekindle.dev/`` keys are errors (typos must not silently disable a restore).
+
+Which container: ``rekindle.dev/container``, else kubectl's ``kubectl.kubernetes.io/default-container``
+(which Istio's injector sets to the application container), names the one container the keys
+apply to. When neither does, every container gets an ``Intent`` with ``named=False`` and the
+caller narrows it down with what NRI cannot tell a pure function: a restore goes only into the
+container named like the artifact's source container, a checkpoint is taken only when the pod
+runs no other container (``jobs``/``agent``).
 Numbers are ASCII decimal digits only: ``str.isdigit`` and ``int`` also take '²', '١٢', ' 12',
 '1_0' and raise ValueError past 4300 digits, none of which may reach a handler uncaught.
 Probe hosts are addresses, never names: resolving a name could block without a deadline.
@@ -35,7 +43,11 @@ CONTAINER = PREFIX + "container"
 READY_PROBE = PREFIX + "ready-probe"
 AFTER_CHECKPOINT = PREFIX + "after-checkpoint"
 RESTORE_TIMEOUT = PREFIX + "restore-timeout"
-KNOWN_KEYS = {CHECKPOINT, RESTORE, CONTAINER, READY_PROBE, AFTER_CHECKPOINT, RESTORE_TIMEOUT}
+OVERWRITE = PREFIX + "overwrite"
+KNOWN_KEYS = {CHECKPOINT, RESTORE, CONTAINER, READY_PROBE, AFTER_CHECKPOINT, RESTORE_TIMEOUT, OVERWRITE}
+SOURCE_ONLY_KEYS = (READY_PROBE, AFTER_CHECKPOINT, OVERWRITE)
+# kubectl's default container of a pod (kubectl logs/exec); Istio's injector sets it too.
+DEFAULT_CONTAINER = "kubectl.kubernetes.io/default-container"
 
 DEFAULT_RESTORE_TIMEOUT = 1800
 MAX_RESTORE_TIMEOUT = 86400
@@ -79,6 +91,8 @@ class Intent:
     ready_probe: ReadyProbe = ReadyProbe(ProbeKind.FILE)
     after_checkpoint: AfterCheckpoint = AfterCheckpoint.KEEP_RUNNING
     restore_timeout: int = DEFAULT_RESTORE_TIMEOUT
+    overwrite: bool = False  # checkpoint even if the artifact exists (rekindle.dev/overwrite)
+    named: bool = False      # an annotation named this container (else: one of possibly many)
 
 
 MAX_DECIMAL_DIGITS = 18
@@ -143,10 +157,11 @@ def decide(annotations: dict[str, str], container_name: str,
     unknown = sorted(set(ours) - KNOWN_KEYS)
     if unknown:
         raise AnnotationError(unknown[0], f"unknown key (known: {', '.join(sorted(KNOWN_KEYS))})")
-    target = ours.get(CONTAINER)
-    if target is not None:
+    target_key = CONTAINER if CONTAINER in ours else DEFAULT_CONTAINER if DEFAULT_CONTAINER in annotations else None
+    if target_key is not None:
+        target = annotations[target_key]
         if not valid_dns_label(target):
-            raise AnnotationError(CONTAINER, f"not a container name: {target!r}")
+            raise AnnotationError(target_key, f"not a container name: {target!r}")
         if target != container_name:
             return None
     if CHECKPOINT in ours and RESTORE in ours:
@@ -171,7 +186,21 @@ def decide(annotations: dict[str, str], container_name: str,
     timeout = parse_decimal(timeout_raw)
     if timeout is None or not 1 <= timeout <= MAX_RESTORE_TIMEOUT:
         raise AnnotationError(RESTORE_TIMEOUT, f"must be whole seconds in 1..{MAX_RESTORE_TIMEOUT}, got {timeout_raw!r}")
-    if role is Role.RESTORE and (READY_PROBE in ours or AFTER_CHECKPOINT in ours):
-        raise AnnotationError(READY_PROBE if READY_PROBE in ours else AFTER_CHECKPOINT,
-                              "applies to checkpoint sources only")
-    return Intent(role, name, probe, after, timeout)
+    overwrite_raw = ours.get(OVERWRITE, "false")
+    if overwrite_raw not in ("true", "false"):
+        raise AnnotationError(OVERWRITE, f"must be true or false, got {overwrite_raw!r}")
+    if role is Role.RESTORE:
+        for source_key in SOURCE_ONLY_KEYS:
+            if source_key in ours:
+                raise AnnotationError(source_key, "applies to checkpoint sources only")
+    return Intent(role, name, probe, after, timeout, overwrite=overwrite_raw == "true",
+                  named=target_key is not None)
+
+
+def role_hint(annotations: dict[str, str]) -> Role | None:
+    """The role a pod's annotations ask for, even when they are malformed (for reporting)."""
+    if CHECKPOINT in annotations:
+        return Role.CHECKPOINT
+    if RESTORE in annotations:
+        return Role.RESTORE
+    return None

@@ -35,23 +35,31 @@ Lifecycle: ``run()`` connects (socket path, or the fd a runtime passes to a pre-
 registers, serves until the runtime closes the connection, then reconnects with capped
 exponential backoff (containerd restarts drop every plugin; NRI never reconnects on its own).
 The runtime re-sends Configure and Synchronize after each registration.
+
+Observers (``StubObserver``: readiness, metrics) hear the connection state (registered,
+synchronized, lost) and each handler's time to reply and failure kind, on the event loop;
+they must not block. Logs: each handler runs with its event, pod, namespace and container bound
+to the log context (``nri_plugin.logs``), so every line it logs carries them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import inspect
 import logging
 import os
 import socket
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from runtime.errors import RekindleError
 
+from . import logs
 from .events import Event, RuntimeInfo, describe_mask, event_mask
 from .proto import nri_api_pb2 as api
 from .transport.errors import Code, ConnectionClosed, LocalProtocolError, RpcError, TransportError
@@ -90,6 +98,11 @@ REQUEST_HANDLERS: dict[Event, str] = {
 
 
 M = TypeVar("M")
+
+
+class StubObserver(Protocol):
+    def connection(self, connected: bool, synchronized: bool) -> None: ...
+    def handler(self, name: str, seconds: float, failure: str | None) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,8 +150,10 @@ class Stub:
         preconnected_fd: int | None = None,
         max_backoff: float = 10.0,
         handler_workers: int = HANDLER_WORKERS,
+        observers: Sequence[StubObserver] = (),
     ) -> None:
         self.plugin = plugin
+        self.observers = list(observers)
         self.identity = identity
         self.socket_path = socket_path
         self.preconnected_fd = preconnected_fd
@@ -198,6 +213,7 @@ class Stub:
             req = api.RegisterPluginRequest(plugin_name=self.identity.name, plugin_idx=self.identity.idx)
             await client.call(RUNTIME_SERVICE, "RegisterPlugin", req.SerializeToString(), timeout=2.0)
             log.info("registered as %s-%s", self.identity.idx, self.identity.name)
+            self._notify_connection(True, self.synchronized.is_set())
             return await trunk.wait_closed()
         except RpcError as exc:
             trunk.close(exc)
@@ -209,7 +225,22 @@ class Stub:
             await asyncio.gather(reader_task, return_exceptions=True)
             self._client = None
             self._trunk = None
+            self._notify_connection(False, False)
             await self._call_plugin("on_disconnect", trunk.error)
+
+    def _notify_connection(self, connected: bool, synchronized: bool) -> None:
+        for obs in self.observers:
+            try:
+                obs.connection(connected, synchronized)
+            except Exception:  # noqa: BLE001 - an observer must not take the connection down
+                log.exception("stub observer %s failed", type(obs).__name__)
+
+    def _notify_handler(self, name: str, seconds: float, failure: str | None) -> None:
+        for obs in self.observers:
+            try:
+                obs.handler(name, seconds, failure)
+            except Exception:  # noqa: BLE001
+                log.exception("stub observer %s failed", type(obs).__name__)
 
     async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         if self.preconnected_fd is not None:
@@ -255,11 +286,19 @@ class Stub:
         fn: Callable[..., Any] | None = getattr(self.plugin, name, None)
         if not callable(fn):
             return encode(None)
+        started = time.monotonic()
+        failure: str | None = None
+        # The handler's log lines carry its event, pod and container (in its thread or task).
+        ctx = contextvars.copy_context()
+        ctx.run(logs.bind, event=name, namespace=pod.namespace if pod is not None else None,
+                pod=pod.name if pod is not None else None, container=ctr.name if ctr is not None else None,
+                container_id=ctr.id if ctr is not None else None)
         try:
             if inspect.iscoroutinefunction(fn):
-                call: asyncio.Future[Any] = asyncio.ensure_future(fn(*args))
+                call: asyncio.Future[Any] = asyncio.get_running_loop().create_task(fn(*args), context=ctx)
             else:
-                call = asyncio.get_running_loop().run_in_executor(self._handler_pool, functools.partial(fn, *args))
+                call = asyncio.get_running_loop().run_in_executor(self._handler_pool, ctx.run,
+                                                                  functools.partial(fn, *args))
             # asyncio.wait, not wait_for: a TimeoutError raised by the handler is not an overrun.
             done, _ = await asyncio.wait({call}, timeout=budget)
             if not done:
@@ -274,13 +313,18 @@ class Stub:
                 trunk = self._trunk
                 if trunk is None or trunk.closed or not trunk.has_room(len(data) + 64):
                     raise ConnectionClosed("the reply cannot be sent: connection closed or not read")
-                reply.commit()  # the caller sends ``data`` without awaiting anything first
+                ctx.run(reply.commit)  # the caller sends ``data`` without awaiting anything first
             return data
         except asyncio.CancelledError:
+            failure = "cancelled"
             raise
         except Exception as exc:  # noqa: BLE001 - the fail-open boundary: any error is an empty reply
+            failure = "overrun" if isinstance(exc, HandlerOverrun) else "error"
             self._failed(name, pod, ctr, exc)
             return encode(None)
+        finally:
+            if name != "on_disconnect":
+                self._notify_handler(name, time.monotonic() - started, failure)
 
     def _failed(self, name: str, pod: api.PodSandbox | None, ctr: api.Container | None,
                 exc: Exception) -> None:
@@ -331,6 +375,7 @@ class Stub:
                                        encode=lambda u: api.SynchronizeResponse(update=u or []).SerializeToString())
         self.synchronized.set()
         log.info("synchronized: %d pods, %d containers", len(pods), len(containers))
+        self._notify_connection(self._trunk is not None and not self._trunk.closed, True)
         return data
 
     async def _shutdown(self, payload: bytes, deadline: float | None) -> bytes:

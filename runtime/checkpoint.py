@@ -12,6 +12,8 @@ Steps, each timed (the timings go into the manifest and the container's status):
   7. publish: manifest (identity, node, CRIU, CUDA, security fingerprint, digests), signed,
      published as a new version of the name;
   8. tell the source (``snapshot-complete``) and stop it if asked.
+Progress: ``progress(phase, 0, 0)`` at each phase start and ``("complete", n, n)`` once published,
+n the artifact's bytes.
 Any failure raises; the source is resumed (never left stopped or CUDA-locked), the staging dir is
 removed, nothing appears under the artifact's name.
 """
@@ -24,6 +26,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,7 +81,7 @@ def capture_excludes(info: ContainerInfo) -> list[str]:
     """Paths never captured: every mount destination (their content is not the container's)."""
     dests = [m.get("destination", "") for m in info.spec_mounts]
     return sorted({*overlay.DEFAULT_EXCLUDES, *(d for d in dests if d),
-                   control_mod.CONTAINER_PATH, os.path.dirname(control_mod.INIT_DIR_IN_CONTAINER)})
+                   *control_mod.CONTAINER_PATHS, os.path.dirname(control_mod.INIT_DIR_IN_CONTAINER)})
 
 
 def anon_mappings(pid: int) -> set[tuple[int, int]]:
@@ -101,9 +104,15 @@ def anon_mappings(pid: int) -> set[tuple[int, int]]:
     return out
 
 
+Progress = Callable[[str, int, int], None]  # (phase, bytes done, bytes total)
+
+
 def checkpoint(req: CheckpointRequest, store: ArtifactStore, key: bytes, *,
-               control: control_mod.ControlDir | None = None, cuda: Any = None) -> dict[str, float]:
+               control: control_mod.ControlDir | None = None, cuda: Any = None,
+               progress: Progress | None = None) -> dict[str, float]:
     t = Timings()
+    if progress is not None:
+        t.on_phase = lambda phase: progress(phase, 0, 0)
     with t.phase("inspect"):
         info = resolve_container(req.containerd_state, req.container_id)
         root = workload_root(info)
@@ -181,7 +190,7 @@ def checkpoint(req: CheckpointRequest, store: ArtifactStore, key: bytes, *,
             timings=dict(t),
         )
         with t.phase("publish"):
-            staging.publish(manifest, key)
+            published = staging.publish(manifest, key)
 
     if control is not None:
         control.write_json(control_mod.TIMINGS, {"checkpoint": dict(t)})
@@ -192,6 +201,9 @@ def checkpoint(req: CheckpointRequest, store: ArtifactStore, key: bytes, *,
             os.kill(root.host, signal.SIGTERM)
         except ProcessLookupError:
             pass
+    if progress is not None:
+        size = sum(f.size for f in published.files)
+        progress("complete", size, size)
     return dict(t)
 
 

@@ -1,7 +1,9 @@
 """The control-dir protocol between the node agent, the in-container init and the workload.
 
 One directory per annotated container, on the host at
-``<state>/control/<pod-uid>/<container-name>/`` and inside the container at ``/rekindle``.
+``<state>/control/<pod-uid>/<container-name>/`` and inside the container at ``/rekindle`` and
+at Dynamo's default ``/snapshot-control`` (the same directory twice), so hooks written for
+Dynamo find it whether they read the environment or use the default path.
 File names are in docs/design.md. The directory is writable by the workload, so everything in
 it is untrusted: reads never follow symlinks and are size-capped, writes go to a fresh temp
 file (O_EXCL|O_NOFOLLOW) renamed over the target (a planted symlink is replaced, never
@@ -19,6 +21,8 @@ from . import names
 from .errors import AnnotationError
 
 CONTAINER_PATH = "/rekindle"
+DYNAMO_CONTAINER_PATH = "/snapshot-control"  # Dynamo's default control dir
+CONTAINER_PATHS = (CONTAINER_PATH, DYNAMO_CONTAINER_PATH)
 ENV_NAMES = ("REKINDLE_CONTROL_DIR", "SNAPSHOT_CONTROL_DIR", "DYN_SNAPSHOT_CONTROL_DIR")
 INIT_DIR_IN_CONTAINER = "/.rekindle/bin"
 INIT_IN_CONTAINER = INIT_DIR_IN_CONTAINER + "/rekindle-init"

@@ -1,10 +1,22 @@
-"""Node preflight checks, shared by ``rekindle doctor`` and by the test suite's skip reasons."""
+"""Node preflight checks, shared by ``rekindle doctor`` and by the test suite's skip reasons.
+
+Each check returns ``Check(name, ok, detail, required)``; a failed required check fails the
+doctor, a failed optional one is a warning. The checks do what the plugin would do, not only
+look for files: ``criu check``, containerd's API (the CRI Version call), the store (a file is
+written and removed; free space), the HMAC key (read as the plugin reads it), and containerd's
+config as containerd merges it (``imports`` included), for NRI. The NRI socket itself is
+checked by ``nri_plugin.preflight`` (a ttrpc exchange needs the NRI transport).
+"""
 
 from __future__ import annotations
 
+import glob
 import os
+import re
 import shutil
 import subprocess
+import tempfile
+import tomllib
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,6 +89,108 @@ def check_hmac_key(path: str) -> Check:
     return Check("hmac-key", True, f"{path}: 32 bytes, owner and mode ok")
 
 
+def check_containerd_api(socket_path: str, timeout: float = 3.0) -> tuple[Check, str]:
+    """containerd answers its CRI Version call; returns the check and the runtime's version."""
+    if not os.path.exists(socket_path):
+        return Check("containerd-api", False, f"no socket at {socket_path}"), ""
+    from .containerd.cri import CRIClient
+    try:
+        with CRIClient(socket_path, timeout=timeout) as cri:
+            v = cri.version()
+    except Exception as exc:  # noqa: BLE001 - any failure: containerd is not answering
+        return Check("containerd-api", False, f"{socket_path}: {exc}"), ""
+    return (Check("containerd-api", True, f"{v.runtime_name} {v.runtime_version} (CRI {v.runtime_api_version}) "
+                  f"at {socket_path}"), v.runtime_version)
+
+
+NRI_PLUGIN = "io.containerd.nri.v1.nri"
+
+
+def _load_merged(path: str) -> tuple[dict[str, Any], list[str]]:
+    """containerd's config as containerd reads it: the file, then its ``imports`` in order, each
+    merged over the result (tables deeply, later values winning). Returns (config, files read)."""
+    merged: dict[str, Any] = {}
+    read: list[str] = []
+    pending = [os.path.abspath(path)]
+    while pending:
+        current = pending.pop(0)
+        if current in read:
+            continue
+        with open(current, "rb") as f:
+            doc = tomllib.load(f)
+        read.append(current)
+        for pattern in doc.get("imports", []) or []:
+            pattern = pattern if os.path.isabs(pattern) else os.path.join(os.path.dirname(current), pattern)
+            pending.extend(sorted(glob.glob(pattern)))
+        _merge(merged, doc)
+    return merged, read
+
+
+def _merge(into: dict[str, Any], new: dict[str, Any]) -> None:
+    for k, v in new.items():
+        if isinstance(v, dict) and isinstance(into.get(k), dict):
+            _merge(into[k], v)
+        else:
+            into[k] = v
+
+
+def check_nri_config(path: str, containerd_version: str = "", socket_path: str = "") -> Check:
+    """NRI as containerd's config leaves it: on (``disable = false``; the default from 2.0),
+    accepting external plugins, on the expected socket."""
+    try:
+        config, files = _load_merged(path)
+    except FileNotFoundError:
+        return Check("nri-config", False, f"{path} not found here (mounted in this container?); containerd "
+                     "defaults: NRI off on 1.7, on from 2.0", required=False)
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        return Check("nri-config", False, f"{path}: {exc}", required=False)
+    nri = (config.get("plugins") or {}).get(NRI_PLUGIN) or {}
+    m = re.match(r"v?(\d+)\.", containerd_version or "")
+    major = int(m.group(1)) if m else None
+    where = " + ".join(files)
+    disable = nri.get("disable")
+    if disable is None:
+        if major is None:
+            return Check("nri-config", False, f"{where}: NRI's 'disable' is unset: on for containerd 2.x, "
+                         "off for 1.7 (containerd's version unknown)", required=False)
+        if major < 2:
+            return Check("nri-config", False, f"{where}: NRI is off (containerd {containerd_version} defaults "
+                         "to disable = true; rekindle nri-toggle)")
+    elif disable:
+        return Check("nri-config", False, f"{where}: NRI is off (disable = true; rekindle nri-toggle)")
+    if nri.get("disable_connections"):
+        return Check("nri-config", False, f"{where}: NRI refuses external plugins (disable_connections = true)")
+    configured = nri.get("socket_path", "/var/run/nri/nri.sock")
+    if socket_path and os.path.normpath(configured) != os.path.normpath(socket_path):
+        return Check("nri-config", False, f"{where}: NRI listens on {configured}, not on {socket_path}")
+    return Check("nri-config", True, f"{where}: NRI on, socket {configured}")
+
+
+STORE_LOW = 10 * 2**30  # below this, a GPU artifact (tens of GiB) may not fit
+
+
+def check_store(path: str) -> list[Check]:
+    """The store is writable (a file is created, synced and removed) and has room."""
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path, prefix=".doctor-")
+    except OSError as exc:
+        return [Check("store", False, f"{path}: not writable: {exc}")]
+    try:
+        os.write(fd, b"x")
+        os.fsync(fd)
+    except OSError as exc:
+        return [Check("store", False, f"{path}: write failed: {exc}")]
+    finally:
+        os.close(fd)
+        os.unlink(tmp)
+    st = os.statvfs(path)
+    free, total = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+    gib = f"{free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB"
+    return [Check("store", True, f"{path}: writable, {gib}"),
+            Check("store-space", free >= STORE_LOW, gib if free >= STORE_LOW else
+                  f"only {gib}: GPU artifacts take tens of GiB", required=False)]
+
+
 def run_checks(settings: Any) -> list[Check]:
     checks = [check_root(), check_criu(getattr(settings, "criu_bin", "criu")),
               check_binary("nsenter"), check_binary("unshare")]
@@ -86,7 +200,12 @@ def run_checks(settings: Any) -> list[Check]:
     if sock:
         checks.append(Check("nri-socket", os.path.exists(sock),
                             sock if os.path.exists(sock) else f"{sock} missing: is NRI enabled? (rekindle nri-toggle)"))
-    checks.append(Check("containerd-socket", os.path.exists(settings.containerd_socket), settings.containerd_socket))
+    api, version = check_containerd_api(settings.containerd_socket)
+    checks.append(api)
+    config = getattr(settings, "containerd_config", "")
+    if config:
+        checks.append(check_nri_config(config, version, sock))
+    checks.extend(check_store(settings.store))
     checks.append(check_hmac_key(str(settings.key_path)))
     checks.append(check_cuda())
     return checks

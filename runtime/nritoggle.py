@@ -48,7 +48,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="where the node's filesystem is seen (e.g. /proc/1/root from a pod); default %(default)s")
     ap.add_argument("--dry-run", action="store_true", help="show the change, write nothing")
     ap.add_argument("--restart", action="store_true", help="systemctl restart containerd when a file changed")
-    ap.add_argument("--json", action="store_true", help="print the outcome as one JSON object")
+    ap.add_argument("-o", "--output", choices=("text", "json"), default="text",
+                    help="json: print the outcome as one JSON object")
+    ap.add_argument("--json", dest="output", action="store_const", const="json", help="same as -o json")
     return ap
 
 
@@ -80,7 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     out["backup"] = out["backups"][0] if out["backups"] else None
     out["nri_live"] = nri_live(view, args.socket_path)
-    if args.json:
+    if args.output == "json":
         print(json.dumps(out))
         return 0
     where = out["drop_in"] or out["path"]

@@ -18,6 +18,8 @@ The target container runs ``rekindle-init --mode restore`` as PID 1 and waits. S
   7. cuda_restore: the target's GPU device nodes (created from the host by syscalls), restore
      (remapped by UUID onto the GPUs this container was given) + unlock every CUDA process;
   8. ``restore-pid`` + ``restore-complete`` for the init.
+Progress: ``progress(phase, 0, 0)`` at each phase start, ``("fill", done, total)`` bytes during
+the fill (from the fill's threads), and ``("complete", n, n)`` at the end, n the artifact's bytes.
 Any failure raises: a restored tree that never ran is killed; the caller writes
 ``restore-failed`` and the init kills whatever is left in its pid namespace and starts cold.
 The stock path (``RestorePath.STOCK``) hands the bulk pages back to CRIU instead (a private
@@ -241,6 +243,9 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
             control.write(control_mod.RESTORE_COMPLETE, req.name + "\n")
         log.info("restored %s/%s into %s: %d processes, %s", req.namespace, req.name, req.container_id[:12],
                  len(result.tree), ", ".join(f"{k} {v:.2f}s" for k, v in t.items()))
+        if progress is not None:
+            size = sum(f.size for f in manifest.files)
+            progress("complete", size, size)
         return dict(t)
     finally:
         shutil.rmtree(private, ignore_errors=True)

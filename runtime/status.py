@@ -1,20 +1,32 @@
 """Per-container status records: what Rekindle decided for a container, and why.
 
 One JSON file per container at ``<state>/status/<namespace>/<pod>/<container>.json``, rewritten
-atomically at each phase change, so ``rekindle status`` and a node operator can see why a pod
-started cold or how long each restore phase took. Components are validated by the caller
-(pod namespace/name and container name come from Kubernetes and are DNS names).
+atomically at each phase change (and, while a checkpoint or restore runs, with its live
+``progress`` at most every ~0.5 s), so ``rekindle status`` and a node operator can see why a pod
+started cold, how far a running restore is, or how long each phase took. Components are
+validated by the caller (pod namespace/name and container name come from Kubernetes and are
+DNS names).
+
+Observers (``StatusBook.observe``) hear every record after it is written, on the writer's
+thread: they must be quick and must not block (the plugin's outcome reporting uses this seam).
+An observer that raises is logged and otherwise ignored.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
 
 _COMPONENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,252}")
 
@@ -29,6 +41,27 @@ class Phase(str, Enum):
     RESTORING = "restoring"
     RESTORED = "restored"
     COLD_START = "cold-start"
+    SKIPPED = "skipped"            # left alone on purpose (not this container, artifact exists)
+
+    @property
+    def final(self) -> bool:
+        """An outcome: nothing more happens for this container until it is created again."""
+        return self in _FINAL
+
+
+_FINAL = {Phase.IGNORED, Phase.PUBLISHED, Phase.CHECKPOINT_FAILED, Phase.RESTORED, Phase.COLD_START,
+          Phase.SKIPPED}
+
+
+@dataclass
+class Progress:
+    """Live progress of a running checkpoint or restore."""
+
+    phase: str
+    bytes_done: int = 0
+    bytes_total: int = 0
+    rate: float = 0.0          # bytes per second since the phase started
+    phase_started_at: float = 0.0
 
 
 # Phases after which nothing more happens to a container's record.
@@ -49,6 +82,8 @@ class ContainerStatus:
     pod_uid: str = ""
     timings: dict[str, float] = field(default_factory=dict)
     updated_at: float = 0.0
+    progress: Progress | None = None   # only while checkpointing or restoring
+    bytes: int = 0                     # the artifact's size, once published or restored
 
     def to_json(self) -> str:
         d = asdict(self)
@@ -59,12 +94,22 @@ class ContainerStatus:
     def from_json(cls, text: str) -> ContainerStatus:
         d = json.loads(text)
         d["phase"] = Phase(d["phase"])
+        if d.get("progress") is not None:
+            d["progress"] = Progress(**d["progress"])
         return cls(**d)
+
+
+Observer = Callable[[ContainerStatus], Any]
 
 
 class StatusBook:
     def __init__(self, state_dir: str | os.PathLike[str]) -> None:
         self.root = Path(state_dir) / "status"
+        self._observers: list[Observer] = []
+
+    def observe(self, observer: Observer) -> None:
+        """Call ``observer(record)`` after every write (on the writer's thread; keep it quick)."""
+        self._observers.append(observer)
 
     def _path(self, namespace: str, pod: str, container: str) -> Path:
         for part in (namespace, pod, container):
@@ -76,9 +121,15 @@ class StatusBook:
         status.updated_at = time.time()
         path = self._path(status.namespace, status.pod, status.container)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp = path.with_suffix(f".tmp{os.getpid()}-{threading.get_ident()}")
         tmp.write_text(status.to_json())
         os.replace(tmp, path)
+        for observer in self._observers:
+            try:
+                observer(status)
+            except Exception:  # noqa: BLE001 - reporting must never undo or fail a record
+                log.exception("status observer failed for %s/%s:%s", status.namespace, status.pod,
+                              status.container)
 
     def read(self, namespace: str, pod: str, container: str) -> ContainerStatus | None:
         return self.read_path(self._path(namespace, pod, container))

@@ -25,4 +25,4 @@ class Timings(dict[str, float]):
             yield
         finally:
             self[name] = round(time.monotonic() - t0, 3)
-            log.info("phase %s: %.3fs", name, self[name])
+            log.info("phase %s: %.3fs", name, self[name], extra={"phase": name, "seconds": self[name]})

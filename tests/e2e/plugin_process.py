@@ -13,10 +13,13 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 class PluginProcess:
-    def __init__(self, sandbox, workdir: Path, idx: str = "50") -> None:
+    def __init__(self, sandbox, workdir: Path, idx: str = "50", extra_args: list[str] | None = None) -> None:
         self.sandbox = sandbox
         self.workdir = workdir
         self.idx = idx
+        # e.g. ["--metrics-port", "PORT", "--events", ...]; without it, no HTTP endpoint (several
+        # plugins run on this host at once, and 9464 is the chart's port, not a test's)
+        self.extra_args = list(extra_args or [])
         self.state_dir = workdir / "state"
         self.store = workdir / "store"
         self.log_path = workdir / "plugin.log"
@@ -31,7 +34,9 @@ class PluginProcess:
                 "--containerd-socket", str(self.sandbox.containerd_socket),
                 "--containerd-state", str(self.sandbox.state_dir),
                 "--init-binary", str(REPO / "build" / "rekindle-init"),
-                "--create-key"]  # run from the host, the plugin makes its own key in its state dir
+                "--create-key",  # run from the host, the plugin makes its own key in its state dir
+                *(self.extra_args if "--metrics-port" in self.extra_args else ["--metrics-port", "0",
+                                                                               *self.extra_args])]
 
     def start(self, wait: bool = True) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)

@@ -60,6 +60,10 @@ def test_annotated_pod_gets_control_dir_env_and_init(sandbox, plugin, pod):
     _exec(sandbox, cid, "echo hello > /rekindle/probe-file")
     host = plugin.control_dir(p.uid, "app") / "probe-file"
     assert host.read_text() == "hello\n"
+    # The same dir at Dynamo's default path, for hooks that do not read the environment.
+    _exec(sandbox, cid, "echo dynamo > /snapshot-control/probe-dynamo")
+    assert (plugin.control_dir(p.uid, "app") / "probe-dynamo").read_text() == "dynamo\n"
+    assert _exec(sandbox, cid, "cat /rekindle/probe-dynamo") == "dynamo\n"
     # The entrypoint was swapped: the init is PID 1, the workload its child.
     cmdline = _exec(sandbox, cid, "tr '\\0' ' ' < /proc/1/cmdline")
     assert cmdline.startswith("/.rekindle/bin/rekindle-init --mode source")

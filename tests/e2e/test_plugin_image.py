@@ -130,6 +130,18 @@ def _run_privileged_host_pid_pod(cri, name: str) -> Pod:
     return Pod(resp.pod_sandbox_id, name, "kube-system", uid, log_dir, config, NamespaceMode.NODE)
 
 
+def _status(url: str) -> int | None:
+    import urllib.error
+    import urllib.request
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except OSError:
+        return None
+
+
 def _http(ip: str, path: str) -> str | None:
     import urllib.request
     try:
@@ -192,6 +204,13 @@ def test_plugin_from_image_registers_and_adjusts_annotated_pods(sandbox, pod, pl
 
         _wait(connected, 60, "containerd to log that plugin 90-rekindle connected",
               lambda: plugin_logs() + "\n--- containerd log:\n" + new_containerd_log()[-4000:])
+        # The chart's probes hit the plugin's own endpoint: ready once registered and synchronized.
+        ip = cri.pod_ip(ppod.id)
+        ports = {p["name"]: p["containerPort"] for p in plugin["ports"]}
+        for probe in ("readinessProbe", "livenessProbe"):
+            get = plugin[probe]["httpGet"]
+            url = f"http://{ip}:{ports[get['port']]}{get['path']}"
+            _wait(lambda url=url: _status(url) == 200, 30, f"{probe} {url} to answer 200", plugin_logs)
 
         # An annotated pod gets the control dir, through the plugin in the image.
         p = pod(annotations={"rekindle.dev/checkpoint": "x"})

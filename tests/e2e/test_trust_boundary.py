@@ -72,7 +72,8 @@ def checkpoint(sandbox, pod, plugin, name: str, pod_name: str, requests: int, sh
     """A counter server checkpointed after ``requests`` requests; the test says when it is ready
     (the workload does not), so the checkpoint cannot precede the requests."""
     from runtime.status import Phase, StatusBook
-    a = pod(pod_name, annotations={"rekindle.dev/checkpoint": name})
+    # overwrite: the race tests publish a second version under the same name on purpose.
+    a = pod(pod_name, annotations={"rekindle.dev/checkpoint": name, "rekindle.dev/overwrite": "true"})
     script = f"{shell}unset REKINDLE_CONTROL_DIR; exec /usr/local/bin/counter-server 8080"
     sandbox.run_container(a, "server", COUNTER, command=["/bin/busybox", "sh", "-c", script],
                           env={"WARMUP_MIB": "64"})
@@ -186,7 +187,7 @@ def test_a_restore_uses_only_the_bytes_it_verified(sandbox, pod, plugin, tmp_pat
         command=[INIT, "--mode", "restore", "--control", "/rekindle", "--timeout", "300", "--",
                  "/usr/local/bin/counter-server", "8080"],
         mounts=[Mount("/.rekindle/bin", str(plugin.state_dir / "bin"), readonly=True),
-                Mount("/rekindle", str(ctl))])
+                Mount("/rekindle", str(ctl)), Mount("/snapshot-control", str(ctl))])  # as the plugin mounts it
 
     real = restore_flow.restore_into
 

@@ -59,8 +59,10 @@ def test_checkpoint_source_gets_control_dir_mounts_and_env(make_plugin):
     plugin = make_plugin()
     pod, ctr = _req({"rekindle.dev/checkpoint": "m"})
     adj = _create(plugin, pod, ctr).adjust
+    # The control dir also at Dynamo's default path: hooks written for Dynamo find it unchanged.
     assert {m.destination: m.source for m in adj.mounts} == {
         "/rekindle": f"{plugin.settings.state_dir}/control/0b6c-uid/app",
+        "/snapshot-control": f"{plugin.settings.state_dir}/control/0b6c-uid/app",
         "/.rekindle/bin": f"{plugin.settings.state_dir}/bin"}
     assert "ro" in next(m for m in adj.mounts if m.destination == "/.rekindle/bin").options
     assert {e.key for e in adj.env} == {"REKINDLE_CONTROL_DIR", "SNAPSHOT_CONTROL_DIR", "DYN_SNAPSHOT_CONTROL_DIR"}

@@ -45,6 +45,9 @@ _GROUPS = {
     ],
     ("scheduling.k8s.io", "v1"): [("priorityclasses", "PriorityClass", False)],
     ("node.k8s.io", "v1"): [("runtimeclasses", "RuntimeClass", False)],
+    # The Prometheus Operator's CRDs, for the optional PodMonitor / ServiceMonitor.
+    ("monitoring.coreos.com", "v1"): [("podmonitors", "PodMonitor", True),
+                                      ("servicemonitors", "ServiceMonitor", True)],
 }
 _VERBS = ["create", "delete", "get", "list", "patch", "update", "watch"]
 

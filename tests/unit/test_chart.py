@@ -135,7 +135,8 @@ def test_plugin_command_is_the_cli_contract(default_render):
         "--containerd-state", "/run/containerd",
         "--hmac-key-file", "/etc/rekindle/hmac.key",
         "--log-format", "json",
-    ]  # logLevel info: no --verbose
+        "--metrics-port", "9464",
+    ]  # logLevel info: no --verbose; events.enabled false: no --events
 
 
 def test_gpu_values_add_the_driver_dir_as_bind_source(gpu_render):

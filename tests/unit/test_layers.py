@@ -41,3 +41,21 @@ def test_lower_layers_do_not_import_higher_ones(package, forbidden):
             if any(name == f or name.startswith(f + ".") for f in forbidden):
                 bad.append(f"{path.relative_to(ROOT)} imports {name}")
     assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("library, allowed", [
+    ("kubernetes", {"nri_plugin/events_k8s.py"}),
+    ("prometheus_client", {"nri_plugin/metrics.py", "nri_plugin/httpd.py"}),
+], ids=["kubernetes-client", "prometheus-client"])
+def test_outside_libraries_stay_in_their_one_module(library, allowed):
+    """The engine never imports the Kubernetes client; each library has one home, so the rest of
+    the plugin (outcomes, jobs, handlers) stays plain data and decisions."""
+    bad = []
+    for package in ("runtime", "nri_plugin"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            rel = str(path.relative_to(ROOT))
+            if rel in allowed:
+                continue
+            if any(name == library or name.startswith(library + ".") for name in imports_of(path)):
+                bad.append(rel)
+    assert not bad, f"{library} imported by {bad}"

@@ -9,6 +9,7 @@ from runtime.errors import AnnotationError
 
 CK = "rekindle.dev/checkpoint"
 RS = "rekindle.dev/restore"
+DC = "kubectl.kubernetes.io/default-container"
 
 
 @pytest.mark.parametrize(
@@ -20,8 +21,15 @@ RS = "rekindle.dev/restore"
         ({RS: "qwen-7b.v2"}, "app", Role.RESTORE, "qwen-7b.v2"),
         ({RS: "m", "rekindle.dev/container": "app"}, "app", Role.RESTORE, "m"),
         ({RS: "m", "rekindle.dev/container": "app"}, "sidecar", None, None),
+        ({RS: "m", DC: "app"}, "app", Role.RESTORE, "m"),
+        ({RS: "m", DC: "app"}, "istio-proxy", None, None),
+        ({CK: "m", DC: "app", "rekindle.dev/container": "sidecar"}, "sidecar", Role.CHECKPOINT, "m"),
+        ({CK: "m", DC: "app", "rekindle.dev/container": "sidecar"}, "app", None, None),
+        ({DC: "app"}, "app", None, None),
     ],
-    ids=["none", "foreign-keys", "checkpoint", "restore", "container-match", "container-other"],
+    ids=["none", "foreign-keys", "checkpoint", "restore", "container-match", "container-other",
+         "default-container-match", "default-container-other", "rekindle-container-wins",
+         "rekindle-container-wins-other", "default-container-alone"],
 )
 def test_decide_picks_role_and_artifact(annotations, container, role, artifact):
     intent = decide(annotations, container)
@@ -64,6 +72,9 @@ def test_decide_picks_role_and_artifact(annotations, container, role, artifact):
         ({CK: "a", "rekindle.dev/ready-probe": "http://[::1/"}, "rekindle.dev/ready-probe"),
         ({CK: "a", "rekindle.dev/ready-probe": "http://example.com:80/"}, "rekindle.dev/ready-probe"),
         ({CK: "a", "rekindle.dev/ready-probe": "tcp://\u0661.2.3.4:80"}, "rekindle.dev/ready-probe"),
+        ({RS: "a", DC: "Bad_Name"}, DC),
+        ({CK: "a", "rekindle.dev/overwrite": "yes"}, "rekindle.dev/overwrite"),
+        ({RS: "a", "rekindle.dev/overwrite": "true"}, "rekindle.dev/overwrite"),
     ],
     ids=["traversal", "uppercase", "empty", "too-long", "dotdot", "restore-trailing-newline",
          "checkpoint-trailing-newline", "container-trailing-newline", "both-roles", "typo-key",
@@ -72,7 +83,7 @@ def test_decide_picks_role_and_artifact(annotations, container, role, artifact):
          "timeout-superscript", "timeout-arabic-indic", "timeout-fullwidth", "timeout-space",
          "timeout-underscore", "timeout-plus", "timeout-5000-digits", "port-arabic-indic",
          "port-underscore", "port-5000-digits", "probe-unclosed-bracket", "probe-host-name",
-         "probe-host-arabic-indic"],
+         "probe-host-arabic-indic", "default-container-bad", "overwrite-not-bool", "overwrite-on-restore"],
 )
 def test_decide_rejects_malformed_annotations_naming_the_key(annotations, bad_key):
     with pytest.raises(AnnotationError) as err:
@@ -103,3 +114,16 @@ def test_probe_hosts_are_addresses(value, host, port):
 def test_node_default_restore_timeout_applies_unless_annotated():
     assert decide({RS: "m"}, "a", default_timeout=90).restore_timeout == 90
     assert decide({RS: "m", "rekindle.dev/restore-timeout": "30"}, "a", default_timeout=90).restore_timeout == 30
+
+
+@pytest.mark.parametrize("annotations, container, named, overwrite", [
+    ({CK: "m"}, "app", False, False),
+    ({CK: "m", "rekindle.dev/container": "app"}, "app", True, False),
+    ({CK: "m", DC: "app"}, "app", True, False),
+    ({CK: "m", "rekindle.dev/overwrite": "true"}, "app", False, True),
+    ({CK: "m", "rekindle.dev/overwrite": "false"}, "app", False, False),
+], ids=["unnamed", "named-by-rekindle", "named-by-kubectl-default", "overwrite", "no-overwrite"])
+def test_intent_says_whether_the_container_was_named_and_whether_to_overwrite(annotations, container, named,
+                                                                              overwrite):
+    intent = decide(annotations, container)
+    assert (intent.named, intent.overwrite) == (named, overwrite)

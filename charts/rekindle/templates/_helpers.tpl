@@ -83,3 +83,7 @@ mount added to the plugin container belongs here too: tests/unit/test_chart.py c
 {{- $_ = set $m "/etc/rekindle" "the HMAC key Secret" -}}
 {{- toJson $m -}}
 {{- end -}}
+
+{{- define "rekindle.serviceAccountName" -}}
+{{- include "rekindle.fullname" . -}}
+{{- end -}}

@@ -1,0 +1,120 @@
+"""Prometheus metrics of the plugin, in one registry of its own (never the global one).
+
+``Metrics`` is an ``OutcomeSink`` (outcomes, durations by phase, bytes) and a stub observer
+(NRI connection state, handler latency); the Kubernetes reporter counts what it drops through
+``report_dropped``. Every label value comes from a fixed set (enums, phase and handler names
+of this code), never from free text, so the series stay bounded.
+
+Exposed by ``nri_plugin.httpd`` at ``/metrics``:
+
+  rekindle_restore_duration_seconds{phase}        histogram (phase "total": the whole restore)
+  rekindle_checkpoint_duration_seconds{phase}     histogram (phase "total": ready to published)
+  rekindle_outcomes_total{outcome,reason}         counter (reason: outcomes.ReasonClass)
+  rekindle_restored_bytes_total                   counter: artifact bytes restored
+  rekindle_published_bytes_total                  counter: artifact bytes published
+  rekindle_store_free_bytes                       gauge, read at scrape time
+  rekindle_nri_connected, rekindle_nri_synchronized   gauges (0/1)
+  rekindle_nri_handler_duration_seconds{handler}  histogram
+  rekindle_nri_handler_failures_total{handler,kind}   counter (kind: error, overrun)
+  rekindle_kubernetes_reports_sent_total{kind}    counter (kind: event, condition)
+  rekindle_kubernetes_reports_dropped_total{reason}   counter (queue_full, api_unavailable, rejected)
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from .outcomes import Outcome, OutcomeKind
+
+# Seconds: handler replies are due within 2 s; restores of GPU artifacts take minutes.
+HANDLER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 1.6, 2.0, 5.0)
+FLOW_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
+
+
+class Metrics:
+    def __init__(self, store_path: str | None = None, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        self.restore_seconds = Histogram(
+            "rekindle_restore_duration_seconds", "Duration of restores, by phase ('total': all of it)",
+            ["phase"], buckets=FLOW_BUCKETS, registry=r)
+        self.checkpoint_seconds = Histogram(
+            "rekindle_checkpoint_duration_seconds", "Duration of checkpoints, by phase ('total': all of it)",
+            ["phase"], buckets=FLOW_BUCKETS, registry=r)
+        self.outcomes = Counter(
+            "rekindle_outcomes", "Final outcomes of annotated containers, by outcome and reason class",
+            ["outcome", "reason"], registry=r)
+        self.restored_bytes = Counter("rekindle_restored_bytes", "Artifact bytes restored into containers",
+                                      registry=r)
+        self.published_bytes = Counter("rekindle_published_bytes", "Artifact bytes published by checkpoints",
+                                       registry=r)
+        self.store_free = Gauge("rekindle_store_free_bytes", "Free bytes on the artifact store's filesystem",
+                                registry=r)
+        self.store_free.set_function(lambda: _free_bytes(store_path))
+        self.nri_connected = Gauge("rekindle_nri_connected", "1 while registered with the runtime over NRI",
+                                   registry=r)
+        self.nri_synchronized = Gauge("rekindle_nri_synchronized",
+                                      "1 once the runtime synchronized the plugin on this connection", registry=r)
+        self.handler_seconds = Histogram(
+            "rekindle_nri_handler_duration_seconds", "Time from an NRI request to the plugin's reply, by handler",
+            ["handler"], buckets=HANDLER_BUCKETS, registry=r)
+        self.handler_failures = Counter(
+            "rekindle_nri_handler_failures", "Handlers answered empty (fail-open), by handler and kind",
+            ["handler", "kind"], registry=r)
+        self.reports_sent = Counter("rekindle_kubernetes_reports_sent",
+                                    "Events and pod-condition patches accepted by the API server", ["kind"],
+                                    registry=r)
+        self.reports_dropped = Counter(
+            "rekindle_kubernetes_reports_dropped",
+            "Events and pod-condition patches given up (queue full, API unavailable, rejected)", ["reason"],
+            registry=r)
+        for outcome in (OutcomeKind.RESTORED, OutcomeKind.PUBLISHED):  # at 0 from the first scrape
+            self.outcomes.labels(outcome.value, "none")
+        for reason in ("queue_full", "api_unavailable", "rejected"):
+            self.reports_dropped.labels(reason)
+
+    # ------------------------------------------------------------------ OutcomeSink
+    def publish(self, outcome: Outcome) -> None:
+        self.outcomes.labels(outcome.kind.value, outcome.reason_class.value).inc()
+        if outcome.kind is OutcomeKind.RESTORED:
+            self._durations(self.restore_seconds, outcome)
+            self.restored_bytes.inc(outcome.bytes)
+        elif outcome.kind is OutcomeKind.PUBLISHED:
+            self._durations(self.checkpoint_seconds, outcome)
+            self.published_bytes.inc(outcome.bytes)
+
+    @staticmethod
+    def _durations(hist: Histogram, outcome: Outcome) -> None:
+        for phase, seconds in outcome.timings.items():
+            hist.labels(phase).observe(seconds)
+        if "total" not in outcome.timings:
+            hist.labels("total").observe(outcome.seconds)
+
+    # ------------------------------------------------------------------ stub observer
+    def connection(self, connected: bool, synchronized: bool) -> None:
+        self.nri_connected.set(1 if connected else 0)
+        self.nri_synchronized.set(1 if synchronized else 0)
+
+    def handler(self, name: str, seconds: float, failure: str | None) -> None:
+        self.handler_seconds.labels(name).observe(seconds)
+        if failure is not None:
+            self.handler_failures.labels(name, failure).inc()
+
+    # ------------------------------------------------------------------ Kubernetes reporter
+    def report_sent(self, kind: str) -> None:
+        self.reports_sent.labels(kind).inc()
+
+    def report_dropped(self, reason: str) -> None:
+        self.reports_dropped.labels(reason).inc()
+
+
+def _free_bytes(path: str | None) -> float:
+    if not path:
+        return math.nan
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return math.nan
+    return float(st.f_bavail * st.f_frsize)

@@ -1,0 +1,220 @@
+"""Outcomes: what finally happened to an annotated container, told to whoever listens.
+
+The plugin records every decision in the container's status file (``runtime.status``).
+``Reporter`` observes those writes; for a record in a final phase it builds one ``Outcome``
+(restored, cold start, checkpoint published, checkpoint failed, skipped) and hands it to each
+``OutcomeSink`` (metrics, Kubernetes Events and pod condition). Each outcome is reported once
+per container instance, however often its record is rewritten.
+
+Sinks are called on the writer's thread (an NRI handler's, the event loop's or an engine
+thread's): ``publish`` must return at once and never raise into the caller; a sink that does
+raise is logged and skipped.
+
+``classify`` maps a reason text to a small fixed set of ``ReasonClass`` values, so that
+metrics labels stay bounded whatever a CRIU or store error says; the reason text itself goes
+only into Events, logs and status.
+
+No Kubernetes or Prometheus import here: this module is pure data and formatting.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Protocol
+
+from runtime.status import ContainerStatus, Phase
+
+log = logging.getLogger(__name__)
+
+
+class OutcomeKind(Enum):
+    RESTORED = "restored"
+    COLD_START = "cold_start"
+    PUBLISHED = "published"
+    CHECKPOINT_FAILED = "checkpoint_failed"
+    SKIPPED = "skipped"
+
+
+class ReasonClass(Enum):
+    NONE = "none"                          # success
+    ANNOTATION = "annotation"              # a malformed rekindle.dev/* annotation
+    NOT_FOUND = "not_found"                # no artifact of that name in the pod's namespace
+    ALREADY_ATTEMPTED = "already_attempted"  # one restore per pod: a restarted container starts cold
+    INCOMPATIBLE = "incompatible"          # node, CRIU, image, driver or GPUs differ
+    PRIVILEGE = "privilege"                # the source had privilege the target lacks
+    INTEGRITY = "integrity"                # signature, digest, layout of the artifact
+    TIMEOUT = "timeout"                    # a handler overran, or the restore took too long
+    AGENT_RESTART = "agent_restart"        # the plugin restarted during the work
+    ARTIFACT_EXISTS = "artifact_exists"    # a source whose artifact is already published
+    SEVERAL_CONTAINERS = "several_containers"  # a pod with more containers and none named
+    NOT_SOURCE_CONTAINER = "not_source_container"  # a container the artifact was not taken from
+    CRIU = "criu"
+    CUDA = "cuda"
+    STORE = "store"
+    RUNTIME = "runtime"                    # containerd / the container itself
+    OTHER = "other"
+
+
+# Ordered: the first class whose keyword occurs in the reason wins. The texts are Rekindle's
+# own messages (runtime.errors and the reasons the checks build); tests pin them.
+_KEYWORDS: tuple[tuple[ReasonClass, tuple[str, ...]], ...] = (
+    (ReasonClass.ANNOTATION, ("annotation ",)),
+    (ReasonClass.ARTIFACT_EXISTS, ("is already published",)),
+    (ReasonClass.SEVERAL_CONTAINERS, ("several containers",)),
+    (ReasonClass.NOT_SOURCE_CONTAINER, ("not the artifact's source container",)),
+    (ReasonClass.ALREADY_ATTEMPTED, ("already attempted",)),
+    (ReasonClass.AGENT_RESTART, ("agent restarted",)),
+    (ReasonClass.TIMEOUT, ("overran", "timed out", "timeout")),
+    (ReasonClass.NOT_FOUND, ("not found in", "not found: no store", "is gone")),
+    (ReasonClass.PRIVILEGE, ("less privileged", "source runs as", "source gid", "groups the target lacks",
+                             "capabilities the target lacks", "privileged", "seccomp", "no_new_privileges",
+                             "user namespaces differ", "masks paths", "read-only that the source",
+                             "device cgroup", "sysctls differ", "AppArmor", "SELinux", "CRIU cannot confine")),
+    (ReasonClass.INCOMPATIBLE, ("incompatible", "differs", "older than the artifact", "CRIU version unknown",
+                                "no CUDA driver", "architecture")),
+    (ReasonClass.INTEGRITY, ("bad signature", "content changed", "digest", "manifest", "unsafe path",
+                             "incomplete", "generation", "not a regular file", "points to",
+                             "not a published name", "shrank", "restore plan")),
+    (ReasonClass.CRIU, ("criu ",)),
+    (ReasonClass.CUDA, ("cuCheckpoint", "CUDA", "cuda")),
+    (ReasonClass.STORE, ("store", "artifact ")),
+    (ReasonClass.RUNTIME, ("containerd", "container ", "entrypoint", "control dir")),
+)
+
+
+def classify(reason: str) -> ReasonClass:
+    """The class of a failure or skip reason; ``NONE`` for an empty reason."""
+    if not reason:
+        return ReasonClass.NONE
+    for cls, words in _KEYWORDS:
+        if any(w in reason for w in words):
+            return cls
+    return ReasonClass.OTHER
+
+
+# Short phase names for one-line summaries; the status file keeps the full names.
+_SHORT = {"criu_restore": "criu", "cuda_restore": "cuda", "criu_dump": "criu", "cuda_checkpoint": "cuda",
+          "rootfs_apply": "rootfs", "rootfs_capture": "rootfs", "cuda_resume_source": "cuda resume"}
+# Phases shorter than this are left out of a summary (they are in the status file).
+_SUMMARY_MIN_SECONDS = 0.05
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    kind: OutcomeKind
+    role: str                # "checkpoint", "restore" or "" (unknown: malformed annotations)
+    namespace: str
+    pod: str
+    pod_uid: str
+    container: str
+    container_id: str
+    artifact: str
+    reason: str = ""
+    timings: Mapping[str, float] = field(default_factory=dict)
+    bytes: int = 0
+
+    @property
+    def reason_class(self) -> ReasonClass:
+        return classify(self.reason)
+
+    @property
+    def seconds(self) -> float:
+        if "total" in self.timings:
+            return float(self.timings["total"])
+        return float(sum(v for k, v in self.timings.items() if k != "wait_ready"))
+
+    def phases(self) -> str:
+        """``stage 0.3 s, criu 2.9 s, fill 0.5 s`` (phases of at least 0.05 s)."""
+        parts = [f"{_SHORT.get(k, k)} {v:.1f} s" for k, v in self.timings.items()
+                 if k != "total" and v >= _SUMMARY_MIN_SECONDS]
+        return ", ".join(parts)
+
+    def summary(self) -> str:
+        """One line for an Event or a log: what happened, from what, how long, why."""
+        label = f"{self.namespace}/{self.artifact}" if self.artifact else "(no artifact)"
+        phases = self.phases()
+        if self.kind is OutcomeKind.RESTORED:
+            return f"from {label} in {self.seconds:.1f} s" + (f": {phases}" if phases else "")
+        if self.kind is OutcomeKind.PUBLISHED:
+            size = f" ({_size(self.bytes)})" if self.bytes else ""
+            return f"{label}{size} in {self.seconds:.1f} s" + (f": {phases}" if phases else "")
+        if self.kind is OutcomeKind.COLD_START:
+            return f"container {self.container} started cold instead of restoring {label}: {self.reason}"
+        if self.kind is OutcomeKind.CHECKPOINT_FAILED:
+            return f"checkpoint of container {self.container} to {label} failed: {self.reason}"
+        return f"container {self.container} left alone: {self.reason}"
+
+
+def outcome_of(status: ContainerStatus) -> Outcome | None:
+    """The outcome a status record stands for, or None while work is under way."""
+    role = status.role
+    if status.phase is Phase.RESTORED:
+        kind = OutcomeKind.RESTORED
+    elif status.phase is Phase.PUBLISHED:
+        kind = OutcomeKind.PUBLISHED
+    elif status.phase is Phase.SKIPPED:
+        kind = OutcomeKind.SKIPPED
+    elif status.phase is Phase.CHECKPOINT_FAILED:
+        kind = OutcomeKind.CHECKPOINT_FAILED
+    elif status.phase in (Phase.COLD_START, Phase.IGNORED):
+        if role == "checkpoint":
+            kind = OutcomeKind.CHECKPOINT_FAILED
+        elif role == "restore":
+            kind = OutcomeKind.COLD_START
+        else:
+            return None
+    else:
+        return None
+    return Outcome(kind=kind, role=role, namespace=status.namespace, pod=status.pod, pod_uid=status.pod_uid,
+                   container=status.container, container_id=status.container_id, artifact=status.artifact,
+                   reason=status.reason, timings=dict(status.timings), bytes=status.bytes)
+
+
+class OutcomeSink(Protocol):
+    def publish(self, outcome: Outcome) -> None: ...
+
+
+class Reporter:
+    """A ``StatusBook`` observer: each final record becomes one outcome for every sink."""
+
+    MEMORY = 4096  # container instances remembered, to report each outcome once
+
+    def __init__(self, sinks: Iterable[OutcomeSink] = ()) -> None:
+        self.sinks = list(sinks)
+        self._seen: OrderedDict[tuple[str, str, str, str], None] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def add(self, sink: OutcomeSink) -> None:
+        self.sinks.append(sink)
+
+    def __call__(self, status: ContainerStatus) -> None:
+        outcome = outcome_of(status)
+        if outcome is None:
+            return
+        key = (status.pod_uid, status.container, status.container_id, status.phase.value)
+        with self._lock:
+            if key in self._seen:
+                return
+            self._seen[key] = None
+            while len(self._seen) > self.MEMORY:
+                self._seen.popitem(last=False)
+        log.info("%s/%s:%s: %s: %s", outcome.namespace, outcome.pod, outcome.container, outcome.kind.value,
+                 outcome.summary(), extra={"outcome": outcome.kind.value, "artifact": outcome.artifact,
+                                           "reason": outcome.reason_class.value, "seconds": outcome.seconds})
+        for sink in self.sinks:
+            try:
+                sink.publish(outcome)
+            except Exception:  # noqa: BLE001 - one broken sink must not silence the others
+                log.exception("outcome sink %s failed", type(sink).__name__)

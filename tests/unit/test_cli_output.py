@@ -1,0 +1,93 @@
+"""`rekindle status` shows live progress; every command that prints takes `-o json` (and the
+old `--json`); status records written before the progress fields existed still read."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from nri_plugin.cli import build_parser
+from runtime.status import ContainerStatus, Phase, Progress, StatusBook
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def rekindle(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "nri_plugin", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=60)
+
+
+@pytest.fixture
+def book(tmp_path) -> StatusBook:
+    b = StatusBook(tmp_path / "state")
+    b.write(ContainerStatus(namespace="team-a", pod="qwen-1", container="server", role="restore",
+                            artifact="qwen-7b", phase=Phase.RESTORING, container_id="c1", pod_uid="u1",
+                            timings={"stage": 0.31, "criu_restore": 2.9},
+                            progress=Progress("fill", 3 << 30, 18 << 30, rate=float(1 << 30),
+                                              phase_started_at=time.time() - 3)))
+    b.write(ContainerStatus(namespace="team-a", pod="qwen-0", container="server", role="checkpoint",
+                            artifact="qwen-7b", phase=Phase.PUBLISHED, timings={"total": 4.0}, bytes=18 << 30))
+    return b
+
+
+def test_status_shows_live_progress_of_a_running_restore(book):
+    out = rekindle("status", "--state-dir", str(book.root.parent)).stdout
+    running = next(line for line in out.splitlines() if "qwen-1" in line)
+    assert "restoring  <fill 3.0 GiB of 18.0 GiB (16%), 1.0 GiB/s, 3s>" in running, running
+    done = next(line for line in out.splitlines() if "qwen-0" in line)
+    assert "published  18.0 GiB" in done and "<" not in done
+
+
+@pytest.mark.parametrize("flag", [["-o", "json"], ["--output", "json"], ["--json"]])
+def test_status_json_under_every_spelling(book, flag):
+    rows = json.loads(rekindle("status", "--state-dir", str(book.root.parent), *flag).stdout)
+    running = next(r for r in rows if r["pod"] == "qwen-1")
+    assert running["progress"]["phase"] == "fill" and running["progress"]["bytes_total"] == 18 << 30
+    assert next(r for r in rows if r["pod"] == "qwen-0")["bytes"] == 18 << 30
+
+
+@pytest.mark.parametrize("argv", [
+    ["status"], ["doctor"], ["artifacts", "list"], ["artifacts", "inspect", "x"], ["artifacts", "delete", "x"],
+    ["artifacts", "prune", "--leftovers"], ["checkpoint", "--container-id", "c", "--namespace", "n", "--name", "a"],
+    ["restore", "--container-id", "c", "--namespace", "n", "--name", "a"],
+], ids=lambda a: "-".join(a[:2]))
+def test_every_printing_command_takes_o_json(argv):
+    parser = build_parser()
+    assert parser.parse_args([*argv, "-o", "json"]).output == "json"
+    assert parser.parse_args([*argv, "--json"]).output == "json"
+    assert parser.parse_args(argv).output == "text"
+
+
+def test_a_record_from_before_progress_existed_still_reads(tmp_path):
+    path = tmp_path / "state" / "status" / "ns" / "p" / "c.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"namespace": "ns", "pod": "p", "container": "c", "role": "restore",
+                                "artifact": "a", "phase": "restored", "reason": "", "container_id": "x",
+                                "pod_uid": "u", "timings": {}, "updated_at": 1.0}))
+    st = StatusBook(tmp_path / "state").read("ns", "p", "c")
+    assert st is not None and st.progress is None and st.bytes == 0
+
+
+def test_observers_hear_every_write_and_a_failing_one_changes_nothing(tmp_path):
+    book = StatusBook(tmp_path / "state")
+    heard = []
+    book.observe(lambda s: (_ for _ in ()).throw(RuntimeError("boom")))
+    book.observe(lambda s: heard.append(s.phase))
+    book.write(ContainerStatus(namespace="ns", pod="p", container="c", phase=Phase.RESTORING))
+    book.write(ContainerStatus(namespace="ns", pod="p", container="c", phase=Phase.RESTORED))
+    assert heard == [Phase.RESTORING, Phase.RESTORED]
+    assert book.read("ns", "p", "c").phase is Phase.RESTORED
+
+
+def test_nri_toggle_takes_o_json_too(tmp_path):
+    cfg = tmp_path / "config.toml"
+    cfg.write_text("version = 2\n")
+    for flag in (["-o", "json"], ["--json"]):
+        res = rekindle("nri-toggle", "--dry-run", "--config", str(cfg), *flag)
+        assert res.returncode == 0, res.stderr
+        assert json.loads(res.stdout)["changed"] is True
