@@ -159,6 +159,7 @@ def checkpoint(req: CheckpointRequest, store: ArtifactStore, key: bytes, *,
                 huge[ns_of[h]] = new  # empty: split marks the process's largest bulk run instead
                 log.info("CUDA process %d: %d new staging mapping(s) after the checkpoint: %s", h, len(new),
                          ", ".join(f"{a:#x}+{(b - a) >> 20}MiB" for a, b in new))
+        tcp = tcpmode.TcpPlan(False, "not looked at")
         try:
             with t.phase("criu_dump"):
                 tcp = tcpmode.plan(_tree(root.host))
@@ -178,10 +179,15 @@ def checkpoint(req: CheckpointRequest, store: ArtifactStore, key: bytes, *,
                     overlay.capture(dump.shm_source, os.path.join(staging.path, layout.SHM_TAR),
                                     os.path.join(staging.path, layout.SHM_DELETIONS), exclude=())
         finally:
+            # CRIU leaves kept connections in repair mode when it leaves the tree stopped.
+            unrepaired = tcpmode.repair_off(tcp.holders) if tcp.established else []
             bulk.signal_all(_tree(root.host), signal.SIGCONT)  # whatever CRIU left stopped
             if cuda_host and not req.exit_after:
                 with t.phase("cuda_resume_source"), _ends_source_on(RekindleError, root.host):
                     cuda.restore_all(cuda_host)
+        if unrepaired:
+            raise CriuError("dump", "TCP connections of the source were left in repair mode: "
+                            + "; ".join(unrepaired), dump.log_path)
         files: tuple[layout.BulkFile, ...] = ()
         if req.split:
             with t.phase("split"):

@@ -57,7 +57,7 @@ PID_WAIT = 3.0  # seconds to wait for image pids still held by dying processes
 class DumpResult:
     root_ns_pid: int
     root_host_pid: int
-    tree: tuple[int, ...]  # host pids; stopped when the dump was asked to leave them stopped
+    tree: tuple[int, ...]  # host pids (as CRIU left them when asked to leave them stopped)
     mount_plan: list[MountPlanEntry]
     criu_version: str
     seconds: float
@@ -138,6 +138,8 @@ def dump_workload(
              info.id, root, len(tree), len(plan), shell_job, "established" if tcp_established else "close")
     seconds = criu_mod.run_criu(opts, wrapper=ns.in_pid_ns_argv(info.init_pid, []), timeout=timeout)
     if leave_stopped:
+        # What CRIU froze: short-lived children listed before may be gone, new ones were dumped.
+        tree = process_tree(root.host)
         wait_stopped(tree)
     return DumpResult(root_ns_pid=root.ns, root_host_pid=root.host, tree=tuple(tree), mount_plan=plan,
                       criu_version=version, seconds=seconds, stdio=stdio, shm_source=shm,

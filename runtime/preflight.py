@@ -143,9 +143,10 @@ def _fd_findings(pid: int, name: str, fds: Sequence[procfs.Fd], mapped: Sequence
     rings = [m for m in mapped if m.path == "anon_inode:[io_uring]"]
     uring = [f"fd {e.fd}" for e in fds if e.link == "anon_inode:[io_uring]"]
     if uring or rings:
+        seen = uring + ([f"ring mapping at {rings[0].start:#x}"] if rings else [])
         out.append(Finding(Kind.IO_URING, pid, name,
                            "an io_uring instance, which CRIU cannot dump (PyTorch's TCPStore: set USE_LIBUV=0)",
-                           ", ".join(uring + [f"ring mapping at {rings[0].start:#x}"] * bool(rings))))
+                           ", ".join(seen)))
     for e in fds:
         anon = _anon(e.link)
         if anon is not None:

@@ -11,7 +11,8 @@ Contract:
   the text is known.
 - :func:`socket_inodes` are the inodes of ``socket:[N]`` links; :func:`unix_sockets` and
   :func:`tcp_sockets` read the process's network namespace tables (``net/unix``, ``net/tcp``,
-  ``net/tcp6``), keyed by inode.
+  ``net/tcp6``), keyed by inode; IPv4-mapped IPv6 addresses are given as IPv4, so both ends of
+  a connection between a dual-stack and an IPv4 socket name the same addresses.
 """
 
 from __future__ import annotations
@@ -169,6 +170,8 @@ def _addr(text: str) -> tuple[str, int]:
     if sys.byteorder == "little":  # each 32-bit word is printed in host order
         raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
     ip = ipaddress.ip_address(raw)
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped  # a dual-stack socket's IPv4 peer: named as its IPv4 end names itself
     return str(ip), int(hexport, 16)
 
 

@@ -104,8 +104,10 @@ def test_a_socket_of_another_process_is_not_evidence(tmp_path: Path) -> None:
 def test_io_uring_fd_or_ring_mapping_is_refused(tmp_path: Path) -> None:
     fake_process(tmp_path, 21, fds={6: "anon_inode:[io_uring]"}, maps=["anon_inode:[io_uring]"])
     fake_process(tmp_path, 22, maps=["anon_inode:[io_uring]"])  # fd closed, ring still mapped
-    report = preflight.inspect([21, 22], cuda_pids=[21], proc=str(tmp_path))
-    assert [(f.kind, f.pid) for f in report.blocking] == [(Kind.IO_URING, 21), (Kind.IO_URING, 22)]
+    fake_process(tmp_path, 23, fds={4: "anon_inode:[io_uring]"})  # no ring mapped (yet)
+    report = preflight.inspect([21, 22, 23], cuda_pids=[21], proc=str(tmp_path))
+    assert [(f.kind, f.pid) for f in report.blocking] == [(Kind.IO_URING, p) for p in (21, 22, 23)]
+    assert [f.evidence for f in report.blocking][2] == "fd 4"
     assert "USE_LIBUV=0" in report.reasons()[0]
 
 
@@ -192,7 +194,8 @@ IO_URING = """
     libc.mmap.restype = ctypes.c_void_p
     libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
     # IORING_OFF_SQ_RING; libc's mmap, as Python's mmap keeps a dup of the fd
-    ring = libc.mmap(None, sq_array_off + sq_entries * 4, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+    if not os.environ.get("NO_RING"):
+        ring = libc.mmap(None, sq_array_off + sq_entries * 4, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
     if os.environ.get("CLOSE_FD"):
         os.close(fd)
     ready()
@@ -204,6 +207,12 @@ def test_real_io_uring_fd_is_refused(child) -> None:
     report = preflight.inspect([pid])
     (f,) = report.blocking
     assert f.kind is Kind.IO_URING and "fd " in f.evidence and "ring mapping" in f.evidence, f
+
+
+def test_real_io_uring_fd_without_ring_is_refused(child) -> None:
+    pid = child(IO_URING, env={**os.environ, "NO_RING": "1"})
+    (f,) = preflight.inspect([pid]).blocking
+    assert f.kind is Kind.IO_URING and f.evidence.startswith("fd ") and "ring" not in f.evidence, f
 
 
 def test_real_io_uring_ring_without_fd_is_refused(child) -> None:

@@ -66,21 +66,23 @@ L = ("127.0.0.1", 29500)
       2: [(("::1", 7001), ("::1", 7000), ESTABLISHED, 22)]}, [1, 2], True),
     ({1: [(("::ffff:127.0.0.1", 7000), ("::ffff:127.0.0.1", 7001), ESTABLISHED, 21)],
       2: [(("::ffff:127.0.0.1", 7001), ("::ffff:127.0.0.1", 7000), ESTABLISHED, 22)]}, [1, 2], True),
+    ({1: [(("::ffff:127.0.0.1", 9000), ("::ffff:127.0.0.1", 41000), ESTABLISHED, 21)],
+      2: [(("127.0.0.1", 41000), ("127.0.0.1", 9000), ESTABLISHED, 22)]}, [1, 2], True),  # dual-stack server
     ({1: [(L, ("127.0.0.1", 41000), ESTABLISHED, 11), (("10.1.2.3", 8080), ("10.1.9.9", 52000), ESTABLISHED, 13)],
       2: [(("127.0.0.1", 41000), L, ESTABLISHED, 12)]}, [1, 2], False),  # one kubelet probe: close all
     ({1: [(("10.1.2.3", 8080), ("10.1.2.3", 52000), ESTABLISHED, 13)],
       2: [(("10.1.2.3", 52000), ("10.1.2.3", 8080), ESTABLISHED, 14)]}, [1, 2], False),  # pod IP: changes
 ], ids=["none", "listen-only", "loopback-pair", "peer-outside", "half-closed-127/8", "ipv6", "v4-mapped",
-        "one-remote", "pod-ip"])
+        "dual-stack-server", "one-remote", "pod-ip"])
 def test_plan_from_tables(tmp_path: Path, sockets, pids, established: bool) -> None:
     fake_tables(tmp_path, sockets)
-    plan = tcpmode.plan(pids, proc=str(tmp_path))
+    plan = tcpmode.plan(pids, proc=str(tmp_path), reuse=False)
     assert plan.established is established, plan
 
 
 def test_plan_reason_names_the_connection(tmp_path: Path) -> None:
     fake_tables(tmp_path, {1: [(("10.1.2.3", 8080), ("10.1.9.9", 52000), ESTABLISHED, 13)]})
-    assert tcpmode.plan([1], proc=str(tmp_path)).reason == "10.1.2.3:8080 -> 10.1.9.9:52000 ESTABLISHED is not on loopback"
+    assert tcpmode.plan([1], proc=str(tmp_path), reuse=False).reason == "10.1.2.3:8080 -> 10.1.9.9:52000 ESTABLISHED is not on loopback"
 
 
 def test_argv_follows_the_mode() -> None:
@@ -99,12 +101,13 @@ def test_argv_follows_the_mode() -> None:
 PEER = textwrap.dedent("""
     import socket, sys, time
     role, host, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    if role == "server":
-        lst = socket.create_server((host, 0))
+    if role == "server":  # dual-stack on "::", as busybox nc and many servers listen
+        lst = socket.create_server(("::", 0), family=socket.AF_INET6, dualstack_ipv6=True) if host == "::" \
+            else socket.create_server((host, 0))
         print(lst.getsockname()[1], flush=True)
         conn, _ = lst.accept()
     else:
-        conn = socket.create_connection((host, port))
+        conn = socket.create_connection(("127.0.0.1" if host == "::" else host, port))
     print("ready", flush=True)
     time.sleep(600)
 """)
@@ -131,13 +134,33 @@ def pair() -> Iterator:
         p.wait(10)
 
 
-def test_real_loopback_connection_between_two_processes_is_kept(pair) -> None:
-    server, client = pair("127.0.0.1")
+@pytest.mark.parametrize("listen", ["127.0.0.1", "::"])
+def test_real_loopback_connection_between_two_processes_is_kept(pair, listen: str) -> None:
+    server, client = pair(listen)
     plan = tcpmode.plan([server, client])
     assert plan.established, plan
     assert len(plan.connections) == 2
     # Seen from one side only, the other end is outside the tree.
     assert not tcpmode.plan([server]).established
+
+
+def test_repair_off_lets_a_kept_connection_carry_data_again(pair) -> None:
+    """What CRIU's dump with --leave-stopped leaves behind (repair mode on both ends), undone."""
+    server, client = pair("127.0.0.1")
+    plan = tcpmode.plan([server, client])
+    assert len(plan.holders) == 2
+    for h in plan.holders:  # as the dump leaves them
+        with tcpmode._socket_of(h.pid, h.fd) as sk:
+            sk.setsockopt(socket.SOL_TCP, tcpmode.TCP_REPAIR, 1)
+    assert tcpmode.repair_off(plan.holders) == []
+    a, b = (tcpmode._socket_of(h.pid, h.fd) for h in plan.holders)
+    with a, b:
+        for sk, h in ((a, plan.holders[0]), (b, plan.holders[1])):
+            assert sk.getsockopt(socket.SOL_TCP, tcpmode.TCP_REPAIR) == 0
+            assert sk.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR) == h.reuseaddr
+        a.sendall(b"still connected")
+        b.settimeout(5)
+        assert b.recv(64) == b"still connected"
 
 
 def _global_ipv4() -> str | None:
