@@ -159,6 +159,19 @@ def _open_bulk(held: contextlib.ExitStack, artifact: Artifact, plan: layout.Rest
     return fds
 
 
+def cuda_restore(cuda: Any, host_pids: list[int], gpu_map: dict[str, str] | None, root_host: int,
+                 restored: tuple[int, ...]) -> None:
+    """Restore and unlock every CUDA process of a running restored tree; on any failure kill the
+    tree and re-raise. Some processes may be back on the GPU and others stuck locked: none may go
+    on (a rank would wait for its peer forever); the caller's restore-failed makes the init start
+    cold."""
+    try:
+        cuda.restore_all(host_pids, gpu_map)
+    except BaseException:
+        bulk.kill_all(_tree_now(root_host, restored))
+        raise
+
+
 def _tree_now(root_host: int, restored: tuple[int, ...]) -> list[int]:
     """The restored tree as it is now (it ran since CRIU, and may have forked), and as it was."""
     try:
@@ -244,13 +257,7 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
         bulk.signal_all(result.tree, signal.SIGCONT)
         if manifest.cuda is not None:
             with t.phase("cuda_restore"):
-                try:
-                    cuda.restore_all(host_pids, gpu_map)
-                except BaseException:
-                    # Some processes may be back and running on the GPU, others stuck locked: none
-                    # may go on (a rank would wait for its peer forever). The init then starts cold.
-                    bulk.kill_all(_tree_now(result.host_pid, result.tree))
-                    raise
+                cuda_restore(cuda, host_pids, gpu_map, result.host_pid, result.tree)
             log.info("CUDA restored for %d process(es)%s", len(host_pids),
                      f", remapped {gpu_map}" if gpu_map else "")
         if control is not None:
