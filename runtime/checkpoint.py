@@ -43,9 +43,9 @@ from runtime import overlay
 from runtime import preflight
 from runtime import tcpmode
 from runtime.containers import ContainerInfo, process_tree, resolve_container, workload_root
+from runtime.errors import CheckpointRefused, CriuError, CudaStuck, RekindleError
 from runtime.gpus import spec_devices, visible_gpus
 from runtime.manifest import CriuInfo, CudaInfo, Gpu, Manifest, MountInfo, NodeInfo, ProcessInfo, Source
-from runtime.errors import CheckpointRefused, CriuError, CudaStuck, RekindleError
 from runtime.mechanics import DumpResult, dump_workload
 from runtime.security import SecurityProfile
 from runtime.store import ArtifactStore
