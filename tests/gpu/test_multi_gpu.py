@@ -188,6 +188,14 @@ def manifest(plugin: PluginProcess, name: str) -> dict[str, Any]:
     return json.loads((plugin.store / "default" / name / "manifest.json").read_text())
 
 
+def drop_artifact(plugin: PluginProcess, name: str) -> None:
+    """The store may be in memory: free each case's artifact (the name links to its version)."""
+    link = plugin.store / "default" / name
+    if link.is_symlink():
+        shutil.rmtree(link.resolve(), ignore_errors=True)
+        link.unlink(missing_ok=True)
+
+
 def multi_proc(engines: int, port: int | None = None) -> list[str]:
     cmd = [sys.executable, "/workload/multi_proc.py", "--engines", str(engines), "--gib", str(GIB)]
     return cmd + (["--port", str(port)] if port is not None else [])
@@ -232,6 +240,7 @@ def multi_proc_case(case: str, cri, plugin, pods, engines: int, port: int | None
             details["http_same"] = json.loads(r.read())["same"]
     identical = bool(got["same"] and got["checksums"] == ready["engines"])
     rec = record(case, "restored", "", identical, restore_s, round(cold, 3), **details)
+    drop_artifact(plugin, name)
     assert identical, got
     assert len(cuda_pids) == engines, cuda_pids  # the front process was skipped
     assert details.get("http_same", True)
@@ -283,6 +292,7 @@ def test_tp2_with_rebuild_restored_on_the_same_gpus(sandbox, cri, plugin, pods):
     rec = record(case, "restored", "", identical, restore_s, cold, allreduce_ok=all(v["allreduce_ok"] for v in got),
                  outcome=json.loads((b_dir / "rank0-outcome.json").read_text()), timings=st["timings"],
                  cuda_pids=manifest(plugin, name)["cuda"]["pids"], preflight=findings)
+    drop_artifact(plugin, name)
     assert identical and rec["allreduce_ok"], got
     assert rec["outcome"]["outcome"] == "restore-complete"
 
