@@ -2,31 +2,39 @@
 
 Steps, each timed (the timings go into the manifest and the container's status):
   1. inspect: resolve the container (bundle, init pid, overlay upperdir) and its workload tree;
-  2. cuda_checkpoint: find the tree's CUDA processes, lock all, checkpoint all (device memory
-     -> host); the driver's new host staging mappings are noted (they get huge pages on restore);
-  3. criu_dump: CRIU dumps the tree and leaves it stopped (netns and mounts external);
-  4. rootfs_capture / shm_capture: the writable layer and /dev/shm, while the tree is still
+  2. preflight: find the tree's CUDA processes; refuse (``CheckpointRefused``, nothing locked,
+     the source untouched) what the restore could not bring back (``runtime.preflight``: live
+     NCCL communicators on transports the driver cannot restore, io_uring, fds CRIU cannot dump);
+  3. cuda_checkpoint: lock all, checkpoint all (device memory -> host); a process without CUDA
+     is skipped; the driver's new host staging mappings are noted (huge pages on restore);
+  4. criu_dump: CRIU dumps the tree and leaves it stopped (netns and mounts external); TCP
+     connections are kept when all are loopback ones inside the tree (``runtime.tcpmode``), else
+     closed, and the restore plan records which;
+  5. rootfs_capture / shm_capture: the writable layer and /dev/shm, while the tree is still
      stopped, so files and memory are one instant;
-  5. resume: SIGCONT, then CUDA restore + unlock (unless the source is to exit);
-  6. split: the large private anonymous page runs move beside CRIU's images (runtime.bulk);
-  7. publish: manifest (identity, node, CRIU, CUDA, security fingerprint, digests), signed,
+  6. resume: SIGCONT, then CUDA restore + unlock (unless the source is to exit);
+  7. split: the large private anonymous page runs move beside CRIU's images (runtime.bulk);
+  8. publish: manifest (identity, node, CRIU, CUDA, security fingerprint, digests), signed,
      published as a new version of the name;
-  8. tell the source (``snapshot-complete``) and stop it if asked.
+  9. tell the source (``snapshot-complete``) and stop it if asked.
 Progress: ``progress(phase, 0, 0)`` at each phase start and ``("complete", n, n)`` once published,
 n the artifact's bytes.
 Any failure raises; the source is resumed (never left stopped or CUDA-locked), the staging dir is
-removed, nothing appears under the artifact's name.
+removed, nothing appears under the artifact's name. When the source's CUDA state cannot be
+brought back (a rollback or the resume fails: the processes would stay locked for good), the
+source tree is killed, so its container exits and restarts cold instead of hanging.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import logging
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,10 +42,13 @@ from runtime import bulk
 from runtime import control as control_mod
 from runtime import layout
 from runtime import overlay
+from runtime import preflight
+from runtime import tcpmode
 from runtime.containers import ContainerInfo, process_tree, resolve_container, workload_root
+from runtime.errors import CheckpointRefused, CriuError, CudaStuck, RekindleError
 from runtime.gpus import spec_devices, visible_gpus
 from runtime.manifest import CriuInfo, CudaInfo, Gpu, Manifest, MountInfo, NodeInfo, ProcessInfo, Source
-from runtime.mechanics import dump_workload
+from runtime.mechanics import DumpResult, dump_workload
 from runtime.security import SecurityProfile
 from runtime.store import ArtifactStore
 from runtime.timings import Timings
@@ -128,29 +139,44 @@ def checkpoint(req: CheckpointRequest, store: ArtifactStore, key: bytes, *,
     if cuda is not None:
         with t.phase("cuda_find"):
             cuda_host = cuda.find_cuda_pids(tree)
+    with t.phase("preflight"):  # before anything is locked: a refusal leaves the source untouched
+        report = preflight.inspect(tree, cuda_host)
+    for note in report.notes:
+        log.info("checkpoint %s/%s: pid %d (%s): %s", req.namespace, req.name, note.pid, note.comm, note.summary)
+    if report.blocking:
+        raise CheckpointRefused(report.reasons())
     with store.stage(req.namespace, req.name) as staging:
         images = os.path.join(staging.path, layout.CRIU_DIR)
-        ns_of = {h: ns_pid(h) for h in cuda_host}
         if cuda_host:
             gpus = [Gpu(g.uuid, g.name) for g in visible_gpus(spec_devices(info.spec))]
             if not gpus:  # a container given every GPU (privileged): what CUDA sees
                 gpus = [Gpu(g.uuid, g.name) for g in cuda.gpus()]
-            cuda_info = CudaInfo(cuda.driver_version(), tuple(gpus), tuple(sorted(ns_of.values())))
+            driver = cuda.driver_version()
             stale = cuda.release(cuda_host)
             if stale:
                 log.warning("CUDA processes %s were left locked or checkpointed (an earlier agent died "
                             "mid-checkpoint); resumed them first", stale)
             before = {h: anon_mappings(h) for h in cuda_host}
-            with t.phase("cuda_checkpoint"):
-                cuda.checkpoint_all(cuda_host, lock_timeout_ms=CUDA_LOCK_TIMEOUT_MS)
+            with t.phase("cuda_checkpoint"), _ends_source_on(CudaStuck, root.host):
+                cuda_host = cuda.checkpoint_all(cuda_host, lock_timeout_ms=CUDA_LOCK_TIMEOUT_MS)
+            ns_of = {h: ns_pid(h) for h in cuda_host}
+            if cuda_host:
+                cuda_info = CudaInfo(driver, tuple(gpus), tuple(sorted(ns_of.values())))
             for h in cuda_host:  # the driver's host copy of device memory: new mappings
                 new = sorted(r for r in anon_mappings(h) - before[h] if r[1] - r[0] >= HUGE_MIN)
                 huge[ns_of[h]] = new  # empty: split marks the process's largest bulk run instead
                 log.info("CUDA process %d: %d new staging mapping(s) after the checkpoint: %s", h, len(new),
                          ", ".join(f"{a:#x}+{(b - a) >> 20}MiB" for a, b in new))
+        tcp = tcpmode.TcpPlan(False, "not looked at")
         try:
             with t.phase("criu_dump"):
-                dump = dump_workload(info, images, leave_running=True, leave_stopped=True, work_dir=work_dir)
+                tcp = tcpmode.plan(_tree(root.host))
+                log.info("checkpoint %s/%s: TCP connections %s: %s", req.namespace, req.name,
+                         "kept" if tcp.established else "closed", tcp.reason)
+                dump = dump_workload(info, images, leave_running=True, leave_stopped=True, work_dir=work_dir,
+                                     tcp_established=tcp.established)
+                if tcp.established:
+                    _check_tcp_kept(dump)
             # One instant: the files and /dev/shm are read while the tree is still stopped.
             with t.phase("rootfs_capture"):
                 overlay.capture(info.upperdir, os.path.join(staging.path, layout.ROOTFS_TAR),
@@ -161,17 +187,23 @@ def checkpoint(req: CheckpointRequest, store: ArtifactStore, key: bytes, *,
                     overlay.capture(dump.shm_source, os.path.join(staging.path, layout.SHM_TAR),
                                     os.path.join(staging.path, layout.SHM_DELETIONS), exclude=())
         finally:
+            # CRIU leaves kept connections in repair mode when it leaves the tree stopped.
+            unrepaired = tcpmode.repair_off(tcp.holders) if tcp.established else []
             bulk.signal_all(_tree(root.host), signal.SIGCONT)  # whatever CRIU left stopped
             if cuda_host and not req.exit_after:
-                with t.phase("cuda_resume_source"):
+                with t.phase("cuda_resume_source"), _ends_source_on(RekindleError, root.host):
                     cuda.restore_all(cuda_host)
+        if unrepaired:
+            raise CriuError("dump", "TCP connections of the source were left in repair mode: "
+                            + "; ".join(unrepaired), dump.log_path)
         files: tuple[layout.BulkFile, ...] = ()
         if req.split:
             with t.phase("split"):
                 files, _stats = bulk.split(staging.path, huge)
         plan = layout.RestorePlan(
             stdio=tuple(dump.stdio), shell_job=dump.shell_job,
-            mounts=tuple(dump.mount_plan), shm=bool(dump.shm_source), bulk=files)
+            mounts=tuple(dump.mount_plan), shm=bool(dump.shm_source), bulk=files,
+            tcp_established=tcp.established)
         with open(os.path.join(staging.path, layout.RESTORE_PLAN), "wb") as f:
             f.write(plan.to_json())
         uts = os.uname()
@@ -205,6 +237,26 @@ def checkpoint(req: CheckpointRequest, store: ArtifactStore, key: bytes, *,
         size = sum(f.size for f in published.files)
         progress("complete", size, size)
     return dict(t)
+
+
+@contextlib.contextmanager
+def _ends_source_on(kind: type[BaseException], root_host: int) -> Iterator[None]:
+    """On ``kind``, kill the source tree before re-raising: its CUDA processes are stuck locked or
+    checkpointed and would never run again; ended, the container exits and restarts cold."""
+    try:
+        yield
+    except kind as exc:
+        log.error("the source's CUDA state cannot be brought back (%s); ending the workload %d", exc, root_host)
+        bulk.kill_all(_tree(root_host))
+        raise
+
+
+def _check_tcp_kept(dump: DumpResult) -> None:
+    """The dump kept TCP connections: the stopped tree must still hold only loopback ones between
+    its own processes (one opened between the decision and the freeze would not restore)."""
+    now = tcpmode.plan(dump.tree)
+    if now.connections and not now.established:
+        raise CriuError("dump", f"a TCP connection changed while the tree was dumped: {now.reason}", dump.log_path)
 
 
 def _tree(host_pid: int) -> list[int]:

@@ -8,9 +8,12 @@ Contract:
   ``CriuError(op, <last error lines of the log>, log_path)`` on any failure.
 - Restore can leave the tree stopped (``--leave-stopped``: the caller confines it, then sends
   SIGCONT) and force LSM labels (``--lsm-profile``, ``--lsm-mount-context``).
-- Fixed choices: ``--file-locks``; ``--tcp-close`` (dump: established TCP connections are not
-  dumped; restore: they come back closed; listening sockets restore, so a server keeps serving in a
-  new netns with a new IP as long as it listened on a wildcard address); ``--network-lock skip`` on
+- TCP: ``--tcp-close`` by default (dump: established connections are not dumped; restore: they
+  come back closed; listening sockets restore, so a server keeps serving in a new netns with a new
+  IP as long as it listened on a wildcard address); ``tcp_established`` passes
+  ``--tcp-established`` instead (connections dumped and restored as they were: only for loopback
+  connections inside the tree, see ``runtime.tcpmode``; dump and restore must agree).
+- Fixed choices: ``--file-locks``; ``--network-lock skip`` on
   dump (the netns is external: nothing to lock, and nodes may lack iptables-restore);
   ``--manage-cgroups=ignore`` (cgroups are placed by the caller: the target's, never the source's).
 - Mount plan: :func:`plan_external_mounts` makes every bind mount of the OCI spec and every
@@ -61,6 +64,7 @@ class DumpOptions:
     external_mounts: list[MountPlanEntry] = field(default_factory=list)
     shell_job: bool = False
     ext_unix_sk: bool = False
+    tcp_established: bool = False  # --tcp-established instead of --tcp-close
     ghost_limit: int | None = None
     extra: list[str] = field(default_factory=list)
 
@@ -77,6 +81,7 @@ class RestoreOptions:
     external_mounts: list[str] = field(default_factory=list)  # "mnt[key]:host_source"
     shell_job: bool = False
     ext_unix_sk: bool = False
+    tcp_established: bool = False  # as the dump was taken (RestorePlan.tcp_established)
     leave_stopped: bool = True  # the caller checks the log, fills bulk pages and confines, then resumes
     lsm_profile: str | None = None  # "apparmor:<profile>" / "selinux:<label>"
     lsm_mount_context: str | None = None
@@ -90,7 +95,7 @@ def log_path(opts: DumpOptions | RestoreOptions) -> str:
 def criu_argv(opts: DumpOptions | RestoreOptions, criu: str = CRIU) -> list[str]:
     work = opts.work_dir or opts.images_dir
     common = ["-D", opts.images_dir, "-W", work, "-o", log_path(opts), "-v4", "--file-locks",
-              "--tcp-close", "--manage-cgroups=ignore"]
+              "--tcp-established" if opts.tcp_established else "--tcp-close", "--manage-cgroups=ignore"]
     if opts.shell_job:
         common.append("--shell-job")
     if opts.ext_unix_sk:

@@ -10,9 +10,14 @@ Contract:
   ``1``, ``CUDA_ERROR_INVALID_VALUE``.
 - PIDs are host PIDs (the caller's pid namespace). States follow ``CUprocessState``:
   RUNNING -lock-> LOCKED -checkpoint-> CHECKPOINTED -restore-> LOCKED -unlock-> RUNNING.
-- :meth:`CudaCheckpointer.checkpoint_all` locks every pid, then checkpoints every pid; on failure
-  it rolls back what it did (restore what was checkpointed, unlock what was locked) and re-raises.
-  :meth:`CudaCheckpointer.restore_all` restores every pid, then unlocks every pid.
+- :meth:`CudaCheckpointer.checkpoint_all` locks every pid, then checkpoints every pid (a pid
+  whose lock answers CUDA_ERROR_NOT_INITIALIZED has no CUDA and is skipped) and returns the pids
+  checkpointed; on failure it rolls back what it did (restore what was checkpointed, unlock what
+  was locked, newest first) and re-raises, or raises :class:`runtime.errors.CudaStuck` naming
+  the pids the rollback could not bring back.
+  :meth:`CudaCheckpointer.restore_all` restores every pid, then unlocks every pid; the first
+  failure is raised naming its pid and nothing more is unlocked (the caller ends the tree: a
+  process left locked, or whose unlock answered ILLEGAL_STATE, never resumes).
 - GPU remapping (driver >= 580): ``gpu_map`` maps old UUID -> new UUID and must cover every GPU
   the process sees, as a bijection; :func:`build_gpu_map` makes one from two ordered UUID lists.
 - :meth:`CudaCheckpointer.find_cuda_pids` probes with get-restore-tid (not get-state, which also
@@ -32,13 +37,14 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from runtime.cuda_driver import Driver, nvml_driver_version, parse_uuid, proc_driver_version
-from runtime.errors import CudaError, CudaUnavailable, RekindleError
+from runtime.errors import CudaError, CudaStuck, CudaUnavailable, RekindleError
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 PROC_DRIVER_VERSION = "/proc/driver/nvidia/version"
+NOT_INITIALIZED = 3  # CUDA_ERROR_NOT_INITIALIZED: the driver's answer for a process without CUDA
 
 
 class ProcessState(enum.IntEnum):
@@ -259,48 +265,82 @@ class CudaCheckpointer:
         raise CudaUnavailable(f"no NVIDIA driver version (NVML failed, {PROC_DRIVER_VERSION} unreadable)")
 
     # ---- whole sequences -------------------------------------------------------------------
-    def checkpoint_all(self, pids: Iterable[int], lock_timeout_ms: int = 0) -> None:
-        """Lock all, then checkpoint all; on failure undo what was done and re-raise."""
-        pids = list(pids)
+    def checkpoint_all(self, pids: Iterable[int], lock_timeout_ms: int = 0) -> list[int]:
+        """Lock every process, then checkpoint every one; returns the pids checkpointed.
 
-        def seq(d: Driver) -> None:
+        Order: all locks before any checkpoint, so no process is moved to the host while another
+        still runs GPU work that may wait on it. A process whose lock answers
+        CUDA_ERROR_NOT_INITIALIZED has no CUDA context and is skipped. Any other failure undoes
+        what was done (restore, unlock, newest first) and re-raises it naming the pid; when the
+        undo fails too, :class:`CudaStuck` names the processes left locked or checkpointed.
+        """
+        pids = list(dict.fromkeys(pids))
+
+        def seq(d: Driver) -> list[int]:
             locked: list[int] = []
             done: list[int] = []
             try:
                 for p in pids:
-                    d.lock(p, lock_timeout_ms)
+                    try:
+                        d.lock(p, lock_timeout_ms)
+                    except CudaError as exc:
+                        if exc.code == NOT_INITIALIZED:
+                            log.info("pid %d has no CUDA context; not checkpointed", p)
+                            continue
+                        raise exc.about(p) from exc
                     locked.append(p)
-                for p in pids:
-                    d.checkpoint(p)
+                for p in locked:
+                    try:
+                        d.checkpoint(p)
+                    except CudaError as exc:
+                        raise exc.about(p) from exc
                     done.append(p)
+            except CudaError as exc:
+                stuck = _rollback(d, locked, done)
+                if stuck:
+                    raise CudaStuck(exc, stuck) from exc
+                raise
             except BaseException:
                 _rollback(d, locked, done)
                 raise
+            return locked
 
-        self._run(seq)
+        return self._run(seq)
 
     def restore_all(self, pids: Iterable[int], gpu_map: Mapping[str, str] | None = None) -> None:
-        """Restore all (remapping GPUs per ``gpu_map``), then unlock all."""
-        pids, pairs = list(pids), gpu_pairs(gpu_map)
+        """Restore every process (remapping GPUs per ``gpu_map``), then unlock every one.
+
+        All are restored before any is unlocked, so none runs GPU work while a peer's memory is
+        still on the host. The first failure is raised at once, naming the pid, and nothing more
+        is unlocked: a process restored but left locked, or one whose unlock answered
+        CUDA_ERROR_ILLEGAL_STATE, cannot be brought back, and the caller must end the tree.
+        """
+        pids, pairs = list(dict.fromkeys(pids)), gpu_pairs(gpu_map)
 
         def seq(d: Driver) -> None:
-            for p in pids:
-                d.restore(p, pairs)
-            for p in pids:
-                d.unlock(p)
+            for step in (lambda p: d.restore(p, pairs), d.unlock):
+                for p in pids:
+                    try:
+                        step(p)
+                    except CudaError as exc:
+                        raise exc.about(p) from exc
 
         self._run(seq)
 
 
-def _rollback(d: Driver, locked: list[int], checkpointed: list[int]) -> None:
+def _rollback(d: Driver, locked: list[int], checkpointed: list[int]) -> dict[int, str]:
+    """Undo a partial checkpoint, newest first; returns the pids it could not bring back."""
+    stuck: dict[int, str] = {}
     for p in reversed(locked):
         try:
             if p in checkpointed:
                 d.restore(p)
             d.unlock(p)
         except CudaError as exc:
-            log.error("rollback of pid %d failed, it may stay %s: %s", p,
+            stuck[p] = str(exc)
+            log.error("rollback of pid %d failed, it stays %s: %s", p,
                       "checkpointed" if p in checkpointed else "locked", exc)
+    return stuck
 
 
 def default_library() -> str | None:

@@ -143,7 +143,8 @@ def run(cmd: Command, ckpt: CudaCheckpointer) -> str | None:
     elif cmd.op == "toggle":
         state = ckpt.state(pid)
         if state == ProcessState.RUNNING:
-            ckpt.checkpoint_all([pid], cmd.timeout_ms)
+            if not ckpt.checkpoint_all([pid], cmd.timeout_ms):
+                raise RekindleError(f"cannot toggle pid {pid}: it has no CUDA context")
         elif state == ProcessState.CHECKPOINTED:
             ckpt.restore_all([pid], cmd.device_map or None)
         else:

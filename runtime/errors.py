@@ -89,13 +89,39 @@ class CriuError(RekindleError):
 
 
 class CudaError(RekindleError):
-    """A CUDA driver checkpoint call failed."""
+    """A CUDA driver checkpoint call failed (``pid``: the process it was about, when known)."""
 
-    def __init__(self, call: str, code: int, name: str) -> None:
-        super().__init__(f"{call} failed: {name} ({code})")
+    def __init__(self, call: str, code: int, name: str, pid: int | None = None) -> None:
+        on = f" for pid {pid}" if pid is not None else ""
+        super().__init__(f"{call}{on} failed: {name} ({code})")
         self.call = call
         self.code = code
         self.name = name
+        self.pid = pid
+
+    def about(self, pid: int) -> CudaError:
+        """The same error, naming the process it was about."""
+        return CudaError(self.call, self.code, self.name, pid)
+
+
+class CudaStuck(RekindleError):
+    """A failed CUDA sequence could not be undone: ``stuck`` maps each pid left locked or
+    checkpointed to what went wrong. Such a process never resumes; the caller ends it."""
+
+    def __init__(self, cause: CudaError, stuck: dict[int, str]) -> None:
+        pids = ", ".join(str(p) for p in sorted(stuck))
+        super().__init__(f"{cause}; undoing it failed too, pid(s) {pids} stay stuck")
+        self.cause = cause
+        self.stuck = stuck
+
+
+class CheckpointRefused(RekindleError):
+    """A checkpoint was not taken because its restore could not work (``reasons``: one per
+    finding). Raised before anything is locked or dumped: the source runs on unharmed."""
+
+    def __init__(self, reasons: list[str]) -> None:
+        super().__init__("checkpoint refused: " + "; ".join(reasons))
+        self.reasons = reasons
 
 
 class CudaUnavailable(RekindleError):

@@ -57,7 +57,7 @@ PID_WAIT = 3.0  # seconds to wait for image pids still held by dying processes
 class DumpResult:
     root_ns_pid: int
     root_host_pid: int
-    tree: tuple[int, ...]  # host pids; stopped when the dump was asked to leave them stopped
+    tree: tuple[int, ...]  # host pids (as CRIU left them when asked to leave them stopped)
     mount_plan: list[MountPlanEntry]
     criu_version: str
     seconds: float
@@ -103,11 +103,13 @@ def dump_workload(
     work_dir: str | None = None,
     timeout: float = 1800.0,
     leave_stopped: bool = False,
+    tcp_established: bool = False,
 ) -> DumpResult:
     """Dump the workload tree of ``info`` (its init's single child) into ``images_dir``.
 
     ``leave_stopped``: the tree stays stopped after the dump, so the caller can capture the
-    writable layer and /dev/shm at the same instant as the memory, then resume it (SIGCONT)."""
+    writable layer and /dev/shm at the same instant as the memory, then resume it (SIGCONT).
+    ``tcp_established``: keep TCP connections (``runtime.tcpmode`` decides), else close them."""
     root: Pid = workload_root(info)
     if os.stat(f"/proc/{root.host}/ns/pid").st_ino != info.namespaces["pid"].inode:
         raise NamespaceError(f"workload {root.host} is not in container {info.id}'s pid namespace")
@@ -128,13 +130,16 @@ def dump_workload(
         netns_inode=os.stat(f"/proc/{root.host}/ns/net").st_ino,
         external_mounts=plan,
         shell_job=shell_job,
+        tcp_established=tcp_established,
     )
     version = criu_mod.criu_version()
     os.makedirs(images_dir, exist_ok=True)
-    log.info("dump container %s: root %s, %d processes, %d external mounts, shell_job=%s",
-             info.id, root, len(tree), len(plan), shell_job)
+    log.info("dump container %s: root %s, %d processes, %d external mounts, shell_job=%s, tcp=%s",
+             info.id, root, len(tree), len(plan), shell_job, "established" if tcp_established else "close")
     seconds = criu_mod.run_criu(opts, wrapper=ns.in_pid_ns_argv(info.init_pid, []), timeout=timeout)
     if leave_stopped:
+        # What CRIU froze: short-lived children listed before may be gone, new ones were dumped.
+        tree = process_tree(root.host)
         wait_stopped(tree)
     return DumpResult(root_ns_pid=root.ns, root_host_pid=root.host, tree=tuple(tree), mount_plan=plan,
                       criu_version=version, seconds=seconds, stdio=stdio, shm_source=shm,
@@ -185,11 +190,13 @@ def restore_into(
     timeout: float = 1800.0,
     cgroups_first: bool = True,
     lsm: LsmOptions = LsmOptions(),
+    tcp_established: bool = False,
 ) -> RestoreResult:
     """Restore the tree in ``images_dir`` into ``target`` (whose init waits in restore mode).
 
     ``source_stdio`` is ``DumpResult.stdio`` (None: stdio pipes are not re-attached).
     ``lsm`` is what :func:`runtime.security.lsm_options` says CRIU must force.
+    ``tcp_established``: the mode the dump was taken with (``RestorePlan.tcp_established``).
     ``cgroups_first=False`` runs CRIU in the caller's cgroups and only moves the tree afterwards
     (memory restored until then stays charged to the caller's cgroup).
     """
@@ -213,6 +220,7 @@ def restore_into(
             join_ns=[("ipc", "/proc/1/ns/ipc"), ("uts", "/proc/1/ns/uts")],
             external_mounts=externals,
             shell_job=criu_mod.image_is_shell_job(images_dir),
+            tcp_established=tcp_established,
             leave_stopped=True,
             lsm_profile=lsm.profile,
             lsm_mount_context=lsm.mount_context,

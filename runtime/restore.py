@@ -11,12 +11,15 @@ The target container runs ``rekindle-init --mode restore`` as PID 1 and waits. S
      hashed; only those copies are used afterwards (CRIU reads its images from there);
   4. rootfs_apply: the writable-layer diff (and /dev/shm) into the target;
   5. criu_restore: CRIU inside the target's namespaces and cgroups with the target's LSM labels,
-     left stopped; the target's oom_score_adj, rlimits and mount flags are forced on the stopped
+     TCP connections kept or closed as the dump decided (``RestorePlan.tcp_established``), left
+     stopped; the target's oom_score_adj, rlimits and mount flags are forced on the stopped
      tree (runtime.mechanics, runtime.confine);
   6. fill: the bulk pages are read, hashed and written into the stopped process on many
      threads; the process is resumed only when every digest matched;
   7. cuda_restore: the target's GPU device nodes (created from the host by syscalls), restore
-     (remapped by UUID onto the GPUs this container was given) + unlock every CUDA process;
+     (remapped by UUID onto the GPUs this container was given) of every CUDA process, then
+     unlock of every one; any failure kills the restored tree (a process left locked, or a rank
+     whose peer failed, would never go on);
   8. ``restore-pid`` + ``restore-complete`` for the init.
 Progress: ``progress(phase, 0, 0)`` at each phase start, ``("fill", done, total)`` bytes during
 the fill (from the fill's threads), and ``("complete", n, n)`` at the end, n the artifact's bytes.
@@ -45,7 +48,7 @@ from runtime import control as control_mod
 from runtime import layout
 from runtime import overlay
 from runtime.compat import CudaFacts, NodeFacts, check_compatibility
-from runtime.containers import ContainerInfo, resolve_container
+from runtime.containers import ContainerInfo, process_tree, resolve_container
 from runtime.devnodes import CharDevice, ensure_char_devices
 from runtime.errors import ArtifactRejected, RekindleError
 from runtime.gpus import NVIDIA_MAJOR, spec_devices, visible_gpus
@@ -158,6 +161,28 @@ def _open_bulk(held: contextlib.ExitStack, artifact: Artifact, plan: layout.Rest
     return fds
 
 
+def cuda_restore(cuda: Any, host_pids: list[int], gpu_map: dict[str, str] | None, root_host: int,
+                 restored: tuple[int, ...]) -> None:
+    """Restore and unlock every CUDA process of a running restored tree; on any failure kill the
+    tree and re-raise. Some processes may be back on the GPU and others stuck locked: none may go
+    on (a rank would wait for its peer forever); the caller's restore-failed makes the init start
+    cold."""
+    try:
+        cuda.restore_all(host_pids, gpu_map)
+    except BaseException:
+        bulk.kill_all(_tree_now(root_host, restored))
+        raise
+
+
+def _tree_now(root_host: int, restored: tuple[int, ...]) -> list[int]:
+    """The restored tree as it is now (it ran since CRIU, and may have forked), and as it was."""
+    try:
+        now = process_tree(root_host)
+    except Exception:  # noqa: BLE001 - the root is gone: kill what is known
+        now = []
+    return list(dict.fromkeys([*now, *restored]))
+
+
 def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFacts, *,
             control: control_mod.ControlDir | None = None, cuda: Any = None,
             check_image: bool = True, generations: GenerationBook | None = None,
@@ -208,7 +233,7 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
                 stdio = plan.stdio if len(plan.stdio) == 3 else None
                 result = restore_into(target, os.path.join(private, layout.CRIU_DIR), list(plan.mounts),
                                       source_stdio=stdio, work_dir=work,  # type: ignore[arg-type]
-                                      lsm=lsm_options(security, lsm))
+                                      lsm=lsm_options(security, lsm), tcp_established=plan.tcp_established)
             pidns = target.namespaces["pid"].inode
             host_pids: list[int] = []
             gpu_map = None
@@ -234,7 +259,7 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
         bulk.signal_all(result.tree, signal.SIGCONT)
         if manifest.cuda is not None:
             with t.phase("cuda_restore"):
-                cuda.restore_all(host_pids, gpu_map)
+                cuda_restore(cuda, host_pids, gpu_map, result.host_pid, result.tree)
             log.info("CUDA restored for %d process(es)%s", len(host_pids),
                      f", remapped {gpu_map}" if gpu_map else "")
         if control is not None:

@@ -9,7 +9,7 @@ import pytest
 
 from runtime import cuda_cli
 from runtime.cuda import CudaCheckpointer, ProcessState
-from runtime.errors import CudaError, CudaUnavailable
+from runtime.errors import CudaError, CudaStuck, CudaUnavailable
 
 U0 = "GPU-00000000-0000-0000-0000-000000000000"
 U1 = "GPU-11111111-1111-1111-1111-111111111111"
@@ -18,9 +18,11 @@ U1 = "GPU-11111111-1111-1111-1111-111111111111"
 class FakeDriver:
     """Models the driver's state machine for a set of CUDA pids."""
 
-    def __init__(self, cuda_pids: list[int], fail: dict[tuple[str, int], int] | None = None) -> None:
+    def __init__(self, cuda_pids: list[int], fail: dict[tuple[str, int], int] | None = None,
+                 no_cuda: set[int] | None = None) -> None:
         self.states = {p: 0 for p in cuda_pids}
         self.fail = fail or {}
+        self.no_cuda = no_cuda or set()  # live processes without CUDA: NOT_INITIALIZED at once
         self.calls: list[tuple[str, int]] = []
         self.threads: set[str] = set()
         self.pairs: list[list[tuple[str, str]]] = []
@@ -28,6 +30,8 @@ class FakeDriver:
     def _do(self, call: str, pid: int, need: int | None, to: int | None) -> None:
         self.threads.add(threading.current_thread().name)
         self.calls.append((call, pid))
+        if pid in self.no_cuda:
+            raise CudaError(f"cuCheckpointProcess{call.title()}", 3, "CUDA_ERROR_NOT_INITIALIZED")
         if pid not in self.states:
             raise CudaError(f"cuCheckpointProcess{call.title()}", 1, "CUDA_ERROR_INVALID_VALUE")
         if (call, pid) in self.fail:
@@ -112,6 +116,66 @@ def test_checkpoint_all_lock_failure_unlocks_locked() -> None:
             ck.checkpoint_all([1, 5, 2])
     assert fake.states == {1: 0, 2: 0}
     assert ("lock", 2) not in fake.calls
+
+
+def test_checkpoint_all_locks_every_process_before_checkpointing_any() -> None:
+    fake = FakeDriver([5, 3, 9])
+    with make(fake) as ck:
+        assert ck.checkpoint_all([5, 3, 9, 3]) == [5, 3, 9]
+    assert fake.calls == [("lock", 5), ("lock", 3), ("lock", 9),
+                          ("checkpoint", 5), ("checkpoint", 3), ("checkpoint", 9)]
+
+
+def test_checkpoint_all_skips_processes_without_cuda() -> None:
+    """The API process of a vLLM-shaped pod: the driver answers NOT_INITIALIZED, nothing else."""
+    fake = FakeDriver([1, 2], no_cuda={7})
+    with make(fake) as ck:
+        assert ck.checkpoint_all([1, 7, 2]) == [1, 2]
+        assert fake.states == {1: 2, 2: 2}
+        ck.restore_all([1, 2])
+    assert fake.states == {1: 0, 2: 0}
+    assert [c for c in fake.calls if c[1] == 7] == [("lock", 7)]
+
+
+def test_restore_all_restores_every_process_before_unlocking_any() -> None:
+    fake = FakeDriver([4, 6])
+    with make(fake) as ck:
+        ck.checkpoint_all([4, 6])
+        fake.calls.clear()
+        ck.restore_all([4, 6])
+    assert fake.calls == [("restore", 4), ("restore", 6), ("unlock", 4), ("unlock", 6)]
+
+
+def test_restore_failure_names_the_process_and_unlocks_none() -> None:
+    fake = FakeDriver([1, 2, 3], fail={("restore", 2): 801})
+    with make(fake) as ck:
+        ck.checkpoint_all([1, 2, 3])
+        with pytest.raises(CudaError) as ei:
+            ck.restore_all([1, 2, 3])
+    assert (ei.value.pid, ei.value.code) == (2, 801) and "pid 2" in str(ei.value)
+    # 1 is back on the GPU but still locked, 2 and 3 are on the host: none may run on.
+    assert fake.states == {1: 1, 2: 2, 3: 2}
+    assert not [c for c in fake.calls if c[0] == "unlock"]
+
+
+def test_unlock_in_illegal_state_fails_the_restore() -> None:
+    """After a failed restore the driver answers ILLEGAL_STATE to unlock: never a silent hang."""
+    fake = FakeDriver([1, 2], fail={("unlock", 2): 401})
+    with make(fake) as ck:
+        ck.checkpoint_all([1, 2])
+        with pytest.raises(CudaError) as ei:
+            ck.restore_all([1, 2])
+    assert (ei.value.pid, ei.value.code) == (2, 401)
+
+
+def test_checkpoint_rollback_that_fails_names_the_stuck_processes() -> None:
+    fake = FakeDriver([1, 2, 3], fail={("checkpoint", 3): 999, ("restore", 1): 801})
+    with make(fake) as ck:
+        with pytest.raises(CudaStuck) as ei:
+            ck.checkpoint_all([1, 2, 3])
+    assert ei.value.cause.pid == 3 and ei.value.cause.code == 999
+    assert set(ei.value.stuck) == {1}
+    assert fake.states == {1: 2, 2: 0, 3: 0}  # 2 restored + unlocked, 3 unlocked, 1 stuck
 
 
 def test_find_cuda_pids_skips_errors_and_threads() -> None:

@@ -1,0 +1,82 @@
+"""What happens to a process tree whose CUDA state cannot be brought back: ended, not left hanging
+(real processes, a fake driver)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from runtime import checkpoint, restore
+from runtime.containers import process_tree
+from runtime.errors import CudaError, CudaStuck
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+
+
+def wait_dead(pids: list[int], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while any(alive(p) for p in pids):
+        assert time.monotonic() < deadline, [p for p in pids if alive(p)]
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def tree() -> Iterator[list[int]]:
+    """A root with two children, like a launcher and its ranks."""
+    root = subprocess.Popen(["/bin/sh", "-c", "sleep 600 & sleep 600 & wait"])
+    deadline = time.monotonic() + 10
+    while len(process_tree(root.pid)) < 3:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    pids = process_tree(root.pid)
+    yield pids
+    for p in pids:
+        try:
+            os.kill(p, 9)
+        except ProcessLookupError:
+            pass
+    root.wait(10)
+
+
+class FailingCuda:
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+        self.calls: list[tuple[list[int], object]] = []
+
+    def restore_all(self, pids: list[int], gpu_map: object = None) -> None:
+        self.calls.append((pids, gpu_map))
+        raise self.exc
+
+
+def test_failed_cuda_restore_kills_the_restored_tree(tree: list[int]) -> None:
+    cuda = FailingCuda(CudaError("cuCheckpointProcessUnlock", 401, "CUDA_ERROR_ILLEGAL_STATE", pid=tree[2]))
+    with pytest.raises(CudaError, match="ILLEGAL_STATE"):
+        restore.cuda_restore(cuda, tree[1:], {"GPU-a": "GPU-b"}, tree[0], (tree[0],))
+    assert cuda.calls == [(tree[1:], {"GPU-a": "GPU-b"})]
+    wait_dead(tree)  # the children too, found from the root as the tree is now
+
+
+def test_source_is_ended_when_a_rollback_leaves_it_stuck(tree: list[int]) -> None:
+    cause = CudaError("cuCheckpointProcessCheckpoint", 999, "CUDA_ERROR_UNKNOWN", pid=tree[1])
+    with pytest.raises(CudaStuck):
+        with checkpoint._ends_source_on(CudaStuck, tree[0]):
+            raise CudaStuck(cause, {tree[2]: "restore failed"})
+    wait_dead(tree)
+
+
+def test_source_runs_on_after_a_rollback_that_worked(tree: list[int]) -> None:
+    with pytest.raises(CudaError):
+        with checkpoint._ends_source_on(CudaStuck, tree[0]):
+            raise CudaError("cuCheckpointProcessLock", 909, "CUDA_ERROR_TIMEOUT", pid=tree[1])
+    time.sleep(0.2)
+    assert all(alive(p) for p in tree)
