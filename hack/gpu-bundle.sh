@@ -31,7 +31,7 @@ cni_dir=${REKINDLE_CNI_BIN_DIR:-/usr/lib/cni}
 busybox=${REKINDLE_BUSYBOX:-/bin/busybox}
 py=${PYTHON:-$root/.venv/bin/python}
 [ -x "$py" ] || py=python3
-wheels=(protobuf==7.36.2 tomlkit==0.15.2 grpcio==1.85.1 blake3==1.0.11 typing_extensions==4.15.0)
+wheels=(protobuf==7.36.2 tomlkit==0.15.2 grpcio==1.85.1 blake3==1.0.11 prometheus_client==0.26.0 typing_extensions==4.15.0)
 
 stage=$(mktemp -d)
 trap 'rm -rf "$stage"' EXIT
