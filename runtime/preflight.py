@@ -23,7 +23,7 @@ Blocking findings, and why:
   open (NVML does, until ``nvmlShutdown``): the CUDA checkpoint does not release it and CRIU
   cannot dump it.
 - ``nccl-communicator``: a live NCCL communicator whose transport the driver (580) cannot
-  restore. Live means the process holds NCCL's proxy socket (``@/tmp/nccl-socket-*``, bound for
+  restore. Live means the process holds NCCL's proxy socket (``@tmp/nccl-socket-*``, bound for
   a communicator's lifetime) or maps or holds a ``/dev/shm/nccl-*`` file (SHM transport
   buffers, proxy op pools). The transport follows from the process's NCCL environment (see
   :class:`NcclTransport`); measured on 2x H200, NCCL 2.28: P2P/CUMEM (the default), P2P/IPC
@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import enum
 import os
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -53,7 +54,10 @@ NEVER_DRIVER_ANON = {"[io_uring]": "io_uring", "[userfaultfd]": "userfaultfd", "
 MEM_MAJOR, MISC_MAJOR, NVIDIA_MAJOR = 1, 10, 195
 MISC_OK = frozenset({200, 235})  # tun, autofs
 TTY_MAJORS = frozenset({4, 5, *range(136, 144)})
-NCCL_SOCKET = "@/tmp/nccl-socket-"
+# NCCL's proxy socket is abstract; /proc/net/unix shows it as "@tmp/nccl-socket-<rank>-<hash>"
+# padded with '@' (seen with NCCL 2.28 on 2x H200, and gone after destroy_process_group); older
+# builds name it "@/tmp/nccl-socket-...".
+NCCL_SOCKET = re.compile(r"@/?tmp/nccl-socket-")
 NCCL_SHM = "/dev/shm/nccl-"
 
 
@@ -188,7 +192,7 @@ def _nccl_findings(pid: int, name: str, fds: Sequence[procfs.Fd], mapped: Sequen
     evidence = []
     for inode in sorted(procfs.socket_inodes(list(fds))):
         sk = unix.get(inode)
-        if sk is not None and sk.path.startswith(NCCL_SOCKET):
+        if sk is not None and NCCL_SOCKET.match(sk.path):
             evidence.append(f"socket {sk.path}")
     evidence += sorted({f"mapping {m.path}" for m in mapped if m.path.startswith(NCCL_SHM)})
     evidence += sorted({f"fd {e.fd} -> {e.link}" for e in fds if e.link.startswith(NCCL_SHM)})

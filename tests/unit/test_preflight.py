@@ -47,7 +47,7 @@ def nccl_rank(proc: Path, pid: int, env: dict[str, str]) -> None:
                       10: "/dev/nvidiactl"},
                  maps=["/usr/lib/python3/site-packages/nvidia/nccl/lib/libnccl.so.2",
                        "/dev/shm/nccl-Xa81Qz (deleted)"],
-                 unix=[(NCCL_SOCK_INODE + pid, f"@/tmp/nccl-socket-{pid % 2}-9f3e2a1b4c5d6e7f"),
+                 unix=[(NCCL_SOCK_INODE + pid, f"@tmp/nccl-socket-{pid % 2}-9f3e2a1b4c5d6e7f" + "@" * 40),
                        (4000, "@cuda-uvmfd-4026531840-1234@")])
 
 
@@ -73,7 +73,7 @@ def test_live_communicator_refused_unless_its_transport_restores(tmp_path: Path,
     if blocking:
         (reason,) = report.reasons()  # one line for both ranks
         assert "101 (python3), 102 (python3)" in reason
-        assert "@/tmp/nccl-socket-1-9f3e2a1b4c5d6e7f" in reason and "/dev/shm/nccl-Xa81Qz" in reason
+        assert "@tmp/nccl-socket-1-9f3e2a1b4c5d6e7f" in reason and "/dev/shm/nccl-Xa81Qz" in reason
         assert "NCCL_P2P_DISABLE=1" in reason
 
 
