@@ -290,11 +290,11 @@ def test_tp2_with_rebuild_restored_on_the_same_gpus(sandbox, cri, plugin, pods):
     got = tp_worker.request_verify(b_dir, 2)
     identical = [v["checksums"] for v in got] == [r["checksums"] for r in ranks] and all(v["same"] for v in got)
     rec = record(case, "restored", "", identical, restore_s, cold, allreduce_ok=all(v["allreduce_ok"] for v in got),
-                 outcome=json.loads((b_dir / "rank0-outcome.json").read_text()), timings=st["timings"],
+                 worker_outcome=json.loads((b_dir / "rank0-outcome.json").read_text()), timings=st["timings"],
                  cuda_pids=manifest(plugin, name)["cuda"]["pids"], preflight=findings)
     drop_artifact(plugin, name)
     assert identical and rec["allreduce_ok"], got
-    assert rec["outcome"]["outcome"] == "restore-complete"
+    assert rec["worker_outcome"]["outcome"] == "restore-complete"
 
 
 def test_tp2_with_rebuild_restored_onto_swapped_gpus(tmp_path: Path):
