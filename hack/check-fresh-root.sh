@@ -14,9 +14,10 @@
 #    re-checks. A package missing from the project's own lists fails the check.
 #    `criu check` needs a real node, not a chroot: REKINDLE_CRIU_SKIP_CHECK=1 skips it there.
 #
-# Mounts (/proc, /sys, /dev in the copy) are made in a private mount namespace of this script
-# (unshare), so even a killed run leaves none behind; a normal exit also unmounts them, kills
-# what still runs in the chroot and removes the copy (trap). Prints the time each step took.
+# Mounts (/proc, /sys, /dev in the copy) are made in private pid and mount namespaces of this
+# script (unshare), so even a killed run leaves neither mounts nor processes behind; an exit
+# also kills what still runs in the chroot, unmounts and removes the copy (trap), and the next
+# run removes a copy a killed run left. Prints the time each step took.
 # Needs root, debootstrap and unshare (util-linux).
 # Env: FRESH_ROOT_SUITE (bookworm), FRESH_ROOT_INCLUDE (extra packages for debootstrap, comma
 # separated; none by default), FRESH_ROOT_DIR (build/fresh-root), DEBIAN_MIRROR (the archive).
@@ -32,10 +33,12 @@ die() { echo "[fresh-root] error: $*" >&2; exit 1; }
 command -v debootstrap >/dev/null || die "debootstrap is missing (hack/install-deps.sh installs it)"
 command -v unshare >/dev/null || die "unshare is missing (util-linux)"
 
-# Everything below runs in a private mount namespace: its mounts vanish with its last process.
-# (unshare without --fork execs in place: the pid marks the re-executed script.)
-if [ "${REKINDLE_FRESH_ROOT_NS:-}" != "$$" ]; then
-    exec unshare --mount --propagation private -- env REKINDLE_FRESH_ROOT_NS=$$ bash "$self" "$@"
+# Everything below runs as pid 1 of its own pid and private mount namespaces: when it dies, by
+# any signal, the kernel kills every process it started and its mounts vanish with them
+# (--kill-child: the same when unshare itself is killed).
+if [ "${REKINDLE_FRESH_ROOT_NS:-}" != 1 ] || [ "$$" -ne 1 ]; then
+    exec unshare --mount --propagation private --pid --fork --kill-child --mount-proc -- \
+        env REKINDLE_FRESH_ROOT_NS=1 bash "$self" "$@"
 fi
 
 # shellcheck source=lib/apt-sources.sh
@@ -56,27 +59,50 @@ unmount_below() {
     for m in $(mounts_below "$1"); do umount "$m" 2>/dev/null || umount -l "$m"; done
     [ -z "$(mounts_below "$1")" ]
 }
-# kill_in_root DIR: SIGKILL what still runs with DIR as its root (a daemon a package started).
+# kill_in_root DIR: SIGKILL what still runs chrooted below DIR (a daemon a package started).
 kill_in_root() {
-    local p deadline=$((SECONDS + 10)) left=1
+    local p r deadline=$((SECONDS + 10)) left=1
     while [ "$left" -eq 1 ] && [ "$SECONDS" -lt "$deadline" ]; do
         left=0
         for p in /proc/[0-9]*; do
-            [ "$(readlink "$p/root" 2>/dev/null)" = "$1" ] || continue
+            r=$(readlink "$p/root" 2>/dev/null) || continue
+            [ "$r" = "$1" ] || [ "${r#"$1"/}" != "$r" ] || continue
             kill -KILL "${p#/proc/}" 2>/dev/null || true
             left=1
         done
         [ "$left" -eq 0 ] || sleep 0.1
     done
 }
+# waitable CMD...: run CMD in the background and wait for it. Bash runs a trap only once the
+# foreground command is over; `wait` lets INT/TERM stop the check at once.
+waitable() { "$@" & wait "$!"; }
+
+scratch=""  # the directory this run works in: a debootstrap target, then the fresh copy
+cleanup() {
+    local rc=$?
+    set +e
+    if [ -n "$scratch" ]; then
+        kill_in_root "$scratch"
+        if ! unmount_below "$scratch"; then
+            echo "[fresh-root] error: still mounted under $scratch (not removed): $(mounts_below "$scratch")" >&2
+            exit 1
+        fi
+        rm -rf --one-file-system "$scratch"
+    fi
+    say "$([ "$rc" -eq 0 ] && echo passed || echo FAILED) in $(took "$t_start")"
+    exit "$rc"
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
 
 mkdir -p "$work"
 exec 9>"$work/.lock"
-flock -n 9 || { say "another check is running in $work; waiting for it"; flock 9; }
-# Copies left by a killed run hold no mounts (they died with its namespace): remove them, never
+flock -n 9 || { say "another check is running in $work; waiting for it"; waitable flock 9; }
+# Copies left by a killed run hold no mounts (they died with its namespaces): remove them, never
 # crossing into another file system.
 for stale in "$work"/root.* "$work"/debootstrap.*; do
-    if [ -e "$stale" ]; then rm -rf --one-file-system "$stale"; fi
+    if [ -e "$stale" ]; then waitable rm -rf --one-file-system "$stale"; fi
 done
 
 # --- 1. the base tarball, cached by suite and include list -------------------------------------
@@ -86,17 +112,15 @@ if [ ! -s "$base" ]; then
     mirror=${DEBIAN_MIRROR:-$(debian_archive_uri)} || die "cannot tell which Debian archive apt uses"
     say "debootstrap --variant=minbase $suite from $mirror${include:+ with $include}"
     t=$SECONDS
-    boot=$(mktemp -d "$work/debootstrap.XXXXXX")
-    if ! debootstrap --variant=minbase ${include:+--include="$include"} "$suite" "$boot/root" "$mirror" \
-            >"$work/debootstrap.log" 2>&1; then
-        unmount_below "$boot" || true
-        tail -n 20 "$work/debootstrap.log" >&2
-        die "debootstrap failed (log: ${work#"$root"/}/debootstrap.log)"
-    fi
-    unmount_below "$boot" || die "cannot unmount what debootstrap left under $boot"
-    tar -C "$boot/root" --one-file-system -cf "$base.tmp" .
+    scratch=$(mktemp -d "$work/debootstrap.XXXXXX")
+    waitable debootstrap --variant=minbase ${include:+--include="$include"} "$suite" "$scratch/root" "$mirror" \
+            >"$work/debootstrap.log" 2>&1 \
+        || { tail -n 20 "$work/debootstrap.log" >&2; die "debootstrap failed (log: ${work#"$root"/}/debootstrap.log)"; }
+    unmount_below "$scratch" || die "cannot unmount what debootstrap left under $scratch"
+    waitable tar -C "$scratch/root" --one-file-system -cf "$base.tmp" .
     mv "$base.tmp" "$base"
-    rm -rf --one-file-system "$boot"
+    waitable rm -rf --one-file-system "$scratch"
+    scratch=""
     say "base cached as ${base#"$root"/} ($(du -h "$base" | cut -f1)) in $(took "$t")"
 else
     say "base ${base#"$root"/} (cached)"
@@ -104,23 +128,9 @@ fi
 
 # --- 2. a fresh copy, the installer inside it ---------------------------------------------------
 t=$SECONDS
-copy=$(mktemp -d "$work/root.XXXXXX")
-cleanup() {
-    local rc=$?
-    set +e
-    kill_in_root "$copy"
-    if ! unmount_below "$copy"; then
-        echo "[fresh-root] error: still mounted under $copy (not removed): $(mounts_below "$copy")" >&2
-        exit 1
-    fi
-    rm -rf --one-file-system "$copy"
-    say "$([ "$rc" -eq 0 ] && echo passed || echo FAILED) in $(took "$t_start")"
-    exit "$rc"
-}
-trap cleanup EXIT
-trap 'exit 130' INT
-trap 'exit 143' TERM
-tar -C "$copy" -xf "$base"
+scratch=$(mktemp -d "$work/root.XXXXXX")
+copy=$scratch
+waitable tar -C "$copy" -xf "$base"
 cp -L /etc/resolv.conf "$copy/etc/resolv.conf"
 # apt in the chroot reaches the archive the way the host's apt does (proxies, date checks of a
 # frozen snapshot); the sources stay those debootstrap wrote.
@@ -146,7 +156,8 @@ in_root() {
 # --- 3. the installer, from nothing; then once more, which must only re-check -------------------
 t=$SECONDS
 say "running $dest/install-deps.sh in the chroot"
-in_root bash "$dest/install-deps.sh" 2>&1 | sed -u 's/^/    /' \
+installer() { in_root bash "$dest/install-deps.sh" 2>&1 | sed -u 's/^/    /'; }
+waitable installer \
     || die "the installer failed in a fresh $suite (is a package missing from hack/install-deps.sh or build-criu.sh?)"
 say "installer done in $(took "$t")"
 
