@@ -8,4 +8,9 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 [ "$(id -u)" -eq 0 ] || { echo "demo.sh: run as root (it starts containerd)" >&2; exit 1; }
 "$root/hack/setup.sh"
-exec "${REKINDLE_VENV:-$root/.venv}/bin/python" "$root/hack/demo.py" "$@"
+# The demo runs in the sandbox the end-to-end tests use: take their lock (tests/e2e/conftest.py),
+# held by flock itself (-o), so that containerd started by the demo does not keep it.
+lock=/run/lock/rekindle-e2e.lock
+mkdir -p "$(dirname "$lock")"
+flock -n "$lock" true || echo "demo.sh: waiting for the test session that uses the sandbox ($lock)"
+exec flock -o "$lock" "${REKINDLE_VENV:-$root/.venv}/bin/python" "$root/hack/demo.py" "$@"
