@@ -1,6 +1,6 @@
 """Single-node demo: containerd with NRI, the Rekindle plugin, checkpoint then restore.
 
-    hack/demo.sh [--warmup-mib 1024] [--passes 20] [--keep]     (as root; sets the node up first)
+    hack/demo.sh [--warmup-mib 1024] [--passes 20] [--restore-path bulk|stock] [--keep]   (as root)
 
 1. brings up the local sandbox (private containerd 1.7.24 with NRI, CNI bridge, local images);
 2. starts `rekindle plugin` against it;
