@@ -1,13 +1,14 @@
 """Single-node demo: containerd with NRI, the Rekindle plugin, checkpoint then restore.
 
-    sudo .venv/bin/python hack/demo.py [--warmup-mib 1024] [--passes 20] [--keep]
+    hack/demo.sh [--warmup-mib 1024] [--passes 20] [--restore-path bulk|stock] [--keep]   (as root)
 
 1. brings up the local sandbox (private containerd 1.7.24 with NRI, CNI bridge, local images);
 2. starts `rekindle plugin` against it;
 3. cold-starts a baseline pod (no annotations) running a server whose start-up is heavy on
    purpose (it fills --warmup-mib MiB of memory, standing in for loading model weights);
-4. starts the same pod annotated `rekindle.dev/checkpoint: demo-warm`; once ready, the plugin
-   checkpoints it into the store (CRIU dump + writable layer, signed manifest);
+4. starts the same pod annotated `rekindle.dev/checkpoint: demo-warm`, sends it 3 requests, after
+   which it says it is ready; the plugin then checkpoints it into the store (CRIU dump + writable
+   layer, signed manifest);
 5. starts a new pod annotated `rekindle.dev/restore: demo-warm` and times it until it serves,
    with its state (request counter, warm memory checksum, files) carried over;
 6. prints cold start vs restore, phase by phase.
@@ -129,7 +130,10 @@ def main() -> int:
         print(f"    serving after {cold:.2f}s")
 
         say("checkpoint source: rekindle.dev/checkpoint=demo-warm")
-        src, src_cid, t0 = run_pod(cri, f"demo-source-{tag}", env, {"rekindle.dev/checkpoint": "demo-warm"})
+        # The source says ready only once it has served our 3 requests, so the checkpoint (and
+        # the restored counter) always comes after them.
+        src, src_cid, t0 = run_pod(cri, f"demo-source-{tag}", {**env, "READY_AFTER_REQUESTS": "3"},
+                                   {"rekindle.dev/checkpoint": "demo-warm"})
         made.append(src)
         src_ip = cri.pod_ip(src.id)
         source_cold = wait_serving(src_ip, t0)

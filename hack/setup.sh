@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One-command set-up of a development/CI node: system deps, Python venv, native build.
 #
-#   sudo hack/setup.sh
+#   hack/setup.sh          (as root; hack/demo.sh and hack/test.sh run it first)
 #
 # Runs hack/install-deps.sh, creates .venv (python3 -m venv) with the package installed
 # editable plus its test extras, then runs `make` when a top-level Makefile exists.

@@ -32,7 +32,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def e2e_skip_reason() -> str | None:
     """Why e2e tests cannot run here, or None."""
     if os.geteuid() != 0:
-        return "e2e tests need root (sudo .venv/bin/pytest -m e2e)"
+        return "e2e tests need root (as root: hack/test.sh -m e2e)"
     missing = [t for t in ("containerd", "runc", "criu") if shutil.which(t) is None]
     if missing:
         return f"e2e tests need {', '.join(missing)} (run hack/setup.sh)"

@@ -7,7 +7,9 @@ import json
 import os
 import re
 import time
+import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -61,6 +63,21 @@ def fields(body: str) -> dict[str, str]:
     return dict(re.findall(r"(\w+)=(.*?)(?= \w+=|$)", body.strip()))
 
 
+def warm_up(ip: str, ready_file: Path, timeout: float = 20.0) -> None:
+    """The 3 requests a source answers before it says ready (READY): the checkpoint follows them."""
+    wait_http(ip, timeout)
+    # Not ready by either signal yet, so no checkpoint can have started.
+    assert not ready_file.exists(), f"{ready_file} was written before the requests"
+    with pytest.raises(urllib.error.HTTPError, match="503"):
+        get(ip, "/ready")
+    for i in range(1, 4):
+        assert fields(get(ip))["count"] == str(i)
+
+
+# The source says ready only after warm_up's requests, by its ready file or GET /ready.
+READY = {"READY_AFTER_REQUESTS": "3"}
+
+
 def checkpoint_source(sandbox, pod, plugin, name: str, ns: str = "default", after: str | None = None,
                       probe: str | None = None, shm_marker: str | None = None, warmup_mib: int = 0):
     ann = {"rekindle.dev/checkpoint": name}
@@ -75,12 +92,10 @@ def checkpoint_source(sandbox, pod, plugin, name: str, ns: str = "default", afte
         # Written before the server listens, so it is in /dev/shm when the checkpoint runs.
         command = ["/bin/sh", "-c", f"printf '{shm_marker}' > /dev/shm/marker; exec " + " ".join(SERVER)]
     a = pod(f"src-{name}", ns, annotations=ann)
-    env = {"WARMUP_MIB": str(warmup_mib)} if warmup_mib else None
+    env = {**READY, "WARMUP_MIB": str(warmup_mib)} if warmup_mib else READY
     cid = sandbox.run_container(a, "server", COUNTER, command=command, env=env)
     ip = sandbox.cri.pod_ip(a.id)
-    wait_http(ip)
-    for _ in range(3):
-        get(ip)
+    warm_up(ip, plugin.control_dir(a.uid, "server") / "ready-for-checkpoint")
     st = wait_status(plugin, ns, a.name, "server", {"published", "checkpoint-failed"})
     assert st["phase"] == "published", st
     return a, cid, ip
@@ -234,9 +249,10 @@ def test_restored_process_gets_the_targets_read_only_mounts_oom_score_and_rlimit
     src_vol.mkdir()
     dst_vol.mkdir()
     a = pod("src-confined", annotations={"rekindle.dev/checkpoint": "confined"})
-    a_cid = sandbox.run_container(a, "server", COUNTER, command=SERVER, mounts=[Mount("/data", str(src_vol))])
+    a_cid = sandbox.run_container(a, "server", COUNTER, command=SERVER, env=READY,
+                                  mounts=[Mount("/data", str(src_vol))])
     a_ip = sandbox.cri.pod_ip(a.id)
-    wait_http(a_ip)
+    warm_up(a_ip, plugin.control_dir(a.uid, "server") / "ready-for-checkpoint")
     assert wait_status(plugin, "default", a.name, "server", {"published", "checkpoint-failed"})["phase"] == "published"
     before = fields(get(a_ip))
     src = _only_child(sandbox, a_cid)  # the source really had more than the target will
@@ -339,7 +355,6 @@ def _evil_tar(escape_name: str) -> bytes:
 
 def test_crafted_diff_with_traversal_entries_is_rejected(sandbox, pod, plugin, tmp_path):
     import secrets
-    from pathlib import Path
     checkpoint_source(sandbox, pod, plugin, "crafted")
     escape = f"rekindle-escape-{secrets.token_hex(4)}"
     _resign(plugin, plugin.store / "default" / "crafted", {"rootfs-diff.tar": _evil_tar(escape)})
@@ -376,9 +391,9 @@ def test_operator_cli_lists_inspects_verifies_and_deletes(sandbox, pod, plugin):
 
 
 def test_http_ready_probe_in_the_pod_network_namespace(sandbox, pod, plugin):
-    a, _, _ = checkpoint_source(sandbox, pod, plugin, "probed", probe="http://:8080/healthz")
+    a, _, _ = checkpoint_source(sandbox, pod, plugin, "probed", probe="http://:8080/ready")
     log = plugin.log()
-    assert "ready (http://127.0.0.1:8080/healthz)" in log
+    assert "ready (http://127.0.0.1:8080/ready)" in log
     assert not (plugin.control_dir(a.uid, "server") / "ready-for-checkpoint").exists()
 
 
@@ -433,8 +448,10 @@ def test_plugin_killed_during_a_restore_leaves_a_cold_start_not_a_stuck_pod(sand
     plugin.start()
     try:
         a = pod(f"src-{name}", annotations={"rekindle.dev/checkpoint": name})
-        sandbox.run_container(a, "server", COUNTER, command=SERVER, env=warm)
-        wait_http(sandbox.cri.pod_ip(a.id), timeout=60)
+        # No request of ours may reach the source while it is checkpointed (CRIU refuses a dump
+        # with a connection waiting in the listen queue): it says ready once it has answered them.
+        sandbox.run_container(a, "server", COUNTER, command=SERVER, env={**warm, **READY})
+        warm_up(sandbox.cri.pod_ip(a.id), plugin.control_dir(a.uid, "server") / "ready-for-checkpoint", timeout=60)
         assert wait_status(plugin, "default", a.name, "server", {"published", "checkpoint-failed"},
                            timeout=120)["phase"] == "published"
         b = pod(f"dst-{name}", annotations={"rekindle.dev/restore": name})
@@ -476,11 +493,9 @@ def test_checkpoint_and_restore_on_containerd_2_1(sandbox_factory, pod, tmp_path
     plugin21.start()
     try:
         a = pod("src-on-21", annotations={"rekindle.dev/checkpoint": "on-21"}, on=sb21)
-        sb21.run_container(a, "server", COUNTER, command=SERVER)
+        sb21.run_container(a, "server", COUNTER, command=SERVER, env=READY)
         a_ip = sb21.cri.pod_ip(a.id)
-        wait_http(a_ip)
-        for _ in range(3):
-            get(a_ip)
+        warm_up(a_ip, plugin21.control_dir(a.uid, "server") / "ready-for-checkpoint")
         assert wait_status(plugin21, "default", a.name, "server", {"published", "checkpoint-failed"})["phase"] == "published"
         b = pod("dst-on-21", annotations={"rekindle.dev/restore": "on-21"}, on=sb21)
         sb21.run_container(b, "server", COUNTER, command=SERVER)

@@ -236,11 +236,14 @@ def test_plugin_from_image_registers_and_adjusts_annotated_pods(sandbox, pod, pl
         from runtime.status import Phase, StatusBook
         book = StatusBook(STATE_DIR)
         src = pod("img-src", annotations={"rekindle.dev/checkpoint": "from-image"})
-        sandbox.run_container(src, "server", COUNTER, command=SERVER)
+        # The server says ready (and so is checkpointed) only once it has answered our 3 requests.
+        sandbox.run_container(src, "server", COUNTER, command=SERVER, env={"READY_AFTER_REQUESTS": "3"})
         src_ip = cri.pod_ip(src.id)
         _wait(lambda: _http(src_ip, "/healthz") is not None, 30, "the source server", plugin_logs)
-        for _ in range(3):
-            _http(src_ip, "/")
+        ready_file = STATE_DIR / "control" / src.uid / "server" / "ready-for-checkpoint"
+        assert not ready_file.exists(), "the source said ready before the requests"
+        for i in range(1, 4):
+            assert f"count={i} " in (_http(src_ip, "/") or ""), plugin_logs()
         st = book.wait("default", src.name, "server", {Phase.PUBLISHED, Phase.CHECKPOINT_FAILED}, 60)
         assert st is not None and st.phase is Phase.PUBLISHED, (st, plugin_logs())
         # `kubectl exec ds/rekindle -- rekindle artifacts inspect`: the CLI in the pod finds the

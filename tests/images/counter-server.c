@@ -7,10 +7,13 @@
  *   - an in-memory request counter and the process id (CRIU restores both);
  *   - /var/lib/counter/state.txt, written at start (the rootfs diff must bring it back);
  *   - /etc/counter/delete-me, deleted at start (the rootfs deletions must be replayed).
- * Once listening it writes `ready-for-checkpoint` into $REKINDLE_CONTROL_DIR.
+ * Once ready it writes `ready-for-checkpoint` into $REKINDLE_CONTROL_DIR. Ready means listening,
+ * or, with READY_AFTER_REQUESTS=N (N > 0), having answered N requests to GET / (a client that
+ * warms the server up first: its requests then always precede the checkpoint).
  *
  *   GET /        -> "count=<n> pid=<pid> state=<first line of state.txt|missing> deleted=<yes|no>\n"
  *   GET /healthz -> "ok\n"
+ *   GET /ready   -> "ready\n" (200) once ready, else "not ready\n" (503): for an HTTP ready probe
  *   GET /verify  -> "warm=<checksum> verify=<ok|bad>\n" (re-reads the warm-up memory)
  *
  * WARMUP_MIB=N (default 0) makes start-up heavy on purpose, like a model server loading
@@ -42,6 +45,8 @@
 #define DELETE_ME "/etc/counter/delete-me"
 
 static unsigned long counter;
+static unsigned long ready_after; /* READY_AFTER_REQUESTS */
+static int ready;
 static unsigned char *warm;
 static size_t warm_len;
 static unsigned long long warm_sum;
@@ -202,6 +207,9 @@ static void serve(int fd)
     } else if (strcmp(path, "/healthz") == 0) {
         printf("counter-server: GET /healthz -> ok\n");
         reply(fd, "200 OK", "ok\n");
+    } else if (strcmp(path, "/ready") == 0) {
+        printf("counter-server: GET /ready -> %s\n", ready ? "ready" : "not ready");
+        reply(fd, ready ? "200 OK" : "503 Service Unavailable", ready ? "ready\n" : "not ready\n");
     } else if (strcmp(path, "/verify") == 0) {
         char body[128];
         int ok = warm == NULL || checksum(warm, warm_len) == warm_sum;
@@ -220,6 +228,20 @@ static void serve(int fd)
     } else {
         printf("counter-server: GET %s -> 404\n", path);
         reply(fd, "404 Not Found", "not found\n");
+    }
+    fflush(stdout);
+}
+
+/* Say ready: from now on a checkpoint may freeze the server at any instant. */
+static void become_ready(void)
+{
+    ready = 1;
+    const char *ctl = getenv("REKINDLE_CONTROL_DIR");
+    if (ctl != NULL && *ctl != '\0') {
+        write_file(ctl, "ready-for-checkpoint", "ready\n");
+        printf("counter-server: wrote %s/ready-for-checkpoint\n", ctl);
+    } else {
+        printf("counter-server: ready\n");
     }
     fflush(stdout);
 }
@@ -274,12 +296,10 @@ int main(int argc, char **argv)
     printf("counter-server: listening on 0.0.0.0:%ld pid %d\n", port, (int)getpid());
     fflush(stdout);
 
-    const char *ctl = getenv("REKINDLE_CONTROL_DIR");
-    if (ctl != NULL && *ctl != '\0') {
-        write_file(ctl, "ready-for-checkpoint", "ready\n");
-        printf("counter-server: wrote %s/ready-for-checkpoint\n", ctl);
-        fflush(stdout);
-    }
+    const char *after = getenv("READY_AFTER_REQUESTS");
+    ready_after = after ? strtoul(after, NULL, 10) : 0;
+    if (ready_after == 0)
+        become_ready();
 
     for (;;) {
         int fd = accept4(ls, NULL, NULL, SOCK_CLOEXEC);
@@ -299,5 +319,9 @@ int main(int argc, char **argv)
         setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
         serve(fd);
         close(fd);
+        /* After the reply went out and the connection is closed: a checkpoint that follows
+         * the ready file finds no request of this client still in flight. */
+        if (!ready && counter >= ready_after)
+            become_ready();
     }
 }
