@@ -110,7 +110,9 @@ class NodeEngine:
             container=work.container, image=work.image,
             image_ref=(self.image_ref(work.image) if self.image_ref and work.image else "") or "",
             exit_after=work.intent.after_checkpoint is AfterCheckpoint.EXIT,
-            log_dir=os.path.join(self.settings.state_dir, "logs"))
+            log_dir=os.path.join(self.settings.state_dir, "logs"),
+            max_layer_bytes=min(work.intent.max_layer_bytes, self.settings.max_layer_bytes),
+            capture_timeout=self.settings.capture_timeout)
         return checkpoint_flow.checkpoint(req, self.store, self.key, control=work.control, cuda=self.cuda,
                                           progress=work.progress)
 
@@ -120,7 +122,8 @@ class NodeEngine:
             namespace=work.namespace, name=work.artifact, image=work.image,
             image_ref=(self.image_ref(work.image) if self.image_ref and work.image else "") or "",
             log_dir=os.path.join(self.settings.state_dir, "logs"),
-            path=restore_flow.RestorePath(self.settings.restore_path))
+            path=restore_flow.RestorePath(self.settings.restore_path),
+            max_layer_bytes=self.settings.max_layer_bytes)
         prefetcher = self.prefetcher
 
         def progress(phase: str, done: int, total: int) -> None:

@@ -72,7 +72,7 @@ def _settings(args: argparse.Namespace):
     fields = {k: getattr(args, k) for k in ("state_dir", "store", "hmac_key_file", "containerd_state",
                                               "containerd_socket") if hasattr(args, k)}
     for k in ("name", "idx", "socket_path", "init_binary", "restore_timeout", "restore_path", "create_key",
-              "probes_per_pod", "probes_per_node", "prefetch", "metrics_port", "metrics_address", "events",
+              "probes_per_pod", "probes_per_node", "prefetch", "max_layer_bytes", "capture_timeout", "metrics_port", "metrics_address", "events",
               "kubeconfig", "node_name", "containerd_config"):
         if hasattr(args, k):
             fields[k] = getattr(args, k)
@@ -94,6 +94,14 @@ def _decimal(text: str) -> int:
     value = parse_decimal(text)
     if value is None:
         raise argparse.ArgumentTypeError(f"not a whole number: {text!r}")
+    return value
+
+
+def _size(text: str) -> int:
+    from .policy import parse_size
+    value = parse_size(text)
+    if not value:
+        raise argparse.ArgumentTypeError(f"want bytes, or a number with Ki, Mi, Gi or Ti: {text!r}")
     return value
 
 
@@ -129,6 +137,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--restore-timeout", type=_decimal, default=os.environ.get("REKINDLE_RESTORE_TIMEOUT", "1800"),
                    help="default rekindle.dev/restore-timeout, seconds ($REKINDLE_RESTORE_TIMEOUT, else 1800)")
     _restore_path(p)
+    p.add_argument("--max-layer-bytes", type=_size, default=8 << 30,
+                   help="cap on a checkpoint's writable layer (and on one a restore applies); "
+                        "rekindle.dev/max-layer-size may lower it per pod (default: 8Gi)")
+    p.add_argument("--capture-timeout", type=_positive, default=600,
+                   help="seconds a checkpoint may spend capturing the writable layer (default: %(default)s)")
     p.add_argument("--no-prefetch", dest="prefetch", action="store_false",
                    default=os.environ.get("REKINDLE_PREFETCH", "1") != "0",
                    help="do not read a restore's artifact ahead from RunPodSandbox on ($REKINDLE_PREFETCH=0)")

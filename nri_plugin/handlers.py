@@ -110,7 +110,8 @@ class RekindlePlugin:
             if pod is None or ctr.state != api.CONTAINER_RUNNING or not is_swapped(list(ctr.args)):
                 continue
             try:
-                intent = decide(dict(pod.annotations), ctr.name, self.settings.restore_timeout)
+                intent = decide(dict(pod.annotations), ctr.name, self.settings.restore_timeout,
+                           self.settings.max_layer_bytes)
                 if intent is None:
                     continue
                 ctl = control.control_dir_for(self.settings.state_dir, pod.uid, ctr.name)
@@ -124,7 +125,8 @@ class RekindlePlugin:
                          ctr: api.Container) -> api.CreateContainerResponse | Reply[api.CreateContainerResponse]:
         empty = api.CreateContainerResponse()
         try:
-            intent = decide(dict(pod.annotations), ctr.name, self.settings.restore_timeout)
+            intent = decide(dict(pod.annotations), ctr.name, self.settings.restore_timeout,
+                           self.settings.max_layer_bytes)
         except AnnotationError as exc:
             log.warning("%s: %s; container starts unadjusted", who(pod, ctr), exc)
             self._record(pod, ctr, None, Phase.IGNORED, str(exc))
@@ -282,7 +284,8 @@ class RekindlePlugin:
         reason = str(exc) if isinstance(exc, (RekindleError, HandlerOverrun)) \
             else f"{handler} failed: {type(exc).__name__}: {exc}"
         try:
-            intent = decide(dict(pod.annotations), ctr.name, self.settings.restore_timeout)
+            intent = decide(dict(pod.annotations), ctr.name, self.settings.restore_timeout,
+                           self.settings.max_layer_bytes)
         except AnnotationError as bad:
             self._record(pod, ctr, None, Phase.IGNORED, str(bad))
             return

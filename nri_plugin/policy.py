@@ -12,6 +12,8 @@ Keys (pod annotations, documented in the README):
                                 (host: an IP address or localhost; default 127.0.0.1)
   rekindle.dev/after-checkpoint keep-running | exit
   rekindle.dev/restore-timeout  seconds (1..86400)
+  rekindle.dev/max-layer-size   bytes (or N Ki/Mi/Gi/Ti), at most the node's --max-layer-bytes:
+                                the cap on this source's captured writable layer
   rekindle.dev/overwrite        true | false (default): checkpoint even when the artifact exists
 Unknown ``rekindle.dev/`` keys are errors (typos must not silently disable a restore).
 
@@ -44,8 +46,12 @@ READY_PROBE = PREFIX + "ready-probe"
 AFTER_CHECKPOINT = PREFIX + "after-checkpoint"
 RESTORE_TIMEOUT = PREFIX + "restore-timeout"
 OVERWRITE = PREFIX + "overwrite"
-KNOWN_KEYS = {CHECKPOINT, RESTORE, CONTAINER, READY_PROBE, AFTER_CHECKPOINT, RESTORE_TIMEOUT, OVERWRITE}
-SOURCE_ONLY_KEYS = (READY_PROBE, AFTER_CHECKPOINT, OVERWRITE)
+MAX_LAYER_SIZE = PREFIX + "max-layer-size"
+KNOWN_KEYS = {CHECKPOINT, RESTORE, CONTAINER, READY_PROBE, AFTER_CHECKPOINT, RESTORE_TIMEOUT, OVERWRITE,
+              MAX_LAYER_SIZE}
+SOURCE_ONLY_KEYS = (READY_PROBE, AFTER_CHECKPOINT, OVERWRITE, MAX_LAYER_SIZE)
+DEFAULT_LAYER_CAP = 8 << 30  # the node's cap on a writable layer in an artifact (--max-layer-bytes)
+_UNITS = {"": 1, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40}
 # kubectl's default container of a pod (kubectl logs/exec); Istio's injector sets it too.
 DEFAULT_CONTAINER = "kubectl.kubernetes.io/default-container"
 
@@ -92,6 +98,7 @@ class Intent:
     after_checkpoint: AfterCheckpoint = AfterCheckpoint.KEEP_RUNNING
     restore_timeout: int = DEFAULT_RESTORE_TIMEOUT
     overwrite: bool = False  # checkpoint even if the artifact exists (rekindle.dev/overwrite)
+    max_layer_bytes: int = DEFAULT_LAYER_CAP  # the writable layer's cap for this source
     named: bool = False      # an annotation named this container (else: one of possibly many)
 
 
@@ -103,6 +110,13 @@ def parse_decimal(value: str) -> int | None:
     if not 0 < len(value) <= MAX_DECIMAL_DIGITS or not value.isascii() or not value.isdigit():
         return None
     return int(value)
+
+
+def parse_size(value: str) -> int | None:
+    """Bytes from ``N`` or ``N`` + Ki/Mi/Gi/Ti (ASCII digits only), or None."""
+    unit = value[-2:] if value[-2:] in _UNITS else ""
+    number = parse_decimal(value[:len(value) - len(unit)])
+    return None if number is None else number * _UNITS[unit]
 
 
 def valid_artifact_name(name: str) -> bool:
@@ -149,7 +163,7 @@ def _probe_host(raw: str) -> str:
 
 
 def decide(annotations: dict[str, str], container_name: str,
-           default_timeout: int = DEFAULT_RESTORE_TIMEOUT) -> Intent | None:
+           default_timeout: int = DEFAULT_RESTORE_TIMEOUT, layer_cap: int = DEFAULT_LAYER_CAP) -> Intent | None:
     """The intent for ``container_name`` from its pod's annotations, if any."""
     ours = {k: v for k, v in annotations.items() if k.startswith(PREFIX)}
     if not ours:
@@ -189,12 +203,21 @@ def decide(annotations: dict[str, str], container_name: str,
     overwrite_raw = ours.get(OVERWRITE, "false")
     if overwrite_raw not in ("true", "false"):
         raise AnnotationError(OVERWRITE, f"must be true or false, got {overwrite_raw!r}")
+    layer = layer_cap
+    if MAX_LAYER_SIZE in ours:
+        asked = parse_size(ours[MAX_LAYER_SIZE])
+        if asked is None or asked < 1:
+            raise AnnotationError(MAX_LAYER_SIZE, f"must be bytes, or a number with Ki, Mi, Gi or Ti, got "
+                                  f"{ours[MAX_LAYER_SIZE]!r}")
+        if asked > layer_cap:
+            raise AnnotationError(MAX_LAYER_SIZE, f"{asked} bytes exceeds this node's cap of {layer_cap}")
+        layer = asked
     if role is Role.RESTORE:
         for source_key in SOURCE_ONLY_KEYS:
             if source_key in ours:
                 raise AnnotationError(source_key, "applies to checkpoint sources only")
     return Intent(role, name, probe, after, timeout, overwrite=overwrite_raw == "true",
-                  named=target_key is not None)
+                  named=target_key is not None, max_layer_bytes=layer)
 
 
 def role_hint(annotations: dict[str, str]) -> Role | None:

@@ -74,6 +74,8 @@ class CheckpointRequest:
     exit_after: bool
     log_dir: str
     split: bool = True  # move bulk pages beside CRIU (runtime.bulk)
+    max_layer_bytes: int = overlay.DEFAULT_MAX_LAYER_BYTES  # cap on the captured layer (and /dev/shm)
+    capture_timeout: float = 600.0  # seconds for the capture, while the tree is stopped
 
 
 def _original_args(spec: dict[str, Any]) -> list[str]:
@@ -178,14 +180,17 @@ def checkpoint(req: CheckpointRequest, store: ArtifactStore, key: bytes, *,
                 if tcp.established:
                     _check_tcp_kept(dump)
             # One instant: the files and /dev/shm are read while the tree is still stopped.
+            deadline = time.monotonic() + req.capture_timeout  # the tree waits, stopped
             with t.phase("rootfs_capture"):
                 overlay.capture(info.upperdir, os.path.join(staging.path, layout.ROOTFS_TAR),
                                 os.path.join(staging.path, layout.ROOTFS_DELETIONS),
-                                exclude=capture_excludes(info))
+                                exclude=capture_excludes(info), max_bytes=req.max_layer_bytes,
+                                deadline=deadline)
             if dump.shm_source:
                 with t.phase("shm_capture"):
                     overlay.capture(dump.shm_source, os.path.join(staging.path, layout.SHM_TAR),
-                                    os.path.join(staging.path, layout.SHM_DELETIONS), exclude=())
+                                    os.path.join(staging.path, layout.SHM_DELETIONS), exclude=(),
+                                    max_bytes=req.max_layer_bytes, deadline=deadline)
         finally:
             # CRIU leaves kept connections in repair mode when it leaves the tree stopped.
             unrepaired = tcpmode.repair_off(tcp.holders) if tcp.established else []

@@ -79,6 +79,7 @@ class RestoreRequest:
     log_dir: str
     path: RestorePath = RestorePath.BULK
     threads: int = WORKERS
+    max_layer_bytes: int = overlay.DEFAULT_MAX_LAYER_BYTES  # what a layer may write, at most
 
 
 Progress = Callable[[str, int, int], None]  # (phase, bytes done, bytes total)
@@ -223,11 +224,11 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
 
             with t.phase("rootfs_apply"):
                 overlay.apply(target.rootfs, os.path.join(private, layout.ROOTFS_TAR),
-                              os.path.join(private, layout.ROOTFS_DELETIONS))
+                              os.path.join(private, layout.ROOTFS_DELETIONS), max_bytes=req.max_layer_bytes)
                 shm = _shm_dir(target)
                 if plan.shm and shm:
                     overlay.apply(shm, os.path.join(private, layout.SHM_TAR),
-                                  os.path.join(private, layout.SHM_DELETIONS))
+                                  os.path.join(private, layout.SHM_DELETIONS), max_bytes=req.max_layer_bytes)
 
             with t.phase("criu_restore"):
                 stdio = plan.stdio if len(plan.stdio) == 3 else None

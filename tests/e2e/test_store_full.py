@@ -50,3 +50,25 @@ def test_a_checkpoint_into_a_full_store_leaves_nothing_and_the_source_runs_on(sa
     finally:
         plugin.stop()
         subprocess.run(["umount", "-l", str(plugin.store)], check=False)
+
+
+def test_a_layer_over_the_pods_cap_is_refused_and_the_source_runs_on(sandbox, pod, tmp_path):
+    """rekindle.dev/max-layer-size (within the node's --max-layer-bytes) bounds the capture."""
+    from runtime.status import Phase, StatusBook
+    plugin = PluginProcess(sandbox, tmp_path / "plugin")
+    plugin.start()
+    try:
+        a = pod("src-big-layer", annotations={"rekindle.dev/checkpoint": "big-layer",
+                                              "rekindle.dev/max-layer-size": "1Mi"})
+        script = ("/bin/busybox dd if=/dev/urandom of=/big bs=1M count=4 2>/dev/null && "
+                  "exec /usr/local/bin/counter-server 8080")
+        sandbox.run_container(a, "server", COUNTER, command=["/bin/busybox", "sh", "-c", script])
+        st = StatusBook(plugin.state_dir).wait("default", a.name, "server",
+                                               {Phase.PUBLISHED, Phase.CHECKPOINT_FAILED}, 120)
+        assert st is not None and st.phase is Phase.CHECKPOINT_FAILED, st
+        assert "cap" in st.reason, st.reason
+        assert not (plugin.store / "default" / "big-layer").exists()
+        ip = sandbox.cri.pod_ip(a.id)
+        assert "count=" in get(ip)  # resumed after the refused capture
+    finally:
+        plugin.stop()

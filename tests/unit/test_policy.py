@@ -127,3 +127,26 @@ def test_intent_says_whether_the_container_was_named_and_whether_to_overwrite(an
                                                                               overwrite):
     intent = decide(annotations, container)
     assert (intent.named, intent.overwrite) == (named, overwrite)
+
+
+@pytest.mark.parametrize("value, cap, want", [
+    ("1048576", 8 << 30, 1 << 20), ("512Mi", 8 << 30, 512 << 20), ("2Gi", 8 << 30, 2 << 30),
+    (None, 4 << 30, 4 << 30),
+], ids=["bytes", "mebibytes", "gibibytes", "node-default"])
+def test_max_layer_size_is_the_annotation_within_the_nodes_cap(value, cap, want):
+    ann = {CK: "a", **({"rekindle.dev/max-layer-size": value} if value else {})}
+    assert decide(ann, "app", layer_cap=cap).max_layer_bytes == want
+
+
+@pytest.mark.parametrize("value, cap", [
+    ("9Gi", 8 << 30), ("1.5Gi", 8 << 30), ("1G", 8 << 30), ("-1", 8 << 30), ("\u0661Mi", 8 << 30), ("0", 8 << 30),
+], ids=["over-the-cap", "fraction", "decimal-unit", "negative", "arabic-digit", "zero"])
+def test_max_layer_size_refuses_what_the_node_does_not_allow(value, cap):
+    with pytest.raises(AnnotationError) as err:
+        decide({CK: "a", "rekindle.dev/max-layer-size": value}, "app", layer_cap=cap)
+    assert err.value.key == "rekindle.dev/max-layer-size"
+
+
+def test_max_layer_size_applies_to_sources_only():
+    with pytest.raises(AnnotationError, match="checkpoint sources only"):
+        decide({RS: "a", "rekindle.dev/max-layer-size": "1Mi"}, "app")
