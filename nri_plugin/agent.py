@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime import checkpoint as checkpoint_flow
-from runtime import housekeeping
+from runtime import housekeeping, store_gc
 from runtime import control
 from runtime import restore as restore_flow
 from runtime.compat import NodeFacts
@@ -265,7 +265,7 @@ HOUSEKEEPING_EVERY = 600.0
 
 def _housekeep_once(settings: Settings, store: ArtifactStore) -> None:
     try:
-        removed = store.sweep()
+        removed = store_gc.sweep(store)
         if removed:
             log.info("store sweep removed %d leftovers (%d bytes)", len(removed), sum(r.bytes for r in removed))
         housekeeping.rotate_logs(os.path.join(settings.state_dir, "logs"))

@@ -278,6 +278,7 @@ def _age(seconds: float) -> str:
 
 
 def cmd_artifacts(args: argparse.Namespace) -> int:
+    from runtime import store_gc
     from runtime.store import ArtifactStore
     settings = _settings(args)
     store = ArtifactStore(settings.store)
@@ -293,8 +294,8 @@ def cmd_artifacts(args: argparse.Namespace) -> int:
     if args.action == "prune":
         if args.older_than is None and args.keep_last is None and not args.leftovers:
             raise SystemExit("rekindle artifacts prune: say what to prune: --older-than, --keep-last or --leftovers")
-        done = store.prune(args.namespace, older_than=args.older_than, keep_last=args.keep_last)
-        swept = store.sweep(args.namespace) if args.leftovers else []
+        done = store_gc.prune(store, args.namespace, older_than=args.older_than, keep_last=args.keep_last)
+        swept = store_gc.sweep(store, args.namespace) if args.leftovers else []
         if _json(args):
             print(json.dumps({"removed": done, "swept": [f"{r.namespace}/{r.entry}" for r in swept]}, indent=2))
         else:
@@ -328,7 +329,8 @@ def cmd_artifacts(args: argparse.Namespace) -> int:
 
 def _list(store, key: bytes, args: argparse.Namespace) -> int:  # type: ignore[no-untyped-def]
     rows = store.list(args.namespace, key=key)
-    extra = store.leftovers(args.namespace) if args.all else []
+    from runtime import store_gc
+    extra = store_gc.leftovers(store, args.namespace) if args.all else []
     if _json(args):
         doc = [{"namespace": r.namespace, "name": r.name, "ok": r.problem is None, "problem": r.problem,
                 "version": r.version or None,

@@ -39,7 +39,8 @@ from dataclasses import dataclass
 from runtime import criu_image as img
 from runtime.errors import RekindleError
 from runtime.layout import BULK_DIR, CRIU_DIR, BulkFile, BulkRange, bulk_file, bulk_pagemap
-from runtime.store import WORKERS, Artifact, combine_pieces, new_hash, piece_ranges
+from runtime.artifact import Artifact
+from runtime.digests import WORKERS, combine_pieces, new_hash, piece_ranges
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from runtime.store import Artifact
+from runtime.artifact import Artifact
 
 log = logging.getLogger(__name__)
 

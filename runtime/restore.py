@@ -57,7 +57,9 @@ from runtime.mechanics import restore_into
 from runtime.namespaces import host_pid_of
 from runtime.rollback import GenerationBook
 from runtime.security import LsmSupport, SecurityProfile, check_privilege, lsm_options
-from runtime.store import WORKERS, Artifact, ArtifactStore
+from runtime.artifact import Artifact
+from runtime.digests import WORKERS
+from runtime.store import ArtifactStore
 from runtime.timings import Timings
 
 log = logging.getLogger(__name__)

@@ -316,7 +316,7 @@ def _resign(plugin: PluginProcess, artifact_dir, replace: dict[str, bytes]) -> N
     """Swap files in an artifact and re-sign it with the node's key: an artifact that passes the
     signature and digest checks but carries a hostile payload (defence in depth)."""
     from runtime.manifest import Manifest, sign
-    from runtime.store import hash_fd
+    from runtime.digests import hash_fd
     manifest = Manifest.from_json((artifact_dir / "manifest.json").read_bytes())
     for rel, data in replace.items():
         (artifact_dir / rel).write_bytes(data)

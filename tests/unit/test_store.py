@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from runtime import store as store_mod
+from runtime import digests
+from runtime import store_gc
+from runtime.owner import Owner
 from runtime.errors import ArtifactNotFound, ArtifactRejected, StoreError
 from runtime.manifest import (
     CriuInfo, FileEntry, Manifest, NodeInfo, ProcessInfo, SecurityProfile, Source, sign,
@@ -393,9 +395,9 @@ def test_a_republish_leaves_a_version_being_read_for_the_sweep(tmp_path: Path) -
         fd = reading.open_file("f")
         assert os.pread(fd, 16, 0) == b"old"  # the reader keeps its version
         os.close(fd)
-        assert [x.kind for x in store.leftovers()] == ["unreferenced-version"]
-        assert store.sweep(grace=0) == []  # locked: kept
-    assert [x.entry for x in store.sweep(grace=0)] == [old.name]
+        assert [x.kind for x in store_gc.leftovers(store)] == ["unreferenced-version"]
+        assert store_gc.sweep(store, grace=0) == []  # locked: kept
+    assert [x.entry for x in store_gc.sweep(store, grace=0)] == [old.name]
     assert sorted(os.listdir(tmp_path / "team-a")) == [new.name, "qwen-7b"]
 
 
@@ -449,16 +451,16 @@ def test_sweep_removes_dead_owners_staging_and_keeps_live_and_foreign_ones(tmp_p
         (ns / name / "pages.img").write_bytes(b"x" * 4096)
         (ns / name / ".owner.json").write_text(json.dumps(owner))
 
-    me = dataclasses.asdict(store_mod.Owner.me())
+    me = dataclasses.asdict(Owner.me())
     staging(".staging-live-1", me)
     staging(".staging-dead-pid-1", {**me, "pid": 999999999, "start_time": 1})
     staging(".staging-old-boot-1", {**me, "boot_id": "another-boot"})
     staging(".staging-other-node-1", {**me, "node": "another-node"})
     staging(".staging-other-node-old-1", {**me, "node": "another-node", "created": me["created"] - 2 * 86400})
     (ns / ".link-qwen-7b-0123456789abcdef").symlink_to("nowhere")
-    kinds = {x.entry: x.kind for x in store.leftovers()}
+    kinds = {x.entry: x.kind for x in store_gc.leftovers(store)}
     assert kinds[".staging-live-1"] == "staging" and kinds[".link-qwen-7b-0123456789abcdef"] == "link"
-    removed = sorted(x.entry for x in store.sweep(grace=0))
+    removed = sorted(x.entry for x in store_gc.sweep(store, grace=0))
     assert removed == [".link-qwen-7b-0123456789abcdef", ".staging-dead-pid-1", ".staging-old-boot-1",
                        ".staging-other-node-old-1"]
     assert (ns / ".staging-live-1").is_dir() and (ns / ".staging-other-node-1").is_dir()
@@ -473,9 +475,9 @@ def test_a_killed_publisher_leaves_a_staging_dir_the_next_sweep_removes(tmp_path
             "os.kill(os.getpid(), signal.SIGKILL)")
     subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=Path(__file__).parents[2])
     store = ArtifactStore(str(tmp_path))
-    [left] = store.leftovers()
+    [left] = store_gc.leftovers(store)
     assert left.kind == "staging" and left.owner is not None and left.bytes >= 65536
-    assert [x.entry for x in store.sweep()] == [left.entry]
+    assert [x.entry for x in store_gc.sweep(store)] == [left.entry]
     assert os.listdir(tmp_path / "team-a") == []
 
 
@@ -486,10 +488,10 @@ def test_prune_keeps_the_newest_versions_and_removes_old_artifacts(tmp_path: Pat
         publish(store, name="a")
     newest = publish(store, name="a")
     assert old1.is_dir()
-    assert store.prune(keep_last=1) == [f"team-a/{old1.name}"]
+    assert store_gc.prune(store, keep_last=1) == [f"team-a/{old1.name}"]
     assert sorted(os.listdir(tmp_path / "team-a")) == [newest.name, "a"]
-    assert store.prune(older_than=3600) == []
-    assert store.prune(older_than=0) == ["team-a/a"]
+    assert store_gc.prune(store, older_than=3600) == []
+    assert store_gc.prune(store, older_than=0) == ["team-a/a"]
     assert os.listdir(tmp_path / "team-a") == []
 
 
@@ -508,21 +510,21 @@ def test_large_file_digest_is_by_pieces_and_catches_one_flipped_byte(tmp_path):
     """Files over one piece are hashed piecewise in parallel; a change anywhere is still caught."""
     big = tmp_path / "big.img"
     with open(big, "wb") as f:
-        f.truncate(2 * store_mod.PIECE + 12345)
-        f.seek(store_mod.PIECE + 7)
+        f.truncate(2 * digests.PIECE + 12345)
+        f.seek(digests.PIECE + 7)
         f.write(b"payload")
     fd = os.open(big, os.O_RDONLY)
     try:
-        size, digest = store_mod.hash_fd(fd)
+        size, digest = digests.hash_fd(fd)
     finally:
         os.close(fd)
-    assert size == 2 * store_mod.PIECE + 12345
+    assert size == 2 * digests.PIECE + 12345
     assert digest != blake3.blake3(big.read_bytes()).hexdigest()  # the two-level form
     with open(big, "r+b") as f:
-        f.seek(2 * store_mod.PIECE + 100)
+        f.seek(2 * digests.PIECE + 100)
         f.write(b"\x01")
     fd = os.open(big, os.O_RDONLY)
     try:
-        assert store_mod.hash_fd(fd)[1] != digest
+        assert digests.hash_fd(fd)[1] != digest
     finally:
         os.close(fd)

@@ -1,0 +1,70 @@
+"""Who writes a staging dir: node, boot, pid and its start time, so the sweep can tell a dead
+publish (this node's, provably) from one in progress (maybe another node's)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass
+
+from runtime.fdfs import FILE_FLAGS
+
+OWNER = ".owner.json"
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _start_time(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+@dataclass(frozen=True)
+class Owner:
+    """Who writes a staging dir; ``alive()`` is only ever decided for this node's owners."""
+
+    node: str
+    boot_id: str
+    pid: int
+    start_time: int
+    created: float
+
+    @classmethod
+    def me(cls) -> Owner:
+        pid = os.getpid()
+        return cls(socket.gethostname(), _boot_id(), pid, _start_time(pid) or 0, time.time())
+
+    def provably_dead(self) -> bool:
+        if self.node != socket.gethostname():
+            return False
+        if self.boot_id != _boot_id():
+            return True
+        return _start_time(self.pid) != self.start_time
+
+
+def read_owner(dir_fd: int) -> Owner | None:
+    try:
+        fd = os.open(OWNER, FILE_FLAGS, dir_fd=dir_fd)
+    except OSError:
+        return None
+    try:
+        raw = os.read(fd, 4096)
+    finally:
+        os.close(fd)
+    try:
+        d = json.loads(raw)
+        return Owner(str(d["node"]), str(d["boot_id"]), int(d["pid"]), int(d["start_time"]),
+                     float(d["created"]))
+    except (ValueError, KeyError, TypeError):
+        return None
