@@ -102,7 +102,8 @@ ORDER = ("open", "inspect", "stage", "rootfs_apply", "criu_restore", "fill", "cu
 def rows(timings: Mapping[str, float], moved: Mapping[str, int], ceilings: Mapping[str, float]) -> list[dict]:
     """One row per timed phase: seconds, bytes, GB/s, the ceiling and the phase's speed of light."""
     out = []
-    ranked = sorted(timings.items(), key=lambda kv: ORDER.index(kv[0]) if kv[0] in ORDER else len(ORDER))
+    ranked = sorted(((k, v) for k, v in timings.items() if k != "total"),  # the sum is printed below
+                    key=lambda kv: ORDER.index(kv[0]) if kv[0] in ORDER else len(ORDER))
     for phase, seconds in ranked:
         n = moved.get(phase, 0)
         ceiling = ceilings.get(phase, 0.0)
