@@ -127,6 +127,19 @@ def subscribed_events(plugin: object) -> set[Event]:
     return {ev for ev, meth in names.items() if callable(getattr(plugin, meth, None))}
 
 
+def _log_served(method: str, payload: bytes, seconds: float) -> None:
+    """One DEBUG line per request served: its time from decode to reply (the handler's share of
+    the runtime's budget, event-loop queueing included); bench/fault_drill.py reads them."""
+    if not log.isEnabledFor(logging.DEBUG):
+        return
+    if method == "StateChange":
+        try:
+            method = f"StateChange({Event(api.StateChangeEvent.FromString(payload).event).name})"
+        except Exception:  # noqa: BLE001 - a label only
+            pass
+    log.debug("served %s in %.3f ms", method, seconds * 1e3)
+
+
 class Stub:
     def __init__(
         self,
@@ -186,7 +199,8 @@ class Stub:
         trunk = MuxTrunk(reader, writer)
         self._trunk = trunk
         handlers = self._service_handlers()
-        server = TtrpcServer(lambda b: trunk.send(PLUGIN_SERVICE_CONN, b), handlers, drain=trunk.drain)
+        server = TtrpcServer(lambda b: trunk.send(PLUGIN_SERVICE_CONN, b), handlers, drain=trunk.drain,
+                             observe=_log_served)
         client = TtrpcClient(lambda b: trunk.send(RUNTIME_SERVICE_CONN, b))
         trunk.route(PLUGIN_SERVICE_CONN, server.feed)
         trunk.route(RUNTIME_SERVICE_CONN, client.feed)
