@@ -190,6 +190,7 @@ def _housekeep_once(settings: Settings, store: ArtifactStore) -> None:
         removed = store.sweep()
         if removed:
             log.info("store sweep removed %d leftovers (%d bytes)", len(removed), sum(r.bytes for r in removed))
+        housekeeping.sweep_restore_copies(os.path.join(settings.state_dir, "logs"))
         housekeeping.rotate_logs(os.path.join(settings.state_dir, "logs"))
         housekeeping.expire_status(settings.state_dir)
     except Exception as exc:  # noqa: BLE001 - housekeeping is never fatal

@@ -20,6 +20,9 @@ The target container runs ``rekindle-init --mode restore`` as PID 1 and waits. S
   8. ``restore-pid`` + ``restore-complete`` for the init.
 Any failure raises: a restored tree that never ran is killed; the caller writes
 ``restore-failed`` and the init kills whatever is left in its pid namespace and starts cold.
+The private copies live in ``<log_dir>/restore-*/private`` beside an owner record (this process);
+they are removed at the end, or by ``housekeeping.sweep_restore_copies`` once that process is
+provably dead (an agent killed mid-restore).
 The stock path (``RestorePath.STOCK``) hands the bulk pages back to CRIU instead (a private
 copy of them too), for comparison.
 """
@@ -52,7 +55,7 @@ from runtime.mechanics import restore_into
 from runtime.namespaces import host_pid_of
 from runtime.rollback import GenerationBook
 from runtime.security import LsmSupport, SecurityProfile, check_privilege, lsm_options
-from runtime.store import WORKERS, Artifact, ArtifactStore
+from runtime.store import WORKERS, Artifact, ArtifactStore, write_owner
 from runtime.timings import Timings
 
 log = logging.getLogger(__name__)
@@ -168,6 +171,8 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
                             dir=req.log_dir)
     private = os.path.join(work, "private")  # verified copies; removed at the end (logs stay)
     try:
+        # Who made them: if this process dies mid-restore, housekeeping removes them.
+        write_owner(work)
         with contextlib.ExitStack() as held:  # the artifact (its lock) and the bulk fds
             with t.phase("open"):
                 artifact = held.enter_context(store.open(req.namespace, req.name, key))

@@ -253,6 +253,23 @@ class Owner:
         return _start_time(self.pid) != self.start_time
 
 
+def write_owner(dir_path: str) -> None:
+    """Record this process as the owner of ``dir_path`` (a staging dir, a restore's work dir)."""
+    _write_file(os.path.join(dir_path, OWNER), json.dumps(dataclasses.asdict(Owner.me())).encode())
+
+
+def read_owner(dir_path: str) -> Owner | None:
+    """The owner recorded in ``dir_path``, None when there is none or it is unreadable."""
+    try:
+        fd = os.open(dir_path, _DIR_FLAGS)
+    except OSError:
+        return None
+    try:
+        return _read_owner(fd)
+    finally:
+        os.close(fd)
+
+
 def _read_owner(dir_fd: int) -> Owner | None:
     try:
         fd = os.open(OWNER, _FILE_FLAGS, dir_fd=dir_fd)
@@ -495,7 +512,7 @@ class Staging:
             raise StoreError(f"store namespace dir {self.parent} is a symlink")
         self.path = os.path.join(self.parent, f"{STAGING_PREFIX}{name}-{secrets.token_hex(8)}")
         os.mkdir(self.path, 0o700)
-        _write_file(os.path.join(self.path, OWNER), json.dumps(dataclasses.asdict(Owner.me())).encode())
+        write_owner(self.path)
         self.published: Listing | None = None
 
     def __enter__(self) -> Staging:
