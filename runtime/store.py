@@ -512,7 +512,13 @@ class Staging:
             raise StoreError(f"store namespace dir {self.parent} is a symlink")
         self.path = os.path.join(self.parent, f"{STAGING_PREFIX}{name}-{secrets.token_hex(8)}")
         os.mkdir(self.path, 0o700)
-        write_owner(self.path)
+        try:
+            write_owner(self.path)
+        except BaseException:
+            # Not even the owner record fits (a full store): without one, the sweep would keep
+            # this dir for a day.
+            shutil.rmtree(self.path, ignore_errors=True)
+            raise
         self.published: Listing | None = None
 
     def __enter__(self) -> Staging:
