@@ -30,6 +30,7 @@ from runtime.store import ArtifactStore
 
 from .config import Settings
 from .handlers import RekindlePlugin
+from .imageids import ImageIds
 from .prefetch import Prefetcher
 from .jobs import Jobs, Work
 from .policy import AfterCheckpoint, ReadyProbe
@@ -159,7 +160,7 @@ def run_plugin(settings: Settings, max_parallel: int = 2) -> int:
         jobs.bind_loop(loop)
         engine.prefetcher = Prefetcher(store, key) if settings.prefetch else None
         plugin = RekindlePlugin(settings, store=store, key=key, status=status, jobs=jobs,
-                                specs=specs, facts=facts, image_ref=image_ref,
+                                specs=specs, facts=facts, image_ref=ImageIds(image_ref) if image_ref else None,
                                 generations=engine.generations,
                                 prefetcher=engine.prefetcher)
         # Leftovers of dead publishes, old logs and status records: now and every few minutes.
