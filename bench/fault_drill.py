@@ -13,7 +13,8 @@ removes (and then runs the sweep), that nothing leaks (no stopped process, no CR
 stale mount, no private restore copies, nothing left in a removed pod's pid namespace), and that
 a source keeps serving after a failed checkpoint, while a published artifact restores.
 
-Load: 100 pods at once, half restoring one artifact, half plain (bench/drill/load.py).
+Load: 100 pods at once, half restoring one artifact, half plain (bench/drill/load.py), after the
+same burst with the plugin stopped (what the plugin adds to CRI latencies).
 
 Holds /run/lock/rekindle-e2e.lock while it runs (never beside the e2e tests), uses the default
 sandbox (reused when it runs containerd 1.7), writes ``OUT_DIR/fault-drill.json`` after every
@@ -113,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--faults", default=None, help="comma list of kill,containerd,disk-full (default: all)")
     ap.add_argument("--load-pods", type=int, default=100)
     ap.add_argument("--load-warmup-mib", type=int, default=16)
+    ap.add_argument("--no-load-baseline", action="store_true", help="skip the same burst without the plugin")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if os.geteuid() != 0:
@@ -142,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.only in (None, "faults"):
             run_faults(rig, args, doc, save)
         if args.only in (None, "load"):
-            doc["load"] = load_figure(rig, args.load_pods, args.load_warmup_mib)
+            doc["load"] = load_figure(rig, args.load_pods, args.load_warmup_mib, not args.no_load_baseline)
             print(report.load_table(doc["load"]), flush=True)
     finally:
         doc["wall_s"] = round(time.monotonic() - t0, 1)
