@@ -34,7 +34,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from runtime.errors import RekindleError
 
@@ -409,14 +409,17 @@ class Sandbox:
             shutil.rmtree(self.paths.dir)
         log.info("sandbox %s down%s", self.paths.dir, " (purged)" if purge else "")
 
-    def restart(self, timeout: float = 60.0) -> None:
+    def restart(self, timeout: float = 60.0, while_down: Callable[[], object] | None = None) -> None:
         """Stop containerd (TERM, then KILL) and start it again on the same root and state,
-        leaving running pods alone (unlike ``down`` + ``up``, which clean up after it)."""
+        leaving running pods alone (unlike ``down`` + ``up``, which clean up after it).
+        ``while_down`` runs between the two (what must happen while containerd is away)."""
         meta = self._read_meta()
         pid = self.pid()
         if meta is None or pid is None:
             raise SandboxError(f"sandbox {self.paths.dir} is not running")
         self._stop(pid)
+        if while_down is not None:
+            while_down()
         self._start()
         new = self._read_meta()
         if new is not None:  # keep the pods' netns for a later down
