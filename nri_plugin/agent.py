@@ -13,6 +13,7 @@ import shutil
 import signal
 import tempfile
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -68,7 +69,14 @@ def _cuda() -> Any:
 
 
 class NodeEngine:
-    """Adapts the runtime flows to the jobs' ``Engine`` protocol."""
+    """Adapts the runtime flows to the jobs' ``Engine`` protocol.
+
+    The image id of a checkpoint or restore is asked of containerd again for up to
+    ``image_id_wait`` seconds when it does not answer (it may be restarting): a checkpoint
+    without it would publish an artifact no restore accepts, a restore would start cold."""
+
+    image_id_wait = 30.0
+    image_id_every = 0.5
 
     def __init__(self, settings: Settings, store: ArtifactStore, key: bytes, cuda: Any,
                  facts: NodeFacts, image_ref: Any) -> None:
@@ -85,8 +93,7 @@ class NodeEngine:
         req = checkpoint_flow.CheckpointRequest(
             containerd_state=self.settings.containerd_state, container_id=work.container_id,
             namespace=work.namespace, name=work.artifact, pod=work.pod, pod_uid=work.pod_uid,
-            container=work.container, image=work.image,
-            image_ref=(self.image_ref(work.image) if self.image_ref and work.image else "") or "",
+            container=work.container, image=work.image, image_ref=self._image_id(work.image),
             exit_after=work.intent.after_checkpoint is AfterCheckpoint.EXIT,
             log_dir=os.path.join(self.settings.state_dir, "logs"))
         return checkpoint_flow.checkpoint(req, self.store, self.key, control=work.control, cuda=self.cuda)
@@ -94,8 +101,7 @@ class NodeEngine:
     def restore(self, work: Work) -> dict[str, float]:
         req = restore_flow.RestoreRequest(
             containerd_state=self.settings.containerd_state, container_id=work.container_id,
-            namespace=work.namespace, name=work.artifact, image=work.image,
-            image_ref=(self.image_ref(work.image) if self.image_ref and work.image else "") or "",
+            namespace=work.namespace, name=work.artifact, image=work.image, image_ref=self._image_id(work.image),
             log_dir=os.path.join(self.settings.state_dir, "logs"),
             path=restore_flow.RestorePath(self.settings.restore_path))
         prefetcher = self.prefetcher
@@ -106,6 +112,20 @@ class NodeEngine:
 
         return restore_flow.restore(req, self.store, self.key, self.facts, control=work.control, cuda=self.cuda,
                                     generations=self.generations, progress=progress)
+
+    def _image_id(self, image: str) -> str:
+        """The id containerd resolves ``image`` to ("" when there is no image or no answer)."""
+        if not self.image_ref or not image:
+            return ""
+        deadline = time.monotonic() + self.image_id_wait
+        found = self.image_ref(image)
+        if not found:
+            log.info("the id of image %s is unknown (is containerd restarting?); asking again for up to %.0fs",
+                     image, self.image_id_wait)
+        while not found and time.monotonic() < deadline:
+            time.sleep(self.image_id_every)
+            found = self.image_ref(image)
+        return found or ""
 
     async def probe(self, netns: str, probe: ReadyProbe) -> bool:
         return await run_probe(netns, probe.kind.value, probe.host, probe.port, probe.path)

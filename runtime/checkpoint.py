@@ -13,7 +13,9 @@ Steps, each timed (the timings go into the manifest and the container's status):
      published as a new version of the name;
   8. tell the source (``snapshot-complete``) and stop it if asked.
 Any failure raises; the source is resumed (never left stopped or CUDA-locked), the staging dir is
-removed, nothing appears under the artifact's name.
+removed, nothing appears under the artifact's name. A request naming an image but not its id is
+refused before anything else (ImageUnknown): every restore compares the two ids, so such an
+artifact could never be restored.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from runtime import control as control_mod
 from runtime import layout
 from runtime import overlay
 from runtime.containers import ContainerInfo, process_tree, resolve_container, workload_root
+from runtime.errors import ImageUnknown
 from runtime.gpus import spec_devices, visible_gpus
 from runtime.manifest import CriuInfo, CudaInfo, Gpu, Manifest, MountInfo, NodeInfo, ProcessInfo, Source
 from runtime.mechanics import dump_workload
@@ -103,6 +106,9 @@ def anon_mappings(pid: int) -> set[tuple[int, int]]:
 
 def checkpoint(req: CheckpointRequest, store: ArtifactStore, key: bytes, *,
                control: control_mod.ControlDir | None = None, cuda: Any = None) -> dict[str, float]:
+    if req.image and not req.image_ref:
+        raise ImageUnknown(f"checkpoint {req.namespace}/{req.name}: the id of image {req.image} is unknown "
+                           "(containerd did not say); an artifact without it could never be restored")
     t = Timings()
     with t.phase("inspect"):
         info = resolve_container(req.containerd_state, req.container_id)

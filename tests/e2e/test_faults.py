@@ -7,6 +7,7 @@ declared cut short (which made the init start cold and kill the half-restored tr
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import time
@@ -90,5 +91,45 @@ def test_a_containerd_restart_during_a_restore_lets_it_finish(sandbox, pod, tmp_
         assert not (ctl / "restore-failed").exists() and not (ctl / "cold-start").exists()
         out = sandbox.cri.exec_sync(cid, ["/bin/sh", "-c", "ps -o comm | grep -cx counter-server"], timeout=10)
         assert out.out.strip() == "1", out
+    finally:
+        plugin.stop()
+
+
+def _wait_log(plugin: PluginProcess, needle: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while needle not in plugin.log():
+        assert time.monotonic() < deadline, f"plugin log lacks {needle!r}:\n{plugin.log()[-3000:]}"
+        time.sleep(0.05)
+
+
+def test_a_checkpoint_begun_while_containerd_is_down_publishes_a_restorable_artifact(sandbox, pod, tmp_path):
+    """The image id comes from containerd: asked while it restarts, the checkpoint waits for it
+    (it once published an artifact with an empty id, which every restore then refused)."""
+    from runtime.status import Phase, StatusBook
+    plugin = PluginProcess(sandbox, tmp_path / "plugin")
+    plugin.start()
+    book = StatusBook(plugin.state_dir)
+    try:
+        a = pod("src-ctrd-down", annotations={"rekindle.dev/checkpoint": "ctrd-down"})
+        gated = "while [ ! -e /rekindle/go ]; do sleep 0.05; done; exec " + " ".join(SERVER)
+        sandbox.run_container(a, "server", COUNTER, command=["/bin/sh", "-c", gated])
+        ctl = plugin.control_dir(a.uid, "server")
+
+        def checkpoint_begins() -> None:  # while containerd is stopped
+            (ctl / "go").write_text("")
+            _wait_log(plugin, f"image digest of {COUNTER} unavailable", 60)
+
+        sandbox.sandbox.restart(while_down=checkpoint_begins)
+        st = book.wait("default", a.name, "server", {Phase.PUBLISHED, Phase.CHECKPOINT_FAILED}, 120)
+        assert st is not None and st.phase is Phase.PUBLISHED, (st, plugin.log()[-3000:])
+        manifest = json.loads((plugin.store / "default" / "ctrd-down" / "manifest.json").read_text())
+        assert manifest["source"]["image_ref"] == sandbox.cri.image_ref(COUNTER), manifest["source"]
+        source = _get(sandbox.cri.pod_ip(a.id))
+
+        b = pod("dst-ctrd-down", annotations={"rekindle.dev/restore": "ctrd-down"})
+        sandbox.run_container(b, "server", COUNTER, command=["/bin/sh", "-c", gated])
+        st = book.wait("default", b.name, "server", {Phase.RESTORED, Phase.COLD_START}, 120)
+        assert st is not None and st.phase is Phase.RESTORED, (st, plugin.log()[-3000:])
+        assert _start_of(_get(sandbox.cri.pod_ip(b.id))) == _start_of(source)
     finally:
         plugin.stop()
