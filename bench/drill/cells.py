@@ -119,17 +119,19 @@ RESTORE_TRIGGERS: dict[str, Trigger] = {
 
 
 # ---------------------------------------------------------------------- shared checks
-def _sweep_checks(cell: Cell, rig: Rig, name: str, namespace: str = "default") -> None:
-    """No partial artifact visible; leftovers only where the sweep removes them; then gone."""
+def _sweep_checks(cell: Cell, rig: Rig, name: str, published: bool, namespace: str = "default") -> None:
+    """No partial artifact visible (``published``: the name must be a complete signed version,
+    else nothing); leftovers only where the sweep removes them; then gone."""
     listed = [x for x in rig.store.list(namespace) if x.name == name]
-    if listed:
+    if published:
         try:
             ok, version = rig.artifact_ok(name, namespace)
             cell.check("store: name is a complete signed version", ok, f"{name} -> {version}, every digest matches")
         except Exception as exc:  # noqa: BLE001 - a finding
             cell.check("store: name is a complete signed version", False, f"{name}: {exc}")
     else:
-        cell.check("store: nothing under the name", not listed, f"{name}: absent")
+        cell.check("store: nothing under the name", not listed,
+                   f"{name}: absent" if not listed else f"{name}: {[(x.version, x.problem) for x in listed]}")
     before = rig.store.leftovers(namespace)
     swept = rig.store.sweep(namespace)
     after = rig.store.leftovers(namespace)
@@ -145,9 +147,7 @@ def _sweep_checks(cell: Cell, rig: Rig, name: str, namespace: str = "default") -
                detail + (f"; LEFT: {[f'{x.kind}:{x.entry}' for x in after]}" if after else ""))
     logs = rig.plugin.state_dir / "logs"
     stale = observe.restore_work_dirs(rig.plugin.state_dir)
-    sweep = getattr(housekeeping, "sweep_restore_copies", None)
-    if stale and sweep is not None:
-        sweep(logs)
+    housekeeping.sweep_restore_copies(logs)
     left = observe.restore_work_dirs(rig.plugin.state_dir)
     cell.check("node: no restore private copies after the sweep", not left,
                f"before sweep: {[p.name for p in stale] or 'none'}" + (f"; LEFT: {[p.name for p in left]}" if left else ""))
@@ -194,7 +194,7 @@ def checkpoint_cell(rig: Rig, wl: Workload, phase: str, fault: Fault) -> Cell:
             if not observe.wait_until(lambda: CHECKPOINT_TRIGGERS[phase](rig, src, marker), 180.0):
                 cell.error = f"the phase was never seen under way; plugin log:\n{rig.tail.text()[-2000:]}"
                 return cell
-            inj = inject(fault, rig, marker)
+            inj = inject(fault, rig, marker, src.pidns)
         cell.injected = {"after_s": round(inj.seconds, 3), **inj.seen}
         cell.landed = landed(CHECKPOINT_PHASES, rig.tail.phases(inj.at))
         st = rig.wait_status(src, {Phase.PUBLISHED, Phase.CHECKPOINT_FAILED}, SETTLE_TIMEOUT)
@@ -211,7 +211,7 @@ def checkpoint_cell(rig: Rig, wl: Workload, phase: str, fault: Fault) -> Cell:
         cell.check("outcome: published or failed, recorded", st is not None and st.phase in
                    (Phase.PUBLISHED, Phase.CHECKPOINT_FAILED), cell.outcome)
         ref = _source_checks(cell, rig, src, marker)
-        _sweep_checks(cell, rig, name)
+        _sweep_checks(cell, rig, name, published=st is not None and st.phase is Phase.PUBLISHED)
         if st is not None and st.phase is Phase.PUBLISHED:
             runs.append(_restore_probe(cell, rig, wl, name, ref))
             rig.artifact_bytes = max(rig.artifact_bytes, rig.store_bytes())
@@ -279,7 +279,7 @@ def restore_cell(rig: Rig, wl: Workload, base: str, ref: dict[str, str], row: st
         if not observe.wait_until(lambda: RESTORE_TRIGGERS[row](rig, dst, marker), 120.0):
             cell.error = f"the phase was never seen under way; plugin log:\n{rig.tail.text()[-2000:]}"
             return cell
-        inj = inject(fault, rig, marker)
+        inj = inject(fault, rig, marker, dst.pidns)
         cell.injected = {"after_s": round(inj.seconds, 3), **inj.seen}
         cell.landed = landed(RESTORE_PHASES, rig.tail.phases(inj.at))
         st = rig.wait_status(dst, {Phase.RESTORED, Phase.COLD_START}, SETTLE_TIMEOUT)
@@ -318,7 +318,7 @@ def restore_cell(rig: Rig, wl: Workload, base: str, ref: dict[str, str], row: st
                        f"{body.strip() or 'no answer'}; {verify}")
         observe.wait_until(lambda: observe.servers(dst.pidns), 30.0, 0.05)
         _process_checks(cell, dst, marker, "pod")
-        _sweep_checks(cell, rig, base)
+        _sweep_checks(cell, rig, base, published=True)  # a restore never touches what it reads
         _gone_checks(cell, rig, runs, mounts_before)
     except Exception as exc:  # noqa: BLE001 - the cell records it; the drill goes on
         cell.error = f"{type(exc).__name__}: {exc}"

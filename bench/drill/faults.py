@@ -107,8 +107,9 @@ class Injected:
     seen: dict[str, Any] = field(default_factory=dict)
 
 
-def inject(fault: Fault, rig: Any, marker: str) -> Injected:
-    """Land ``fault`` now. ``marker``: a path fragment naming this cell's CRIU and work dirs."""
+def inject(fault: Fault, rig: Any, marker: str, pidns: int = 0) -> Injected:
+    """Land ``fault`` now. ``marker``: a path fragment naming this cell's CRIU and work dirs;
+    ``pidns``: the pod's pid namespace (what the killed plugin left stopped there is noted)."""
     t0 = time.monotonic()
     if fault is Fault.KILL:
         rig.plugin.kill()
@@ -117,6 +118,8 @@ def inject(fault: Fault, rig: Any, marker: str) -> Injected:
         # CRIU runs under --pdeathsig: it must go with the plugin, within a moment.
         alive = observe.wait_until(lambda: not observe.criu(marker), 5.0, 0.01)
         seen["criu_after_kill"] = "gone" if alive else [p.pid for p in observe.criu(marker)]
+        if pidns:
+            seen["stopped_after_kill"] = [f"{p.pid}:{p.comm}" for p in observe.stopped(pidns)]
         seen["leftovers_after_kill"] = [f"{x.kind}:{x.entry}" for x in rig.store.leftovers()]
         seen["restore_dirs_after_kill"] = [p.name for p in observe.restore_work_dirs(rig.plugin.state_dir)]
         rig.restart_plugin()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import subprocess
 import sys
 import time
 import urllib.request
@@ -115,7 +116,7 @@ class Rig:
         self.cri = self.sandbox.cri(timeout=120.0)
         if self.work.exists():
             for m in reversed(observe.mounts_under(self.work)):
-                observe_umount(m)
+                umount(m)  # a drill that was killed left its store mounted
             shutil.rmtree(self.work)
         self.disk.mount()
         self.plugin.start(wait=False)
@@ -198,8 +199,7 @@ class _Handle:
         self.state_dir = sb.paths.state
 
 
-def observe_umount(path: str) -> None:
-    import subprocess
+def umount(path: str) -> None:
     subprocess.run(["umount", "-l", path], check=False, capture_output=True)
 
 
