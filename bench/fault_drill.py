@@ -162,11 +162,11 @@ def main(argv: list[str] | None = None) -> int:
 def _readme_block(doc: dict[str, Any], cells: list[dict[str, Any]]) -> str:
     c = doc["config"]
     parts = [f"Run {doc['started']} on {doc['host']['cpus']} CPUs, kernel {doc['host']['kernel']}, "
-             f"{doc['host']['criu']}; {doc['wall_s']} s in all.", ""]
+             f"CRIU {doc['host']['criu'].removeprefix('Version: ')}; {doc['wall_s']} s in all.", ""]
     if cells:
         parts += [f"Workload: counter server with {c['warmup_mib']} MiB of live memory, {c['blob_mib']} MiB in its "
                   f"writable layer, {c['shm_mib']} MiB in /dev/shm; store: a {c['store_mib']} MiB tmpfs.", "",
-                  report.fault_tables(cells), "Checked in every cell (✓: all held):", "", report.checks_list(cells),
+                  report.fault_tables(cells), "Checks (each cell runs those that apply to it; ✓: all held):", "", report.checks_list(cells),
                   "", "Failed checks:", "", report.failures(cells), "", "Each cell:", "", report.details_table(cells)]
         if doc.get("base_artifact_after_restore_cells"):
             parts += [f"Base artifact after all restore cells: {doc['base_artifact_after_restore_cells']}.", ""]
