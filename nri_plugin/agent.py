@@ -18,6 +18,7 @@ import shutil
 import signal
 import tempfile
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ from runtime.store import ArtifactStore
 from . import guards
 from .config import Settings
 from .handlers import RekindlePlugin
+from .imageids import ImageIds
 from .prefetch import Prefetcher
 from .health import HEARTBEAT, Health
 from .jobs import Jobs, Skipped, Work
@@ -76,7 +78,14 @@ def _cuda() -> Any:
 
 
 class NodeEngine:
-    """Adapts the runtime flows to the jobs' ``Engine`` protocol."""
+    """Adapts the runtime flows to the jobs' ``Engine`` protocol.
+
+    The image id of a checkpoint or restore is asked of containerd again for up to
+    ``image_id_wait`` seconds when it does not answer (it may be restarting): a checkpoint
+    without it would publish an artifact no restore accepts, a restore would start cold."""
+
+    image_id_wait = 30.0
+    image_id_every = 0.5
 
     def __init__(self, settings: Settings, store: ArtifactStore, key: bytes, cuda: Any,
                  facts: NodeFacts, image_ref: Any, running: guards.RunningContainers | None = None) -> None:
@@ -107,8 +116,7 @@ class NodeEngine:
         req = checkpoint_flow.CheckpointRequest(
             containerd_state=self.settings.containerd_state, container_id=work.container_id,
             namespace=work.namespace, name=work.artifact, pod=work.pod, pod_uid=work.pod_uid,
-            container=work.container, image=work.image,
-            image_ref=(self.image_ref(work.image) if self.image_ref and work.image else "") or "",
+            container=work.container, image=work.image, image_ref=self._image_id(work.image),
             exit_after=work.intent.after_checkpoint is AfterCheckpoint.EXIT,
             log_dir=os.path.join(self.settings.state_dir, "logs"),
             max_layer_bytes=min(work.intent.max_layer_bytes, self.settings.max_layer_bytes),
@@ -119,8 +127,7 @@ class NodeEngine:
     def restore(self, work: Work) -> dict[str, float]:
         req = restore_flow.RestoreRequest(
             containerd_state=self.settings.containerd_state, container_id=work.container_id,
-            namespace=work.namespace, name=work.artifact, image=work.image,
-            image_ref=(self.image_ref(work.image) if self.image_ref and work.image else "") or "",
+            namespace=work.namespace, name=work.artifact, image=work.image, image_ref=self._image_id(work.image),
             log_dir=os.path.join(self.settings.state_dir, "logs"),
             path=restore_flow.RestorePath(self.settings.restore_path),
             max_layer_bytes=self.settings.max_layer_bytes)
@@ -134,6 +141,20 @@ class NodeEngine:
 
         return restore_flow.restore(req, self.store, self.key, self.facts, control=work.control, cuda=self.cuda,
                                     generations=self.generations, progress=progress)
+
+    def _image_id(self, image: str) -> str:
+        """The id containerd resolves ``image`` to ("" when there is no image or no answer)."""
+        if not self.image_ref or not image:
+            return ""
+        deadline = time.monotonic() + self.image_id_wait
+        found = self.image_ref(image)
+        if not found:
+            log.info("the id of image %s is unknown (is containerd restarting?); asking again for up to %.0fs",
+                     image, self.image_id_wait)
+        while not found and time.monotonic() < deadline:
+            time.sleep(self.image_id_every)
+            found = self.image_ref(image)
+        return found or ""
 
     async def probe(self, netns: str, probe: ReadyProbe) -> bool:
         return await run_probe(netns, probe.kind.value, probe.host, probe.port, probe.path)
@@ -228,7 +249,7 @@ def run_plugin(settings: Settings, max_parallel: int = 2) -> int:
         jobs.bind_loop(loop)
         engine.prefetcher = Prefetcher(store, key) if settings.prefetch else None
         plugin = RekindlePlugin(settings, store=store, key=key, status=status, jobs=jobs,
-                                specs=specs, facts=facts, image_ref=image_ref,
+                                specs=specs, facts=facts, image_ref=ImageIds(image_ref) if image_ref else None,
                                 generations=engine.generations,
                                 prefetcher=engine.prefetcher)
         # Leftovers of dead publishes, old logs and status records: now and every few minutes.
@@ -268,6 +289,7 @@ def _housekeep_once(settings: Settings, store: ArtifactStore) -> None:
         removed = store_gc.sweep(store)
         if removed:
             log.info("store sweep removed %d leftovers (%d bytes)", len(removed), sum(r.bytes for r in removed))
+        housekeeping.sweep_restore_copies(os.path.join(settings.state_dir, "logs"))
         housekeeping.rotate_logs(os.path.join(settings.state_dir, "logs"))
         housekeeping.expire_status(settings.state_dir)
     except Exception as exc:  # noqa: BLE001 - housekeeping is never fatal

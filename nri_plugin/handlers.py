@@ -205,9 +205,11 @@ class RekindlePlugin:
         if pending is None:
             return
         work = pending.work
+        spec = None
         try:
             if pending.manifest is not None and self.specs is not None:
-                target = SecurityProfile.from_oci_spec(self.specs.get_spec(ctr.id), label=work.artifact)
+                spec = self.specs.get_spec(ctr.id)
+                target = SecurityProfile.from_oci_spec(spec, label=work.artifact)
                 reasons = check_privilege(pending.manifest.security, target, lsm=LsmSupport.detect())
                 if reasons:
                     raise RekindleError("target container is less privileged than the source: "
@@ -215,7 +217,7 @@ class RekindlePlugin:
             if not pending.swapped:
                 if self.specs is None:
                     raise RekindleError("no containerd API to swap the entrypoint with")
-                swap_by_spec_update(self.specs, ctr.id, work.mode, work.intent.restore_timeout)
+                swap_by_spec_update(self.specs, ctr.id, work.mode, work.intent.restore_timeout, spec)
                 pending.swapped = True
         except Exception as exc:  # noqa: BLE001 - fail open: the container runs its own command
             if pending.swapped:

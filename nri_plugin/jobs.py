@@ -111,7 +111,14 @@ class Jobs:
         task.add_done_callback(lambda _t, cid=work.container_id: self._tasks.pop(cid, None))
 
     def resume(self, work: Work) -> None:
-        """After a plugin restart: continue what can be continued, fail what was cut short."""
+        """After a plugin restart: continue what can be continued, fail what was cut short.
+
+        Synchronize also comes after containerd restarted while this process ran on: a
+        container whose job is still in this process is left to that job."""
+        if work.container_id in self._tasks:
+            log.info("%s: its %s job runs on after the reconnect", work.who,
+                     "checkpoint" if work.mode == "source" else "restore")
+            return
         prev = self.status.read(work.namespace, work.pod, work.container)
         if work.intent.role is Role.CHECKPOINT:
             if prev is None or prev.phase in (Phase.WAITING_READY, Phase.CHECKPOINTING):

@@ -140,6 +140,28 @@ def subscribed_events(plugin: object) -> set[Event]:
     return {ev for ev, meth in names.items() if callable(getattr(plugin, meth, None))}
 
 
+_PODDED = {"CreateContainer": api.CreateContainerRequest, "UpdateContainer": api.UpdateContainerRequest,
+           "StopContainer": api.StopContainerRequest, "StateChange": api.StateChangeEvent}
+
+
+def _log_served(method: str, payload: bytes, seconds: float) -> None:
+    """One DEBUG line per request served: its time from decode to reply (the handler's share of
+    the runtime's budget, event-loop queueing included) and its pod; bench/fault_drill.py reads
+    them."""
+    if not log.isEnabledFor(logging.DEBUG):
+        return
+    pod = "-"
+    try:
+        msg = _PODDED[method].FromString(payload) if method in _PODDED else None
+        if msg is not None:
+            pod = f"{msg.pod.namespace}/{msg.pod.name}" if msg.pod.name else "-"
+            if isinstance(msg, api.StateChangeEvent):
+                method = f"StateChange({Event(msg.event).name})"
+    except Exception:  # noqa: BLE001 - labels only
+        pass
+    log.debug("served %s %s in %.3f ms", method, pod, seconds * 1e3)
+
+
 class Stub:
     def __init__(
         self,
@@ -201,7 +223,8 @@ class Stub:
         trunk = MuxTrunk(reader, writer)
         self._trunk = trunk
         handlers = self._service_handlers()
-        server = TtrpcServer(lambda b: trunk.send(PLUGIN_SERVICE_CONN, b), handlers, drain=trunk.drain)
+        server = TtrpcServer(lambda b: trunk.send(PLUGIN_SERVICE_CONN, b), handlers, drain=trunk.drain,
+                             observe=_log_served)
         client = TtrpcClient(lambda b: trunk.send(RUNTIME_SERVICE_CONN, b))
         trunk.route(PLUGIN_SERVICE_CONN, server.feed)
         trunk.route(RUNTIME_SERVICE_CONN, client.feed)

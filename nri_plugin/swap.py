@@ -68,9 +68,11 @@ def swapped_spec(spec: dict[str, Any], mode: str, timeout: int) -> dict[str, Any
     return new
 
 
-def swap_by_spec_update(access: SpecAccess, container_id: str, mode: str, timeout: int) -> list[str]:
-    """Rewrite the stored spec; returns the new args."""
-    spec = access.get_spec(container_id)
+def swap_by_spec_update(access: SpecAccess, container_id: str, mode: str, timeout: int,
+                        spec: dict[str, Any] | None = None) -> list[str]:
+    """Rewrite the stored spec (``spec``: the one just read in this handler, if any, saving a
+    round trip to containerd); returns the new args."""
+    spec = access.get_spec(container_id) if spec is None else spec
     new = swapped_spec(spec, mode, timeout)
     access.update_spec(container_id, new)
     return list(new["process"]["args"])

@@ -23,6 +23,8 @@ Any failure raises; the source is resumed (never left stopped or CUDA-locked), t
 removed, nothing appears under the artifact's name. When the source's CUDA state cannot be
 brought back (a rollback or the resume fails: the processes would stay locked for good), the
 source tree is killed, so its container exits and restarts cold instead of hanging.
+A request naming an image but not its id is refused before anything else (ImageUnknown): every
+restore compares the two ids, so such an artifact could never be restored.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from runtime import overlay
 from runtime import preflight
 from runtime import tcpmode
 from runtime.containers import ContainerInfo, process_tree, resolve_container, workload_root
-from runtime.errors import CheckpointRefused, CriuError, CudaStuck, RekindleError
+from runtime.errors import CheckpointRefused, CriuError, CudaStuck, ImageUnknown, RekindleError
 from runtime.gpus import spec_devices, visible_gpus
 from runtime.manifest import CriuInfo, CudaInfo, Gpu, Manifest, MountInfo, NodeInfo, ProcessInfo, Source
 from runtime.mechanics import DumpResult, dump_workload
@@ -123,6 +125,9 @@ Progress = Callable[[str, int, int], None]  # (phase, bytes done, bytes total)
 def checkpoint(req: CheckpointRequest, store: ArtifactStore, key: bytes, *,
                control: control_mod.ControlDir | None = None, cuda: Any = None,
                progress: Progress | None = None) -> dict[str, float]:
+    if req.image and not req.image_ref:
+        raise ImageUnknown(f"checkpoint {req.namespace}/{req.name}: the id of image {req.image} is unknown "
+                           "(containerd did not say); an artifact without it could never be restored")
     t = Timings()
     if progress is not None:
         t.on_phase = lambda phase: progress(phase, 0, 0)

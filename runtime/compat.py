@@ -91,8 +91,11 @@ def check_compatibility(manifest: Manifest, facts: NodeFacts, *, image: str, ima
     if manifest.source.image != image:
         reasons.append(f"image differs: artifact {manifest.source.image}, target {image}")
     if manifest.source.image_ref != image_ref:
-        reasons.append(f"image digest differs: artifact {manifest.source.image_ref}, "
+        reasons.append(f"image digest differs: artifact {manifest.source.image_ref or 'unknown'}, "
                        f"target {image_ref or 'unknown'}")
+    elif image and not image_ref:
+        # Two unknowns are no match: neither side is known to be the image it names.
+        reasons.append(f"image digest unknown on both sides for {image}")
     cuda = manifest.cuda
     if cuda is not None:
         if facts.cuda is None:

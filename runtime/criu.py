@@ -129,20 +129,22 @@ def criu_argv(opts: DumpOptions | RestoreOptions, criu: str = CRIU) -> list[str]
     return argv + list(opts.extra)
 
 
+# Error lines CRIU logs on every run of these nodes although nothing failed (no CAP_SYS_RESOURCE
+# to raise its own RLIMIT_NOFILE).
+HARMLESS_ERRORS = (re.compile(r"rlimit: Can't setup RLIMIT_NOFILE for self"),)
+
+
 def log_errors(path: str, n: int = 8) -> str:
-    """The last error lines of a CRIU log (else its last lines)."""
+    """The last error lines of a CRIU log (else its last lines), without the harmless ones that
+    would otherwise lead every failure reason."""
     try:
         with open(path, errors="replace") as f:
             lines = f.read().splitlines()
     except OSError as e:
         return f"(no log: {e})"
-    errs = [ln for ln in lines if "Error" in ln or "error" in ln.split(":", 1)[0]]
+    errs = [ln for ln in lines if ("Error" in ln or "error" in ln.split(":", 1)[0])
+            and not any(p.search(ln) for p in HARMLESS_ERRORS)]
     return " | ".join((errs or lines)[-n:]).strip()
-
-
-# Error lines CRIU logs on every run of these nodes although nothing failed (no CAP_SYS_RESOURCE
-# to raise its own RLIMIT_NOFILE).
-HARMLESS_ERRORS = (re.compile(r"rlimit: Can't setup RLIMIT_NOFILE for self"),)
 
 
 def unexpected_errors(path: str) -> list[str]:

@@ -70,6 +70,10 @@ class ContainerNotFound(RekindleError):
     """A container, its task or its bundle could not be found."""
 
 
+class ImageUnknown(RekindleError):
+    """The id (content digest) of a container's image could not be resolved."""
+
+
 class NamespaceError(RekindleError):
     """Entering a container's namespaces failed."""
 

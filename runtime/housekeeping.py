@@ -1,9 +1,13 @@
-"""Node-local housekeeping: old CRIU work/log dirs and old status records are rotated away.
+"""Node-local housekeeping: private copies of interrupted restores are removed, old CRIU work/log
+dirs and old status records are rotated away.
 
 - :func:`rotate_logs` keeps the newest ``keep`` work dirs under ``<state>/logs`` (one per
   checkpoint or restore: CRIU's log, the restore's private copies while it runs) and removes
   older ones, and any older than ``max_age``; a dir touched within ``busy`` seconds is never
   removed, nor counted (a checkpoint or restore may be writing it).
+- :func:`sweep_restore_copies` removes the private copies (``restore-*/private``) of restores
+  whose process is provably dead (their work dir's owner record: node, boot id, pid and its
+  start time), at once: an agent killed mid-restore leaves the staged artifact files there.
 - :func:`expire_status` removes status records in a final phase not updated for ``max_age``
   (the pod is long gone), and the directories they leave empty.
 """
@@ -17,6 +21,7 @@ import time
 from pathlib import Path
 
 from runtime.status import FINAL_PHASES, StatusBook
+from runtime.owner import read_owner_of
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +49,24 @@ def rotate_logs(log_dir: str | os.PathLike[str], keep: int = KEEP_LOGS, max_age:
     if removed:
         log.info("rotated %d old work/log dirs out of %s", len(removed), root)
     return removed
+
+
+def sweep_restore_copies(log_dir: str | os.PathLike[str]) -> list[str]:
+    """Remove ``restore-*/private`` where the restore's owner is provably dead; the names of the
+    work dirs swept (their logs stay for ``rotate_logs``)."""
+    swept = []
+    for work in sorted(Path(log_dir).glob("restore-*")):
+        private = work / "private"
+        if not private.is_dir() or private.is_symlink():
+            continue
+        owner = read_owner_of(str(work))
+        if owner is None or not owner.provably_dead():
+            continue  # running, or made before owners were recorded (rotate_logs takes those)
+        shutil.rmtree(private, ignore_errors=True)
+        swept.append(work.name)
+    if swept:
+        log.info("removed the private copies of %d interrupted restore(s) under %s", len(swept), log_dir)
+    return swept
 
 
 def expire_status(state_dir: str | os.PathLike[str], max_age: float = MAX_AGE) -> int:

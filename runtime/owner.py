@@ -3,13 +3,14 @@ publish (this node's, provably) from one in progress (maybe another node's)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
 import time
 from dataclasses import dataclass
 
-from runtime.fdfs import FILE_FLAGS
+from runtime.fdfs import DIR_FLAGS, FILE_FLAGS, write_file
 
 OWNER = ".owner.json"
 
@@ -68,3 +69,20 @@ def read_owner(dir_fd: int) -> Owner | None:
                      float(d["created"]))
     except (ValueError, KeyError, TypeError):
         return None
+
+
+def write_owner(dir_path: str) -> None:
+    """Record this process as the owner of ``dir_path`` (a staging dir, a restore's work dir)."""
+    write_file(os.path.join(dir_path, OWNER), json.dumps(dataclasses.asdict(Owner.me())).encode())
+
+
+def read_owner_of(dir_path: str) -> Owner | None:
+    """The owner recorded in ``dir_path``, None when there is none or it is unreadable."""
+    try:
+        fd = os.open(dir_path, DIR_FLAGS)
+    except OSError:
+        return None
+    try:
+        return read_owner(fd)
+    finally:
+        os.close(fd)

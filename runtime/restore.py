@@ -25,6 +25,9 @@ Progress: ``progress(phase, 0, 0)`` at each phase start, ``("fill", done, total)
 the fill (from the fill's threads), and ``("complete", n, n)`` at the end, n the artifact's bytes.
 Any failure raises: a restored tree that never ran is killed; the caller writes
 ``restore-failed`` and the init kills whatever is left in its pid namespace and starts cold.
+The private copies live in ``<log_dir>/restore-*/private`` beside an owner record (this process);
+they are removed at the end, or by ``housekeeping.sweep_restore_copies`` once that process is
+provably dead (an agent killed mid-restore).
 The stock path (``RestorePath.STOCK``) hands the bulk pages back to CRIU instead (a private
 copy of them too), for comparison.
 """
@@ -59,6 +62,7 @@ from runtime.rollback import GenerationBook
 from runtime.security import LsmSupport, SecurityProfile, check_privilege, lsm_options
 from runtime.artifact import Artifact
 from runtime.digests import WORKERS
+from runtime.owner import write_owner
 from runtime.store import ArtifactStore
 from runtime.timings import Timings
 
@@ -198,6 +202,8 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
                             dir=req.log_dir)
     private = os.path.join(work, "private")  # verified copies; removed at the end (logs stay)
     try:
+        # Who made them: if this process dies mid-restore, housekeeping removes them.
+        write_owner(work)
         with contextlib.ExitStack() as held:  # the artifact (its lock) and the bulk fds
             with t.phase("open"):
                 artifact = held.enter_context(store.open(req.namespace, req.name, key))

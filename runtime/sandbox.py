@@ -14,6 +14,8 @@ Contract:
   force-deletes leftover runc containers, kills leftover shims, unmounts what is left under the
   directory, removes the pods' network namespaces and the bridge, so ``up`` can run again.
   ``purge`` also deletes the directory.
+- :meth:`Sandbox.restart` restarts containerd only, as a node's service manager does: shims,
+  containers, network namespaces and the bridge stay, and containerd reloads its pods.
 
 Run ``python -m runtime.sandbox up|down|status|env`` (hack/sandbox.sh wraps it).
 """
@@ -32,7 +34,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from runtime.errors import RekindleError
 
@@ -406,6 +408,24 @@ class Sandbox:
                 raise SandboxError(f"not purging {self.paths.dir}: still mounted: {left}")
             shutil.rmtree(self.paths.dir)
         log.info("sandbox %s down%s", self.paths.dir, " (purged)" if purge else "")
+
+    def restart(self, timeout: float = 60.0, while_down: Callable[[], object] | None = None) -> None:
+        """Stop containerd (TERM, then KILL) and start it again on the same root and state,
+        leaving running pods alone (unlike ``down`` + ``up``, which clean up after it).
+        ``while_down`` runs between the two (what must happen while containerd is away)."""
+        meta = self._read_meta()
+        pid = self.pid()
+        if meta is None or pid is None:
+            raise SandboxError(f"sandbox {self.paths.dir} is not running")
+        self._stop(pid)
+        if while_down is not None:
+            while_down()
+        self._start()
+        new = self._read_meta()
+        if new is not None:  # keep the pods' netns for a later down
+            new.netns = sorted(set(meta.netns) | set(new.netns))
+            self._write_meta(new)
+        self.wait_ready(timeout)
 
     def log_tail(self, lines: int = 40) -> str:
         try:

@@ -41,7 +41,6 @@ import contextlib
 import dataclasses
 import errno
 import fcntl
-import json
 import logging
 import os
 import re
@@ -60,7 +59,7 @@ from runtime.fdfs import (DIR_FLAGS, FILE_FLAGS, exclusive, fsync_dir, ofd_lock,
 from runtime.errors import ArtifactNotFound, ArtifactRejected, RekindleError, StoreError
 from runtime.manifest import MAX_MANIFEST_BYTES as MAX_MANIFEST
 from runtime.manifest import FileEntry, Manifest, sign, verify
-from runtime.owner import OWNER, Owner
+from runtime.owner import OWNER, write_owner
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +111,13 @@ class Staging:
             raise StoreError(f"store namespace dir {self.parent} is a symlink")
         self.path = os.path.join(self.parent, f"{STAGING_PREFIX}{name}-{secrets.token_hex(8)}")
         os.mkdir(self.path, 0o700)
-        write_file(os.path.join(self.path, OWNER), json.dumps(dataclasses.asdict(Owner.me())).encode())
+        try:
+            write_owner(self.path)
+        except BaseException:
+            # Not even the owner record fits (a full store): without one, the sweep would keep
+            # this dir for a day.
+            shutil.rmtree(self.path, ignore_errors=True)
+            raise
         self.published: Listing | None = None
 
     def __enter__(self) -> Staging:

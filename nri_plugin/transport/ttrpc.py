@@ -14,7 +14,9 @@ StateChange for events a plugin does not implement.
 The codec (``encode``, ``TtrpcDecoder``) does no I/O. ``TtrpcServer`` and ``TtrpcClient`` are fed
 bytes by the mux and send whole messages through a callable; handler errors become a status
 exactly once, in ``TtrpcServer._serve``, which then awaits the optional ``drain`` (flow control
-towards a slow peer).
+towards a slow peer). The optional ``observe(method, payload, seconds)`` hears how long each call
+took from the moment its frame was decoded to its reply being sent (queueing on the event loop
+included), for latency figures.
 """
 
 from __future__ import annotations
@@ -98,6 +100,7 @@ class TtrpcDecoder:
 Send = Callable[[bytes], None]
 # A handler gets the request payload and the caller's deadline (seconds from now, or None).
 Handler = Callable[[bytes, float | None], Awaitable[bytes]]
+Observer = Callable[[str, bytes, float], None]
 
 
 def _response(status: Code | int = Code.OK, message: str = "", payload: bytes = b"") -> bytes:
@@ -114,9 +117,11 @@ class TtrpcServer:
     """Serves unary calls. ``handlers`` maps (service, method) to an async handler."""
 
     def __init__(self, send: Send, handlers: dict[tuple[str, str], Handler],
-                 drain: Callable[[], Awaitable[None]] | None = None) -> None:
+                 drain: Callable[[], Awaitable[None]] | None = None,
+                 observe: Observer | None = None) -> None:
         self._send = send
         self._drain = drain  # flow control: wait after a reply while the peer is behind
+        self._observe = observe
         self._handlers = handlers
         self._services = {svc for svc, _ in handlers}
         self._decoder = TtrpcDecoder()
@@ -159,11 +164,12 @@ class TtrpcServer:
         except Exception as exc:  # noqa: BLE001 - protobuf raises DecodeError and friends
             self._reply(msg.stream_id, _response(Code.INVALID_ARGUMENT, f"bad request: {exc}"))
             return
-        task = asyncio.get_running_loop().create_task(self._serve(msg.stream_id, req))
+        loop = asyncio.get_running_loop()
+        task = loop.create_task(self._serve(msg.stream_id, req, loop.time()))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _serve(self, stream_id: int, req: ttrpc_pb2.Request) -> None:
+    async def _serve(self, stream_id: int, req: ttrpc_pb2.Request, received: float) -> None:
         handler = self._handlers.get((req.service, req.method))
         if handler is None:
             what = f"method {req.method}" if req.service in self._services else f"service {req.service}"
@@ -181,6 +187,8 @@ class TtrpcServer:
             log.exception("handler %s/%s failed", req.service, req.method)
             body = _response(Code.UNKNOWN, f"{type(exc).__name__}: {exc}")
         self._reply(stream_id, body)
+        if self._observe is not None:
+            self._observe(req.method, req.payload, asyncio.get_running_loop().time() - received)
         if self._drain is not None:
             try:
                 await self._drain()

@@ -22,6 +22,7 @@ from typing import Any
 import grpc
 from google.protobuf import any_pb2, field_mask_pb2
 
+from runtime.containerd import RECONNECT_OPTIONS
 from runtime.containerd.proto import containers_pb2 as pb
 from runtime.containerd.proto import containers_pb2_grpc as pb_grpc
 from runtime.errors import RekindleError
@@ -68,7 +69,7 @@ class ContainerdClient:
         self.address = address
         self.namespace = namespace
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(target)
+        self._channel = grpc.insecure_channel(target, options=RECONNECT_OPTIONS)
         self._containers = pb_grpc.ContainersStub(self._channel)
 
     def close(self) -> None:

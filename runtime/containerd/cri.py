@@ -24,6 +24,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import grpc
 
+from runtime.containerd import RECONNECT_OPTIONS
 from runtime.containerd.proto import cri_api_pb2 as pb
 from runtime.containerd.proto import cri_api_pb2_grpc as pb_grpc
 from runtime.errors import RekindleError
@@ -178,7 +179,8 @@ class CRIClient:
         self.address = address
         self.timeout = timeout
         self.log_root = Path(log_root)
-        self._channel = grpc.insecure_channel(target, options=[("grpc.max_receive_message_length", 16 << 20)])
+        self._channel = grpc.insecure_channel(target, options=[("grpc.max_receive_message_length", 16 << 20),
+                                                               *RECONNECT_OPTIONS])
         self._rt = pb_grpc.RuntimeServiceStub(self._channel)
         self._img = pb_grpc.ImageServiceStub(self._channel)
 

@@ -471,9 +471,15 @@ def test_plugin_killed_during_a_restore_leaves_a_cold_start_not_a_stuck_pod(sand
         while _criu_restores(name) and time.monotonic() < deadline:
             time.sleep(0.02)
         assert not _criu_restores(name), "criu outlived the agent"
+        private = list((plugin.state_dir / "logs").glob(f"restore-default-{name}-*/private"))
         plugin.start()
         st = wait_status(plugin, "default", b.name, "server", {"restored", "cold-start"})
         assert st["phase"] == "cold-start" and "agent restarted during the restore" in st["reason"], st
+        # The copies the killed restore staged are the restarted plugin's to remove, at once.
+        deadline = time.monotonic() + 10
+        while any(p.exists() for p in private) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert private and not any(p.exists() for p in private), private
         ip = sandbox.cri.pod_ip(b.id)
         wait_http(ip, timeout=60)
         assert fields(get(ip))["count"] == "1"

@@ -126,6 +126,20 @@ def test_second_sandbox_2_1_and_clean_teardown(sandbox_factory, pod) -> None:
     assert all(x.state is PodState.NOTREADY for x in extra.cri.list_pods() if x.id == p.id)
 
 
+def test_restart_keeps_running_pods(sandbox, pod) -> None:
+    """A containerd restart (as a node's service manager does it) leaves pods running."""
+    p = pod()
+    cid = sandbox.run_container(p, "c", BUSYBOX, command=["sleep", "3600"])
+    pid = sandbox.cri.container_status(cid, verbose=True).pid
+    before = sandbox.sandbox.pid()
+    sandbox.sandbox.restart()
+    assert sandbox.sandbox.pid() not in (None, before)
+    assert Path(f"/proc/{pid}").exists()
+    assert sandbox.cri.container_status(cid).state is ContainerState.RUNNING
+    assert [x.state for x in sandbox.cri.list_pods() if x.id == p.id] == [PodState.READY]
+    assert sandbox.cri.exec_sync(cid, ["/bin/sh", "-c", "echo alive"]).out.strip() == "alive"
+
+
 def _wait(cond, timeout: float, what: str) -> None:
     import time
     deadline = time.monotonic() + timeout

@@ -1,4 +1,5 @@
-"""A checkpoint that runs out of space leaves nothing behind, and the source keeps running."""
+"""A checkpoint that runs out of space leaves nothing behind, and the source keeps running:
+whether the store fills up during the dump or is full before the checkpoint starts."""
 
 from __future__ import annotations
 
@@ -72,3 +73,34 @@ def test_a_layer_over_the_pods_cap_is_refused_and_the_source_runs_on(sandbox, po
         assert "count=" in get(ip)  # resumed after the refused capture
     finally:
         plugin.stop()
+
+
+def test_a_checkpoint_into_a_store_already_full_leaves_no_staging_dir(sandbox, pod, tmp_path):
+    """Full before the checkpoint starts, not even the staging dir's owner record fits: the
+    staging dir goes too (an ownerless one would be kept by the sweep for a day)."""
+    from runtime.status import Phase, StatusBook
+    plugin = PluginProcess(sandbox, tmp_path / "plugin")
+    plugin.store.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(plugin.store)], check=True)
+    try:
+        plugin.start()
+        (plugin.store / "default").mkdir(mode=0o700)
+        fd = os.open(plugin.store / ".ballast", os.O_WRONLY | os.O_CREAT, 0o600)
+        try:  # every block of the store
+            while os.write(fd, b"\0" * 4096):
+                pass
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+        a = pod("src-store-was-full", annotations={"rekindle.dev/checkpoint": "no-room"})
+        sandbox.run_container(a, "server", COUNTER, command=["/usr/local/bin/counter-server", "8080"])
+        st = StatusBook(plugin.state_dir).wait("default", a.name, "server",
+                                               {Phase.PUBLISHED, Phase.CHECKPOINT_FAILED}, 120)
+        assert st is not None and st.phase is Phase.CHECKPOINT_FAILED, st
+        assert "No space left on device" in st.reason, st.reason
+        assert os.listdir(plugin.store / "default") == []
+        assert "count=1 " in get(sandbox.cri.pod_ip(a.id))
+    finally:
+        plugin.stop()
+        subprocess.run(["umount", "-l", str(plugin.store)], check=False)

@@ -84,6 +84,23 @@ def test_slow_handler_is_answered_empty_within_the_request_timeout(sock):
     run(body())
 
 
+def test_each_request_served_is_logged_with_its_pod_and_time_at_debug(sock, caplog):
+    caplog.set_level("DEBUG", logger="nri_plugin.stub")
+
+    async def body():
+        async with FakeRuntime(sock) as rt:
+            stub, task = await _start(sock, Recorder(create_delay=0.05))
+            conn = await rt.next_plugin()
+            await conn.handshake()
+            req = api.CreateContainerRequest(pod=api.PodSandbox(id="p", name="web", namespace="team"),
+                                             container=api.Container(id="c"))
+            await conn.call("CreateContainer", req, api.CreateContainerResponse)
+            await _stop(stub, task)
+    run(body())
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("served CreateContainer")]
+    assert line.startswith("served CreateContainer team/web in ") and float(line.split()[-2]) >= 50.0, line
+
+
 def test_reply_larger_than_4096_bytes_is_split_and_reassembled(sock):
     async def body():
         async with FakeRuntime(sock) as rt:

@@ -187,3 +187,11 @@ def test_log_errors(tmp_path: Path) -> None:
     log.write_text("(0.1) ok\n(0.2) Error (mount.c:1): mnt: No mapping for 94\n(0.3) bye\n")
     assert "No mapping for 94" in criu_mod.log_errors(str(log))
     assert "no log" in criu_mod.log_errors(str(tmp_path / "none"))
+
+
+def test_log_errors_leave_out_the_harmless_rlimit_line(tmp_path: Path) -> None:
+    log = tmp_path / "d.log"
+    log.write_text("(0.05) Error (criu/util.c:1534): rlimit: Can't setup RLIMIT_NOFILE for self: Operation not "
+                   "permitted\n(0.95) Error (criu/page-xfer.c:263): page-xfer: Unable to spice data: No space left "
+                   "on device\n(0.96) Error (criu/cr-dump.c:1975): Dumping FAILED.\n")
+    assert criu_mod.log_errors(str(log)).startswith("(0.95) Error (criu/page-xfer.c:263)")

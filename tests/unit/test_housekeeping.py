@@ -1,13 +1,16 @@
-"""Node-local rotation of work/log dirs and status records."""
+"""Node-local rotation of work/log dirs and status records; private copies of interrupted restores."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import time
 from pathlib import Path
 
-from runtime.housekeeping import expire_status, rotate_logs
+from runtime.housekeeping import expire_status, rotate_logs, sweep_restore_copies
 from runtime.status import ContainerStatus, Phase, StatusBook
+from runtime.owner import OWNER, Owner, write_owner
 
 
 def _dir(root: Path, name: str, age: float) -> Path:
@@ -41,3 +44,29 @@ def test_expire_status_removes_old_final_records_only(tmp_path: Path) -> None:
     assert expire_status(tmp_path) == 1
     assert sorted(s.pod for s in book.list()) == ["new-done", "old-running"]
     assert not (book.root / "ns" / "old-done").exists()
+
+
+def _restore_dir(root: Path, name: str, owner: Owner | None) -> Path:
+    d = root / name
+    (d / "private" / "criu").mkdir(parents=True)
+    (d / "private" / "criu" / "pages-1.img").write_bytes(b"p" * 4096)
+    (d / "restore.log").write_text("log")
+    if owner is not None:
+        (d / OWNER).write_text(json.dumps(dataclasses.asdict(owner)))
+    return d
+
+
+def test_private_copies_of_a_dead_restore_are_swept_and_a_live_ones_kept(tmp_path: Path) -> None:
+    me = Owner.me()
+    dead = _restore_dir(tmp_path, "restore-default-a-dead", dataclasses.replace(me, start_time=me.start_time + 1))
+    rebooted = _restore_dir(tmp_path, "restore-default-a-rebooted", dataclasses.replace(me, boot_id="old-boot"))
+    live = tmp_path / "restore-default-a-live"
+    (live / "private").mkdir(parents=True)
+    write_owner(str(live))
+    other_node = _restore_dir(tmp_path, "restore-default-a-other", dataclasses.replace(me, node="elsewhere", pid=1))
+    unowned = _restore_dir(tmp_path, "restore-default-a-unowned", None)
+    assert sweep_restore_copies(tmp_path) == [dead.name, rebooted.name]
+    assert not (dead / "private").exists() and (dead / "restore.log").exists()  # the log stays
+    assert not (rebooted / "private").exists()
+    for kept in (live, other_node, unowned):
+        assert (kept / "private").is_dir(), kept.name

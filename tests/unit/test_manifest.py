@@ -261,11 +261,16 @@ IMG, REF = "registry/img:1", "sha256:" + "1" * 64
     (make_manifest(cuda=None), facts(cuda=None), IMG, REF, []),
     (make_manifest(), facts(), "registry/img:2", REF, ["image differs"]),
     (make_manifest(), facts(), IMG, "", ["image digest differs"]),
+    (make_manifest(source=dataclasses.replace(make_manifest().source, image_ref="")), facts(), IMG, "",
+     ["image digest unknown on both sides"]),
+    (make_manifest(source=dataclasses.replace(make_manifest().source, image="", image_ref="")), facts(), "", "",
+     []),
     (make_manifest(), facts(kernel="6.1.0"), IMG, REF, []),
     (make_manifest(), facts(arch="arm64", criu_version="3.19", cuda=None), "other", "x",
      ["architecture", "CRIU", "image differs", "digest", "CUDA"]),
 ], ids=["compatible", "arch", "old-criu", "newer-criu", "unknown-criu", "no-cuda",
-        "driver", "gpu-model", "gpu-count", "cpu-only", "image-name", "image-digest",
+        "driver", "gpu-model", "gpu-count", "cpu-only", "image-name", "image-digest", "digest-unknown-both",
+        "no-image-named",
         "kernel-is-only-a-warning", "every-problem-at-once"])
 def test_check_compatibility_lists_every_problem(m: Manifest, f: NodeFacts, image: str, ref: str,
                                                  needles: list[str]) -> None:

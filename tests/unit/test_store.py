@@ -125,6 +125,17 @@ def test_stage_is_removed_when_the_body_raises(tmp_path: Path) -> None:
     assert os.listdir(tmp_path / "team-a") == []
 
 
+def test_stage_whose_owner_record_cannot_be_written_leaves_nothing(tmp_path: Path, monkeypatch) -> None:
+    def full(path: str, data: bytes, dir_fd: int | None = None) -> None:
+        open(path, "wb").close()  # created, then the disk is full
+        raise OSError(28, "No space left on device")
+    from runtime import owner
+    monkeypatch.setattr(owner, "write_file", full)
+    with pytest.raises(StoreError, match="No space left"):
+        ArtifactStore(str(tmp_path)).stage("team-a", "x")
+    assert os.listdir(tmp_path / "team-a") == []
+
+
 def test_stage_left_unpublished_is_removed(tmp_path: Path) -> None:
     store = ArtifactStore(str(tmp_path))
     with store.stage("team-a", "x") as staging:

@@ -110,6 +110,26 @@ def test_ttrpc_server_success_has_no_status_and_echoes_stream():
     assert msg.stream_id == 3 and not resp.HasField("status") and resp.payload == b"hi"
 
 
+def test_ttrpc_server_reports_each_calls_time_from_decode_to_reply():
+    seen = []
+
+    async def slow(payload, deadline):
+        await asyncio.sleep(0.05)
+        return payload
+
+    async def body():
+        sent = []
+        server = ttrpc.TtrpcServer(sent.append, {("svc", "Slow"): slow},
+                                   observe=lambda m, p, s: seen.append((m, p, s)))
+        server.feed(_request(5, "svc", "Slow", b"x"))
+        while not sent:
+            await asyncio.sleep(0.01)
+
+    asyncio.run(body())
+    (method, payload, seconds), = seen
+    assert (method, payload) == ("Slow", b"x") and 0.05 <= seconds < 1.0
+
+
 def test_ttrpc_server_rejects_even_stream_ids():
     msg, resp = _serve_one({}, _request(2, "svc", "Echo"))
     assert resp.status.code == 3 and "odd" in resp.status.message
