@@ -144,9 +144,9 @@ def _clients(settings: Settings) -> tuple[Any, Any, guards.RunningContainers | N
                     settings.containerd_socket)
         return None, None, None
     from runtime.containerd.client import ContainerdClient
-    from runtime.containerd.cri import CRIClient, ContainerState
+    from runtime.containerd.cri_lookup import CriLookup
     specs = ContainerdClient(settings.containerd_socket, namespace=settings.containerd_namespace)
-    cri = CRIClient(settings.containerd_socket, timeout=1.0)
+    cri = CriLookup(settings.containerd_socket, timeout=1.0)
 
     def image_ref(image: str) -> str:
         try:
@@ -155,10 +155,7 @@ def _clients(settings: Settings) -> tuple[Any, Any, guards.RunningContainers | N
             log.debug("image digest of %s unavailable: %s", image, exc)
             return ""
 
-    def running(pod_id: str) -> list[tuple[str, str]]:
-        live = (ContainerState.RUNNING, ContainerState.CREATED)
-        return [(c.id, c.name) for c in cri.list_containers(pod_id=pod_id) if c.state in live]
-    return specs, image_ref, running
+    return specs, image_ref, cri.live_containers
 
 
 def _engine(settings: Settings) -> tuple[ArtifactStore, bytes, NodeFacts, NodeEngine, Any, Any]:

@@ -93,9 +93,9 @@ def check_containerd_api(socket_path: str, timeout: float = 3.0) -> tuple[Check,
     """containerd answers its CRI Version call; returns the check and the runtime's version."""
     if not os.path.exists(socket_path):
         return Check("containerd-api", False, f"no socket at {socket_path}"), ""
-    from .containerd.cri import CRIClient
+    from .containerd.cri_lookup import CriLookup
     try:
-        with CRIClient(socket_path, timeout=timeout) as cri:
+        with CriLookup(socket_path, timeout=timeout) as cri:
             v = cri.version()
     except Exception as exc:  # noqa: BLE001 - any failure: containerd is not answering
         return Check("containerd-api", False, f"{socket_path}: {exc}"), ""
