@@ -22,7 +22,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from runtime.containerd.cri import Device, Mount
+from devtools.cri import Device, Mount
 from runtime.gpus import node_gpus
 
 DRIVER_ROOT = os.environ.get("REKINDLE_NVIDIA_DRIVER_ROOT", "/usr/local/nvidia")

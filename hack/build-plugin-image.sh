@@ -11,7 +11,7 @@
 # add CRIU (${CRIU:-/usr/local/sbin/criu}), the static init (make
 # build/rekindle-init) and the project with its Python dependencies (pip, from
 # the project's wheel); drop docs, locales and apt lists; pack it with
-# runtime/images.py as localhost/rekindle/plugin:<version>.
+# devtools/pack_rootfs.py as localhost/rekindle/plugin:<version>.
 # Needs root, debootstrap, the Debian archive apt is configured with, and PyPI.
 set -euo pipefail
 
@@ -107,4 +107,4 @@ find "$rootfs" -name __pycache__ -type d -prune -exec rm -rf {} +
 out="$work/plugin.oci.tar"
 args=("$rootfs" "$name" "$out")
 [ -n "$address" ] && args+=(--address "$address" --ctr "$ctr_bin")
-"$py" hack/plugin-image/pack.py "${args[@]}"
+"$py" -m devtools.pack_rootfs "${args[@]}"

@@ -12,4 +12,4 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 py=${PYTHON:-$root/.venv/bin/python}
 [ -x "$py" ] || py=python3
 cd "$root"
-exec "$py" -m runtime.sandbox "$@"
+exec "$py" -m devtools.sandbox "$@"

@@ -9,7 +9,7 @@ Fixtures (use them from any test under tests/e2e/):
     same runtime is reused and left running; otherwise it is started and stopped at the end.
     Attributes: ``runtime``, ``dir``, ``containerd_socket``, ``nri_socket``, ``state_dir``,
     ``bundles_dir``, ``root_dir``, ``log_path``, ``ctr``, ``subnet``, ``env``, ``cri``
-    (a :class:`~runtime.containerd.cri.CRIClient`), ``sandbox`` (the engine); methods
+    (a :class:`~devtools.cri.CRIClient`), ``sandbox`` (the engine); methods
     ``bundle(container_id)``, ``containerd()`` (a ContainerdClient), ``run_container(pod, name,
     image, **create_kwargs)`` (create + start, returns the id), ``log_tail(lines)``.
 ``sandbox_factory`` (session) -> callable ``(runtime="2.1") -> SandboxHandle``: a fresh extra
@@ -40,9 +40,9 @@ from typing import Any
 import pytest
 
 from runtime.containerd.client import ContainerdClient
-from runtime.containerd.cri import CRIClient, NamespaceMode, Pod
+from devtools.cri import CRIClient, NamespaceMode, Pod
 from runtime.errors import RekindleError
-from runtime.sandbox import DEFAULT_DIR, Runtime, Sandbox, SandboxConfig
+from devtools.sandbox import DEFAULT_DIR, Runtime, Sandbox, SandboxConfig
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from plugin_process import PluginProcess, build_native
+from tests.e2e.plugin_process import PluginProcess, build_native
 
 COUNTER = "localhost/rekindle/counter:1"
 SERVER = ["/usr/local/bin/counter-server", "8080"]
@@ -158,7 +158,7 @@ def assert_cold(sandbox, plugin, b, cid, ip, reason_part: str, ns: str = "defaul
 
 def test_source_exits_when_annotated(sandbox, pod, plugin):
     a, a_cid, a_ip = checkpoint_source(sandbox, pod, plugin, "exit-after", after="exit")
-    from runtime.containerd.cri import ContainerState
+    from devtools.cri import ContainerState
     st = sandbox.cri.wait_container(a_cid, states=(ContainerState.EXITED,), timeout=20)
     assert st.exit_code == 0  # the server's SIGTERM handler exits 0, the init passes it on
     assert (plugin.control_dir(a.uid, "server") / "snapshot-complete").read_text().strip() == "exit-after"
@@ -197,7 +197,7 @@ def test_artifact_of_another_namespace_is_invisible(sandbox, pod, plugin):
 
 
 def test_restore_into_less_privileged_container_is_refused(sandbox, pod, plugin):
-    from runtime.containerd.cri import SecurityContext
+    from devtools.cri import SecurityContext
     checkpoint_source(sandbox, pod, plugin, "root-source")  # runs as root with default caps
     b, cid, ip = restore_pod(sandbox, pod, plugin, "root-source", "dst-unprivileged",
                              security=SecurityContext(run_as_user=1000, run_as_group=1000,
@@ -244,7 +244,7 @@ def test_restored_process_gets_the_targets_read_only_mounts_oom_score_and_rlimit
     import errno
     import resource
 
-    from runtime.containerd.cri import Mount, SecurityContext
+    from devtools.cri import Mount, SecurityContext
     src_vol, dst_vol = tmp_path / "src-vol", tmp_path / "dst-vol"
     src_vol.mkdir()
     dst_vol.mkdir()

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from plugin_process import PluginProcess, build_native
+from tests.e2e.plugin_process import PluginProcess, build_native
 
 BUSYBOX = "localhost/rekindle/busybox:1"
 LOOP = ("i=0; while :; do i=$((i+1)); echo $i >> /counter.log; echo $i >> /dev/shm/log-counter; "

@@ -341,7 +341,7 @@ def test_restore_into_target(env: Env) -> None:
 # ---- the same through containerd + CRI: two pods, per-container pid namespaces, CNI ----
 
 def test_restore_into_other_pod_via_containerd(sandbox, pod) -> None:  # type: ignore[no-untyped-def]
-    from runtime.containerd.cri import ContainerState, Mount
+    from devtools.cri import ContainerState, Mount
     from runtime.containers import resolve_container
 
     reason = _skip_reason()

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from plugin_process import PluginProcess, build_native
-from runtime.containerd.cri import ContainerState, Mount
-from runtime.containerd.gpu import host_python_mounts
+from tests.e2e.plugin_process import PluginProcess, build_native
+from devtools.cri import ContainerState, Mount
+from devtools.gpu import host_python_mounts
 from runtime.status import Phase, StatusBook
 
 BUSYBOX = "localhost/rekindle/busybox:1"
@@ -159,8 +159,7 @@ HELPER_DIR = Path(__file__).resolve().parents[2] / "runtime" / "workload"
 def test_tensor_parallel_job_rebuilds_its_group_in_the_restored_pod(sandbox, pod, plugin):
     """The TP protocol on CPU (gloo): launcher + 2 ranks; the ranks take the group down, rank 0
     says ready, the agent checkpoints; the source and the restored copy each build a new group."""
-    sys.path.insert(0, str(WORKLOADS))
-    import tp_worker  # noqa: PLC0415 - client helpers only
+    from tests.gpu.workloads import tp_worker  # noqa: PLC0415 - client helpers only
 
     prefix, base = subprocess.run([TORCH_PYTHON, "-c", "import sys; print(sys.prefix); print(sys.base_prefix)"],
                                   capture_output=True, text=True, check=True).stdout.split()

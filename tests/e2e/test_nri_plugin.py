@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from plugin_process import PluginProcess, build_native
-from slow_servers import SlowServers
+from tests.e2e.plugin_process import PluginProcess, build_native
+from tests.e2e.slow_servers import SlowServers
 
 BUSYBOX = "localhost/rekindle/busybox:1"
 SLEEP = ["/bin/sh", "-c", "echo started; exec sleep 3600"]

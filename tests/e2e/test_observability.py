@@ -13,15 +13,12 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import pytest
 
-from plugin_process import REPO, PluginProcess, build_native
-from test_checkpoint_restore import COUNTER, SERVER, checkpoint_source, wait_http, wait_status
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the plugin-level helpers
-from plugin.fake_apiserver import FakeApiServer  # noqa: E402
+from tests.e2e.plugin_process import REPO, PluginProcess, build_native
+from tests.e2e.test_checkpoint_restore import COUNTER, SERVER, checkpoint_source, wait_http, wait_status
+from tests.plugin.fake_apiserver import FakeApiServer
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate is in the test extra")
 K8S_VERSION = "1.33"

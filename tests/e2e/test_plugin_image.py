@@ -17,20 +17,19 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
 
 import pytest
 
-from runtime.containerd.cri import ContainerState, Mount, NamespaceMode, Pod, SecurityContext
+from devtools.cri import ContainerState, Mount, NamespaceMode, Pod, SecurityContext
 from runtime.containerd.proto import cri_api_pb2 as pb
 
+from tests.e2e.kubelet_volumes import KUBELET_DEFAULT_MODE, project
+from tests.unit import chart_render
+
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tests" / "unit"))
-import chart_render  # noqa: E402
-from kubelet_volumes import KUBELET_DEFAULT_MODE, project  # noqa: E402
 
 BUSYBOX = "localhost/rekindle/busybox:1"
 COUNTER = "localhost/rekindle/counter:1"

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from runtime.containerd.cri import ContainerState, CRIError, PodState, SecurityContext
-from runtime.sandbox import Sandbox
+from devtools.cri import ContainerState, CRIError, PodState, SecurityContext
+from devtools.sandbox import Sandbox
 
 BUSYBOX = "localhost/rekindle/busybox:1"
 COUNTER = "localhost/rekindle/counter:1"

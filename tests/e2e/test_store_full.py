@@ -9,7 +9,7 @@ import urllib.request
 
 import pytest
 
-from plugin_process import PluginProcess, build_native
+from tests.e2e.plugin_process import PluginProcess, build_native
 
 COUNTER = "localhost/rekindle/counter:1"
 

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from plugin_process import PluginProcess, build_native
-from runtime.containerd.cri import Mount
+from tests.e2e.plugin_process import PluginProcess, build_native
+from devtools.cri import Mount
 
 COUNTER = "localhost/rekindle/counter:1"
 INIT = "/.rekindle/bin/rekindle-init"

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from plugin_process import PluginProcess, build_native
+from tests.e2e.plugin_process import PluginProcess, build_native
 from runtime.store import ArtifactStore
-from test_checkpoint_restore import COUNTER, SERVER, checkpoint_source, wait_status
+from tests.e2e.test_checkpoint_restore import COUNTER, SERVER, checkpoint_source, wait_status
 
 BUSYBOX = "localhost/rekindle/busybox:1"
 SLEEP = ["/bin/sh", "-c", "exec sleep 3600"]

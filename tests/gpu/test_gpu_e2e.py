@@ -2,7 +2,7 @@
 through the real sandbox (containerd 1.7 + runc + CRIU + CNI) and the real plugin, on a GPU node.
 
 The pods get their GPU as the NVIDIA device plugin gives it (device nodes + the driver's
-libraries, runtime.containerd.gpu); the image is the empty merged-/usr rootfs
+libraries, devtools.gpu); the image is the empty merged-/usr rootfs
 ``localhost/rekindle/host-usr:1`` with the node's /usr and Python environment (PyTorch) mounted
 read-only. The workload is tests/gpu/workloads/gpu_holder.py, mounted at /workload; it talks
 through its control dir (checksums.json, verify-request / verify-result.json).
@@ -30,9 +30,9 @@ from typing import Any
 
 import pytest
 
-from runtime.containerd.cri import ContainerState, Mount, Pod
+from devtools.cri import ContainerState, Mount, Pod
 from runtime.gpus import node_gpus
-from runtime.sandbox import Runtime, Sandbox, SandboxConfig
+from devtools.sandbox import Runtime, Sandbox, SandboxConfig
 
 pytestmark = pytest.mark.gpu
 
@@ -72,12 +72,10 @@ _SKIP = _why_skip()
 if _SKIP:
     pytest.skip(_SKIP, allow_module_level=True)
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gpu_pods  # noqa: E402
-from gpu_pods import PluginProcess, container_logs, gpu_memory, running, wait_file  # noqa: E402
+from tests.gpu import gpu_pods  # noqa: E402
+from tests.gpu.gpu_pods import PluginProcess, container_logs, gpu_memory, running, wait_file  # noqa: E402
 
-sys.path.insert(0, str(WORKLOADS))
-import gpu_holder  # noqa: E402  (client helpers only; torch is not imported)
+from tests.gpu.workloads import gpu_holder  # noqa: E402  (client helpers only; torch is not imported)
 
 
 # --- fixtures -------------------------------------------------------------------------------

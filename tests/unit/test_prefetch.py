@@ -9,7 +9,7 @@ from pathlib import Path
 from nri_plugin.prefetch import Prefetcher
 from runtime.prefetch import warm
 from runtime.store import ArtifactStore
-from test_store import KEY, publish
+from tests.unit.test_store import KEY, publish
 
 
 def test_warm_reads_every_file_once(tmp_path: Path) -> None:
