@@ -48,7 +48,7 @@ from runtime.containers import ContainerInfo, process_tree, resolve_container, w
 from runtime.errors import CheckpointRefused, CriuError, CudaStuck, RekindleError
 from runtime.gpus import spec_devices, visible_gpus
 from runtime.manifest import CriuInfo, CudaInfo, Gpu, Manifest, MountInfo, NodeInfo, ProcessInfo, Source
-from runtime.mechanics import DumpResult, dump_workload
+from runtime.criu_executor import DumpResult, dump_workload
 from runtime.security import SecurityProfile
 from runtime.store import ArtifactStore
 from runtime.timings import Timings

@@ -13,7 +13,7 @@ The target container runs ``rekindle-init --mode restore`` as PID 1 and waits. S
   5. criu_restore: CRIU inside the target's namespaces and cgroups with the target's LSM labels,
      TCP connections kept or closed as the dump decided (``RestorePlan.tcp_established``), left
      stopped; the target's oom_score_adj, rlimits and mount flags are forced on the stopped
-     tree (runtime.mechanics, runtime.confine);
+     tree (runtime.criu_executor, runtime.confine);
   6. fill: the bulk pages are read, hashed and written into the stopped process on many
      threads; the process is resumed only when every digest matched;
   7. cuda_restore: the target's GPU device nodes (created from the host by syscalls), restore
@@ -53,7 +53,7 @@ from runtime.devnodes import CharDevice, ensure_char_devices
 from runtime.errors import ArtifactRejected, RekindleError
 from runtime.gpus import NVIDIA_MAJOR, spec_devices, visible_gpus
 from runtime.manifest import Gpu
-from runtime.mechanics import restore_into
+from runtime.criu_executor import restore_into
 from runtime.namespaces import host_pid_of
 from runtime.rollback import GenerationBook
 from runtime.security import LsmSupport, SecurityProfile, check_privilege, lsm_options

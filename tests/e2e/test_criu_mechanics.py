@@ -3,7 +3,7 @@
 Two runc containers are built by hand (busybox-static rootfs on overlay, own netns joined by a veth
 pair with different IPs, the real rekindle-init as PID 1). The source runs a shell counter; the
 target's init waits in restore mode. No containerd is involved: this exercises runtime.containers,
-runtime.criu and runtime.mechanics alone.
+runtime.criu and runtime.criu_executor alone.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from runtime.containers import ContainerInfo, inspect_bundle, ns_pids, process_t
 from runtime.layout import MountPlanEntry
 from runtime.errors import CriuError
 from runtime.bulk import signal_all
-from runtime.mechanics import DumpResult, dump_workload, restore_into
+from runtime.criu_executor import DumpResult, dump_workload, restore_into
 
 pytestmark = pytest.mark.e2e
 

@@ -1,4 +1,4 @@
-"""Checkpoint a container's workload tree with CRIU, and restore it into another container.
+"""Runs CRIU inside a container's namespaces and cgroups: dump its workload tree, restore a tree into another.
 
 Contract (the container's PID 1 is ``rekindle-init``; the tree to move is its single child):
 
