@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import struct
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
@@ -124,6 +123,22 @@ def read_pstree(images_dir: str) -> list[PstreeEntry]:
     return out
 
 
+def image_pids(images_dir: str) -> set[int]:
+    """Every pid and thread id the image will need in the target pid namespace."""
+    out: set[int] = set()
+    for e in read_pstree(images_dir):
+        out.add(e.pid)
+        out.update(e.threads)
+    return out
+
+
+def image_is_shell_job(images_dir: str) -> bool:
+    """True when the tree's session or process group leader is outside the image."""
+    entries = read_pstree(images_dir)
+    pids = {e.pid for e in entries}
+    return any(e.sid not in pids or e.pgid not in pids for e in entries)
+
+
 # --- pagemap ------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -166,19 +181,6 @@ def write_pagemap(pagemap: Pagemap, entries: list[pagemap_pb2.pagemap_entry]) ->
     write_raw(pagemap.path, RawImage(pagemap.magic, [head.SerializeToString(),
                                                      *(e.SerializeToString() for e in entries)]))
 
-
-def data_runs(pagemap: Pagemap) -> Iterator[tuple[int, int, int]]:
-    """(vaddr, length, offset in the pages file) of every present entry, in file order."""
-    offset = 0
-    for e in pagemap.entries:
-        if not has_data(e):
-            continue
-        length = nr_pages(e) * PAGE
-        yield e.vaddr, length, offset
-        offset += length
-
-
-# --- mm -----------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class Mm:
