@@ -39,7 +39,6 @@ class Settings:
     containerd_state: str = "/run/containerd"
     containerd_namespace: str = "k8s.io"
     init_binary: str = ""            # where to install the init from; default: first that exists
-    criu_bin: str = "criu"
     restore_timeout: int = 1800     # default of the rekindle.dev/restore-timeout annotation
     restore_path: str = "bulk"      # bulk (pages filled beside CRIU) or stock (CRIU restores all)
     prefetch: bool = True           # read a restore's artifact ahead from RunPodSandbox on

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import logging
 import os
-import re
-import subprocess
 from dataclasses import dataclass
 
+from runtime.criu import criu_version, version_tuple
+from runtime.errors import CriuError
 from runtime.manifest import Gpu, Manifest
 
 log = logging.getLogger(__name__)
@@ -46,22 +46,14 @@ class NodeFacts:
 
 def _criu_version() -> str | None:
     try:
-        out = subprocess.run(["criu", "--version"], capture_output=True, text=True, timeout=5,
-                             check=True).stdout
-    except (OSError, subprocess.SubprocessError) as exc:
+        return criu_version(timeout=5)
+    except CriuError as exc:
         log.warning("criu --version failed: %s", exc)
         return None
-    match = re.search(r"Version:\s*(\S+)", out)
-    return match.group(1) if match else None
-
-
-def _version_tuple(text: str) -> tuple[int, ...] | None:
-    match = re.match(r"(\d+(?:\.\d+)*)", text)
-    return tuple(int(p) for p in match.group(1).split(".")) if match else None
 
 
 def _major_minor(kernel: str) -> tuple[int, ...] | str:
-    version = _version_tuple(kernel)
+    version = version_tuple(kernel)
     return version[:2] if version else kernel
 
 
@@ -80,8 +72,8 @@ def check_compatibility(manifest: Manifest, facts: NodeFacts, *, image: str, ima
             reasons.append(message)
         else:
             log.warning("artifact %s/%s: %s", manifest.namespace, manifest.name, message)
-    want = _version_tuple(manifest.criu.version)
-    have = _version_tuple(facts.criu_version or "")
+    want = version_tuple(manifest.criu.version)
+    have = version_tuple(facts.criu_version or "")
     if have is None or want is None:
         reasons.append(f"CRIU version unknown: artifact {manifest.criu.version!r}, "
                        f"node {facts.criu_version!r}")

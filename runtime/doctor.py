@@ -20,6 +20,7 @@ import tomllib
 from dataclasses import dataclass
 from typing import Any
 
+from .criu import CRIU, MIN_VERSION, parse_version, version_tuple
 from .errors import ConfigError, KeyMissing
 from .keys import read_key
 
@@ -44,14 +45,16 @@ def check_root() -> Check:
     return Check("root", os.geteuid() == 0, "running as root" if os.geteuid() == 0 else "must run as root")
 
 
-def check_criu(criu: str = "criu") -> Check:
+def check_criu(criu: str = CRIU) -> Check:
+    """The CRIU binary the engine runs (``runtime.criu.CRIU``): recent enough, and ``criu check``."""
     rc, out = _run([criu, "--version"])
     if rc != 0:
         return Check("criu", False, f"{criu} not usable: {out[:200]}")
-    version = next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Version")), "?")
-    parts = tuple(int(p) for p in version.split(".")[:2] if p.isdigit())
-    if parts < (4, 2):
-        return Check("criu", False, f"CRIU {version} is too old (need >= 4.2: 3.17 fails on current kernels, 4.1 cannot dump TCP sockets on >= 6.16)")
+    version = parse_version(out) or "?"
+    if (version_tuple(version) or ()) < MIN_VERSION:
+        need = ".".join(map(str, MIN_VERSION))
+        return Check("criu", False, f"CRIU {version} is too old (need >= {need}: 3.17 fails on current kernels, "
+                     "4.1 cannot dump TCP sockets on >= 6.16)")
     rc, out = _run([criu, "check"], timeout=30)
     return Check("criu", rc == 0, f"CRIU {version}: {out.splitlines()[-1] if out else rc}")
 
@@ -192,7 +195,7 @@ def check_store(path: str) -> list[Check]:
 
 
 def run_checks(settings: Any) -> list[Check]:
-    checks = [check_root(), check_criu(getattr(settings, "criu_bin", "criu")),
+    checks = [check_root(), check_criu(),
               check_binary("nsenter"), check_binary("unshare")]
     init = settings.init_source()
     checks.append(Check("rekindle-init", init is not None, init or "not built (run make)"))

@@ -53,8 +53,8 @@ def _skip_reason() -> str | None:
         v = criu_mod.criu_version()
     except CriuError as e:
         return f"criu unusable: {e}"
-    if criu_mod.version_tuple(v) < (4, 1):
-        return f"criu {v} < 4.1"
+    if (criu_mod.version_tuple(v) or ()) < criu_mod.MIN_VERSION:
+        return f"criu {v} < {'.'.join(map(str, criu_mod.MIN_VERSION))}"
     return None
 
 
