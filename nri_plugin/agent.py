@@ -27,6 +27,7 @@ from runtime import housekeeping
 from runtime import control
 from runtime import restore as restore_flow
 from runtime.compat import NodeFacts
+from runtime.gpu_target import node_cuda
 from runtime.keys import load_key
 from runtime.probe import probe as run_probe
 from runtime.rollback import GenerationBook
@@ -163,8 +164,7 @@ def _engine(settings: Settings) -> tuple[ArtifactStore, bytes, NodeFacts, NodeEn
     key = load_key(settings.key_path, create=settings.create_key)
     store = ArtifactStore(settings.store)
     cuda = _cuda()
-    cuda_facts = restore_flow.cuda_facts(cuda)
-    facts = NodeFacts.detect(cuda=cuda_facts)
+    facts = NodeFacts.detect(cuda=node_cuda(cuda))
     specs, image_ref, running = _clients(settings)
     engine = NodeEngine(settings, store, key, cuda, facts, image_ref, running)
     return store, key, facts, engine, specs, image_ref

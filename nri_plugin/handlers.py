@@ -40,7 +40,7 @@ from runtime.errors import AnnotationError, RekindleError
 from runtime.compat import NodeFacts, check_compatibility
 from runtime.manifest import Manifest
 from runtime.security import LsmSupport, SecurityProfile, check_privilege
-from runtime.restore import target_facts
+from runtime.gpu_target import target_facts
 from runtime.rollback import GenerationBook
 from runtime.status import ContainerStatus, Phase, StatusBook
 from runtime.store import ArtifactStore

@@ -2,8 +2,9 @@
 
 :func:`check_compatibility` lists every reason it cannot (architecture, CRIU version, image,
 CUDA driver, GPU count and models); a kernel major.minor difference is only a warning unless
-asked for. :class:`NodeFacts` describes the node, with the GPUs narrowed to the target
-container's when the caller knows them.
+asked for. :class:`NodeFacts` describes the node, its CUDA driver and GPUs as a manifest's
+:class:`runtime.manifest.CudaInfo` (without pids), narrowed to the target container's GPUs when
+the caller knows them.
 """
 
 from __future__ import annotations
@@ -14,17 +15,9 @@ from dataclasses import dataclass
 
 from runtime.criu import criu_version, version_tuple
 from runtime.errors import CriuError
-from runtime.manifest import Gpu, Manifest
+from runtime.manifest import CudaInfo, Manifest
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class CudaFacts:
-    """The CUDA driver and the GPUs visible to the target container, in device order."""
-
-    driver_version: str
-    gpus: tuple[Gpu, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,10 +26,10 @@ class NodeFacts:
     kernel: str
     arch: str
     criu_version: str | None
-    cuda: CudaFacts | None
+    cuda: CudaInfo | None  # the driver and the GPUs (of the target container, once narrowed)
 
     @classmethod
-    def detect(cls, criu_version: str | None = None, cuda: CudaFacts | None = None) -> NodeFacts:
+    def detect(cls, criu_version: str | None = None, cuda: CudaInfo | None = None) -> NodeFacts:
         """Facts of this node. ``criu_version`` None runs ``criu --version`` (None on failure);
         ``cuda`` is passed in by the caller (the cuda module owns libcuda)."""
         uts = os.uname()

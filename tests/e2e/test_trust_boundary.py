@@ -91,7 +91,7 @@ def checkpoint(sandbox, pod, plugin, name: str, pod_name: str, requests: int, sh
 def test_no_container_binary_runs_with_the_plugins_privileges(sandbox, pod, plugin):
     from runtime.containers import resolve_container
     from runtime.namespaces import host_pid_of
-    from runtime.restore import ensure_device_nodes
+    from runtime.gpu_target import ensure_device_nodes
     from runtime.status import Phase, StatusBook
 
     plant = (f"/bin/busybox rm -f /bin/sh && /bin/busybox printf '%s' '{RECORDER}' > /bin/sh && "

@@ -142,7 +142,7 @@ def checkpoint_and_restore(cri, plugin: PluginProcess, pods: list[Pod], name: st
                            src_gpu: int, dst_gpu: int) -> dict[str, Any]:
     """Pod A on src_gpu checkpointed by annotation, pod B on dst_gpu restored; returns the record."""
     rec: dict[str, Any] = {"artifact": name, "gib": gib, "source_gpu": src_gpu, "target_gpu": dst_gpu,
-                           "gpus": [g.uuid for g in node_gpus()]}
+                           "gpus": [g.uuid for g in node_gpus().values()]}
     a = cri.run_pod_sandbox(f"gpu-src-{name}", annotations={"rekindle.dev/checkpoint": name})
     pods.append(a)
     t0 = time.monotonic()
@@ -224,7 +224,7 @@ def test_gpu_server_restored_into_another_pod(cri, plugin, pods):
 
 
 def test_gpu_server_restored_onto_another_gpu(cri, plugin, pods):
-    gpus = node_gpus()
+    gpus = list(node_gpus().values())
     if len(gpus) < 2:
         pytest.skip(f"restore onto another GPU needs 2 GPUs; this node has {len(gpus)}")
     rec = checkpoint_and_restore(cri, plugin, pods, "gpu-holder-x", XGPU_GIB, 0, 1)

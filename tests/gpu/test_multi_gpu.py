@@ -90,7 +90,7 @@ from tests.gpu.workloads import gpu_holder, tp_worker  # noqa: E402  (client hel
 
 
 def need_gpus(n: int) -> list[Any]:
-    gpus = node_gpus()
+    gpus = list(node_gpus().values())
     if len(gpus) < n:
         pytest.skip(f"needs {n} GPUs; this node has {len(gpus)}")
     return gpus

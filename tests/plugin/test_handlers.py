@@ -131,14 +131,14 @@ def test_node_default_restore_timeout_reaches_the_init(make_plugin):
 def test_restore_precheck_compares_gpus_the_container_was_given(monkeypatch):
     """A node with two GPUs, a container given one: an artifact from a one-GPU container fits."""
     from runtime import gpus as gpus_mod
-    from runtime.compat import CudaFacts
-    from runtime.manifest import Gpu
-    from runtime.restore import target_facts
-    monkeypatch.setattr(gpus_mod, "node_gpus", lambda proc_gpus=None: [
-        gpus_mod.NodeGpu(0, "GPU-aaaaaaaa-0000-0000-0000-000000000000", "H200"),
-        gpus_mod.NodeGpu(1, "GPU-bbbbbbbb-0000-0000-0000-000000000000", "H200")])
+    from runtime.gpu_target import target_facts
+    from runtime.gpus import Gpu
+    from runtime.manifest import CudaInfo
+    monkeypatch.setattr(gpus_mod, "node_gpus", lambda proc_gpus=None: {
+        0: Gpu("GPU-aaaaaaaa-0000-0000-0000-000000000000", "H200"),
+        1: Gpu("GPU-bbbbbbbb-0000-0000-0000-000000000000", "H200")})
     facts = NodeFacts("n", "6.18.0", "x86_64", "4.2.1",
-                      CudaFacts("580.1", (Gpu("GPU-aaaaaaaa-0000-0000-0000-000000000000", "H200"),
+                      CudaInfo("580.1", (Gpu("GPU-aaaaaaaa-0000-0000-0000-000000000000", "H200"),
                                           Gpu("GPU-bbbbbbbb-0000-0000-0000-000000000000", "H200"))))
     narrowed = target_facts(facts, {"linux": {"devices": [{"path": "/dev/nvidia1", "major": 195, "minor": 1}]}})
     assert [g.uuid[:12] for g in narrowed.cuda.gpus] == ["GPU-bbbbbbbb"]
