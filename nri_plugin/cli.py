@@ -105,6 +105,7 @@ def _positive(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .config import Settings
     parser = argparse.ArgumentParser(
         prog="rekindle",
         description="Start GPU inference pods warm: checkpoint a loaded pod, restore new pods from it "
@@ -113,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plugin", help="run the NRI plugin (the DaemonSet's command)")
     _common(p); _paths(p)
-    p.add_argument("--socket-path", default="/var/run/nri/nri.sock", help="NRI socket (default: %(default)s)")
+    p.add_argument("--socket-path", default=Settings().socket_path, help="NRI socket (default: %(default)s)")
     p.add_argument("--name", default="rekindle", help="plugin name (default: %(default)s)")
     p.add_argument("--idx", default="50", help="plugin index, two digits (default: %(default)s)")
     p.add_argument("--init-binary", default="", help="rekindle-init to install into <state-dir>/bin")
@@ -197,8 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("doctor", help="check this node's prerequisites (connects to NRI and containerd)")
     _common(p); _paths(p)
-    p.add_argument("--socket-path", default="/var/run/nri/nri.sock", help="NRI socket (default: %(default)s)")
-    p.add_argument("--containerd-config", default="/etc/containerd/config.toml",
+    p.add_argument("--socket-path", default=Settings().socket_path, help="NRI socket (default: %(default)s)")
+    p.add_argument("--containerd-config", default=Settings().containerd_config,
                    help="containerd's config file, checked for NRI (default: %(default)s)")
     _output(p)
     p.set_defaults(func=cmd_doctor)

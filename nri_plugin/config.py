@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from runtime.errors import ConfigError
+from runtime.nodeconfig import DEFAULT_CONFIG, DEFAULT_SOCKET
 
 from .policy import parse_decimal
 
@@ -30,7 +31,7 @@ def _default_init_candidates() -> list[str]:
 class Settings:
     name: str = "rekindle"
     idx: str = "50"
-    socket_path: str = "/var/run/nri/nri.sock"
+    socket_path: str = DEFAULT_SOCKET
     state_dir: str = DEFAULT_STATE_DIR
     store: str = DEFAULT_STATE_DIR + "/store"
     hmac_key_file: str = ""          # default: <state_dir>/hmac.key
@@ -49,7 +50,7 @@ class Settings:
     events: bool = False            # report outcomes to Kubernetes (Events, pod condition)
     kubeconfig: str = ""            # with events: a kubeconfig file instead of the service account
     node_name: str = ""             # the Kubernetes node (the chart: $NODE_NAME from spec.nodeName)
-    containerd_config: str = "/etc/containerd/config.toml"  # read by `rekindle doctor` only
+    containerd_config: str = str(DEFAULT_CONFIG)  # read by `rekindle doctor` only
 
     @property
     def key_path(self) -> Path:

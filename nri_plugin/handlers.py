@@ -315,11 +315,8 @@ class RekindlePlugin:
                 phase: Phase, reason: str) -> None:
         # A malformed pod still says what it wanted (for its Event): the role, if recognisable.
         hint = role_hint(dict(pod.annotations)) if intent is None else None
-        try:
-            self.status.write(ContainerStatus(
-                namespace=pod.namespace, pod=pod.name, container=ctr.name,
-                role=intent.role.value if intent else (hint.value if hint else ""),
-                artifact=intent.artifact if intent else "",
-                phase=phase, reason=reason, container_id=ctr.id, pod_uid=pod.uid))
-        except (OSError, ValueError) as exc:
-            log.error("%s: cannot record status: %s", who(pod, ctr), exc)
+        self.status.record(ContainerStatus(
+            namespace=pod.namespace, pod=pod.name, container=ctr.name,
+            role=intent.role.value if intent else (hint.value if hint else ""),
+            artifact=intent.artifact if intent else "",
+            phase=phase, reason=reason, container_id=ctr.id, pod_uid=pod.uid))

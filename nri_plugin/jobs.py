@@ -239,14 +239,11 @@ class Jobs:
         return True
 
     def _set(self, work: Work, phase: Phase, reason: str, progress: Progress | None = None) -> None:
-        try:
-            self.status.write(ContainerStatus(
-                namespace=work.namespace, pod=work.pod, container=work.container,
-                role=work.intent.role.value, artifact=work.artifact, phase=phase, reason=reason,
-                container_id=work.container_id, pod_uid=work.pod_uid, timings=dict(work.timings),
-                progress=progress, bytes=work.bytes))
-        except (OSError, ValueError) as exc:
-            log.error("%s: cannot record status: %s", work.who, exc)
+        self.status.record(ContainerStatus(
+            namespace=work.namespace, pod=work.pod, container=work.container,
+            role=work.intent.role.value, artifact=work.artifact, phase=phase, reason=reason,
+            container_id=work.container_id, pod_uid=work.pod_uid, timings=dict(work.timings),
+            progress=progress, bytes=work.bytes))
 
 
 def _fmt(timings: dict[str, float]) -> str:

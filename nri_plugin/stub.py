@@ -58,6 +58,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
 from runtime.errors import RekindleError
+from runtime.nodeconfig import DEFAULT_SOCKET
 
 from . import logs
 from .events import Event, RuntimeInfo, describe_mask, event_mask
@@ -70,7 +71,6 @@ log = logging.getLogger(__name__)
 
 PLUGIN_SERVICE = "nri.pkg.api.v1alpha1.Plugin"
 RUNTIME_SERVICE = "nri.pkg.api.v1alpha1.Runtime"
-DEFAULT_SOCKET = "/var/run/nri/nri.sock"
 DEFAULT_REQUEST_TIMEOUT = 2.0
 # Time kept back from the runtime's deadline for serialisation, the socket and scheduling.
 REPLY_MARGIN = 0.4
@@ -249,16 +249,6 @@ class Stub:
         if not os.path.exists(self.socket_path):
             raise ConnectionClosed(f"no socket at {self.socket_path}")
         return await asyncio.open_unix_connection(self.socket_path)
-
-    # ------------------------------------------------------------------ outgoing
-    async def update_containers(self, updates: list[api.ContainerUpdate]) -> list[api.ContainerUpdate]:
-        """Unsolicited updates. Never call this from inside a handler: the runtime holds its
-        lock while waiting for the handler's reply, so the call would deadlock until timeout."""
-        if self._client is None:
-            raise ConnectionClosed("not connected")
-        req = api.UpdateContainersRequest(update=updates)
-        raw = await self._client.call(RUNTIME_SERVICE, "UpdateContainers", req.SerializeToString(), 2.0)
-        return list(api.UpdateContainersResponse.FromString(raw).failed)
 
     # ------------------------------------------------------------------ incoming
     def _service_handlers(self) -> dict[tuple[str, str], Handler]:

@@ -23,6 +23,7 @@ from typing import Any
 from .criu import CRIU, MIN_VERSION, parse_version, version_tuple
 from .errors import ConfigError, KeyMissing
 from .keys import read_key
+from .nodeconfig import DEFAULT_SOCKET, NRI_PLUGIN
 
 
 @dataclass(frozen=True)
@@ -106,9 +107,6 @@ def check_containerd_api(socket_path: str, timeout: float = 3.0) -> tuple[Check,
                   f"at {socket_path}"), v.runtime_version)
 
 
-NRI_PLUGIN = "io.containerd.nri.v1.nri"
-
-
 def _load_merged(path: str) -> tuple[dict[str, Any], list[str]]:
     """containerd's config as containerd reads it: the file, then its ``imports`` in order, each
     merged over the result (tables deeply, later values winning). Returns (config, files read)."""
@@ -163,7 +161,7 @@ def check_nri_config(path: str, containerd_version: str = "", socket_path: str =
         return Check("nri-config", False, f"{where}: NRI is off (disable = true; rekindle nri-toggle)")
     if nri.get("disable_connections"):
         return Check("nri-config", False, f"{where}: NRI refuses external plugins (disable_connections = true)")
-    configured = nri.get("socket_path", "/var/run/nri/nri.sock")
+    configured = nri.get("socket_path", DEFAULT_SOCKET)
     if socket_path and os.path.normpath(configured) != os.path.normpath(socket_path):
         return Check("nri-config", False, f"{where}: NRI listens on {configured}, not on {socket_path}")
     return Check("nri-config", True, f"{where}: NRI on, socket {configured}")

@@ -41,7 +41,7 @@ from runtime.nodehost import HostView, check_not_managed
 log = logging.getLogger(__name__)
 
 DEFAULT_CONFIG = Path("/etc/containerd/config.toml")
-DEFAULT_SOCKET = "/var/run/nri/nri.sock"
+DEFAULT_SOCKET = "/var/run/nri/nri.sock"  # NRI's socket: the one default every part of Rekindle uses
 NRI_PLUGIN = "io.containerd.nri.v1.nri"
 SUPPORTED_VERSIONS = (2, 3)
 

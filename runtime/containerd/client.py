@@ -99,10 +99,6 @@ class ContainerdClient:
     def get_spec(self, container_id: str) -> dict:
         return self.get(container_id).spec
 
-    def list_ids(self, *filters: str) -> list[str]:
-        resp = self._call("Containers.List", self._containers.List, pb.ListContainersRequest(filters=list(filters)))
-        return [c.id for c in resp.containers]
-
     def update_spec(self, container_id: str, spec: dict, type_url: str | None = None) -> ContainerRecord:
         """Store spec as the container's OCI spec (only the spec field changes)."""
         if type_url is None:
