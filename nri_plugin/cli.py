@@ -27,6 +27,9 @@ from runtime.errors import KeyMissing, RekindleError
 from . import logs
 
 if TYPE_CHECKING:
+    from runtime.status import Progress
+    from runtime.store import ArtifactStore
+
     from .config import Settings
 
 log = logging.getLogger("rekindle")
@@ -67,7 +70,7 @@ def _restore_path(p: argparse.ArgumentParser) -> None:
                         "restores every page ($REKINDLE_RESTORE_PATH, else bulk)")
 
 
-def _settings(args: argparse.Namespace):
+def _settings(args: argparse.Namespace) -> Settings:
     from .config import Settings
     fields = {k: getattr(args, k) for k in ("state_dir", "store", "hmac_key_file", "containerd_state",
                                               "containerd_socket") if hasattr(args, k)}
@@ -314,11 +317,12 @@ def cmd_artifacts(args: argparse.Namespace) -> int:
     return 0
 
 
-def _list(store, key: bytes, args: argparse.Namespace) -> int:  # type: ignore[no-untyped-def]
+def _list(store: ArtifactStore, key: bytes, args: argparse.Namespace) -> int:
     rows = store.list(args.namespace, key=key)
     extra = store.leftovers(args.namespace) if args.all else []
     if _json(args):
-        doc = [{"namespace": r.namespace, "name": r.name, "ok": r.problem is None, "problem": r.problem,
+        doc: list[dict[str, object]] = [
+               {"namespace": r.namespace, "name": r.name, "ok": r.problem is None, "problem": r.problem,
                 "version": r.version or None,
                 "generation": r.manifest.generation if r.manifest else None,
                 "created_at": r.manifest.created_at if r.manifest else None,
@@ -353,7 +357,7 @@ def _bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
-def _progress(p) -> str:  # type: ignore[no-untyped-def]
+def _progress(p: Progress) -> str:
     """``fill 3.1 GiB of 17.6 GiB (17%), 1.8 GiB/s, 2s`` for a running phase."""
     text = p.phase
     if p.bytes_total:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -108,7 +109,10 @@ class Jobs:
         task = asyncio.get_running_loop().create_task(run(work), name=f"rekindle-{work.container_id[:12]}",
                                                       context=ctx)
         self._tasks[work.container_id] = task
-        task.add_done_callback(lambda _t, cid=work.container_id: self._tasks.pop(cid, None))
+        task.add_done_callback(functools.partial(self._forget, work.container_id))
+
+    def _forget(self, container_id: str, _task: asyncio.Task[None]) -> None:
+        self._tasks.pop(container_id, None)
 
     def resume(self, work: Work) -> None:
         """After a plugin restart: continue what can be continued, fail what was cut short."""

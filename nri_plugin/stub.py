@@ -358,7 +358,8 @@ class Stub:
         self._sync_containers.extend(req.containers)
         if req.more:
             # Split sync (NRI >= 0.8): acknowledge each chunk, updates only in the last reply.
-            return api.SynchronizeResponse(more=True).SerializeToString()
+            ack: bytes = api.SynchronizeResponse(more=True).SerializeToString()
+            return ack
         pods, containers = self._sync_pods, self._sync_containers
         self._sync_pods, self._sync_containers = [], []
         data = await self._call_plugin("synchronize", pods, containers, budget=self._budget(deadline),

@@ -114,7 +114,7 @@ def checkpoint(req: CheckpointRequest, store: ArtifactStore, key: bytes, *,
         raise CheckpointRefused(report.reasons())
     with store.stage(req.namespace, req.name) as staging:
         images = os.path.join(staging.path, layout.CRIU_DIR)
-        if cuda_host:
+        if cuda is not None and cuda_host:
             gpus = source_gpus(cuda, info.spec)
             driver = cuda.driver_version()
             stale = cuda.release(cuda_host)
@@ -155,7 +155,7 @@ def checkpoint(req: CheckpointRequest, store: ArtifactStore, key: bytes, *,
             # CRIU leaves kept connections in repair mode when it leaves the tree stopped.
             unrepaired = tcpmode.repair_off(tcp.holders) if tcp.established else []
             bulk.signal_all(_tree(root.host), signal.SIGCONT)  # whatever CRIU left stopped
-            if cuda_host and not req.exit_after:
+            if cuda is not None and cuda_host and not req.exit_after:
                 with t.phase("cuda_resume_source"), _ends_source_on(RekindleError, root.host):
                     cuda.restore_all(cuda_host)
         if unrepaired:

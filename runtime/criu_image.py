@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import struct
 from dataclasses import dataclass
+from typing import Any
 
 from google.protobuf.message import DecodeError
 
@@ -94,7 +95,7 @@ def write_raw(path: str, image: RawImage) -> None:
     os.replace(tmp, path)
 
 
-def _parse(msg_type, raw: bytes, path: str):  # type: ignore[no-untyped-def]
+def _parse(msg_type: Any, raw: bytes, path: str) -> Any:  # a protoc message class and one of its messages
     msg = msg_type()
     try:
         msg.ParseFromString(raw)
@@ -156,7 +157,7 @@ class Pagemap:
 
 
 def nr_pages(entry: pagemap_pb2.pagemap_entry) -> int:
-    return entry.nr_pages if entry.HasField("nr_pages") else entry.compat_nr_pages
+    return int(entry.nr_pages if entry.HasField("nr_pages") else entry.compat_nr_pages)
 
 
 def has_data(entry: pagemap_pb2.pagemap_entry) -> bool:
@@ -201,7 +202,7 @@ def write_mm(mm: Mm) -> None:
     write_raw(mm.path, RawImage(mm.magic, [mm.entry.SerializeToString()]))
 
 
-def is_private_anon_writable(vma) -> bool:  # type: ignore[no-untyped-def]
+def is_private_anon_writable(vma: Any) -> bool:  # a vma_entry message
     """A plain private anonymous writable mapping: the only kind whose pages may move out of
     CRIU (process_vm_writev cannot write read-only mappings; shared ones are CRIU's)."""
     special = (VMA_ANON_SHARED | VMA_AREA_SYSVIPC | VMA_AREA_SOCKET | VMA_AREA_VVAR | VMA_AREA_AIORING

@@ -185,19 +185,19 @@ class CudaCheckpointer:
     # ---- single calls -----------------------------------------------------------------------
     def lock(self, pids: Iterable[int], timeout_ms: int = 0) -> None:
         pids = list(pids)
-        self._run(lambda d: [d.lock(p, timeout_ms) for p in pids])
+        self._run(lambda d: _each(pids, lambda p: d.lock(p, timeout_ms)))
 
     def checkpoint(self, pids: Iterable[int]) -> None:
         pids = list(pids)
-        self._run(lambda d: [d.checkpoint(p) for p in pids])
+        self._run(lambda d: _each(pids, d.checkpoint))
 
     def restore(self, pids: Iterable[int], gpu_map: Mapping[str, str] | None = None) -> None:
         pids, pairs = list(pids), gpu_pairs(gpu_map)
-        self._run(lambda d: [d.restore(p, pairs) for p in pids])
+        self._run(lambda d: _each(pids, lambda p: d.restore(p, pairs)))
 
     def unlock(self, pids: Iterable[int]) -> None:
         pids = list(pids)
-        self._run(lambda d: [d.unlock(p) for p in pids])
+        self._run(lambda d: _each(pids, d.unlock))
 
     def state(self, pid: int) -> ProcessState:
         return ProcessState(self._run(lambda d: d.get_state(pid)))
@@ -330,6 +330,11 @@ class CudaCheckpointer:
                         raise exc.about(p) from exc
 
         self._run(seq)
+
+
+def _each(pids: Iterable[int], call: Callable[[int], None]) -> None:
+    for p in pids:
+        call(p)
 
 
 def _rollback(d: Driver, locked: list[int], checkpointed: list[int]) -> dict[int, str]:

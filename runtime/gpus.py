@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 PROC_GPUS = "/proc/driver/nvidia/gpus"
 NVIDIA_MAJOR = 195
@@ -36,7 +37,7 @@ def node_gpus(proc_gpus: str = PROC_GPUS) -> dict[int, Gpu]:
     try:
         entries = os.listdir(proc_gpus)
     except OSError:
-        return []
+        return {}
     for bus in entries:
         fields: dict[str, str] = {}
         try:
@@ -67,7 +68,7 @@ def visible_gpus(devices: Iterable[tuple[str, int, int]], proc_gpus: str = PROC_
     return [g for minor, g in node_gpus(proc_gpus).items() if minor in wanted]
 
 
-def spec_devices(spec: dict) -> list[tuple[str, int, int]]:
+def spec_devices(spec: Mapping[str, Any]) -> list[tuple[str, int, int]]:
     """(path, major, minor) of every device in an OCI spec."""
     out = []
     for d in (spec.get("linux") or {}).get("devices") or []:

@@ -168,7 +168,7 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
             with t.phase("criu_restore"):
                 stdio = plan.stdio if len(plan.stdio) == 3 else None
                 result = restore_into(target, os.path.join(private, layout.CRIU_DIR), list(plan.mounts),
-                                      source_stdio=stdio, work_dir=work,  # type: ignore[arg-type]
+                                      source_stdio=stdio, work_dir=work,
                                       lsm=lsm_options(security, lsm), tcp_established=plan.tcp_established)
             pidns = target.namespaces["pid"].inode
             host_pids: list[int] = []
@@ -192,7 +192,7 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
                 raise
         # Every byte is in place and verified: let it run.
         bulk.signal_all(result.tree, signal.SIGCONT)
-        if manifest.cuda is not None:
+        if manifest.cuda is not None and cuda is not None:  # CUDA state without a driver was refused
             with t.phase("cuda_restore"):
                 cuda_restore(cuda, host_pids, gpu_map, result.host_pid, result.tree)
             log.info("CUDA restored for %d process(es)%s", len(host_pids),

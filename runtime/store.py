@@ -40,6 +40,7 @@ Contract:
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import dataclasses
 import errno
@@ -746,7 +747,7 @@ class ArtifactStore:
                 out.append(self._describe(ns, name, key))
         return out
 
-    def _children(self, path: str) -> list[str]:
+    def _children(self, path: str) -> builtins.list[str]:
         try:
             return sorted(n for n in os.listdir(path) if not n.startswith("."))
         except FileNotFoundError:
@@ -780,7 +781,7 @@ class ArtifactStore:
         except OSError as exc:
             return Listing(ns, name, None, f"unreadable: {exc}")
 
-    def leftovers(self, namespace: str | None = None) -> list[Leftover]:
+    def leftovers(self, namespace: str | None = None) -> builtins.list[Leftover]:
         """Staging dirs, trash, pointer temp links and versions no name points to."""
         out: list[Leftover] = []
         now = time.time()
@@ -889,7 +890,7 @@ class ArtifactStore:
         log.info("deleted artifact %s", label)
 
     def sweep(self, namespace: str | None = None, stale_after: float = STALE_AFTER,
-              grace: float = GRACE) -> list[Leftover]:
+              grace: float = GRACE) -> builtins.list[Leftover]:
         """Remove what is provably abandoned; returns what was removed."""
         removed = []
         for item in self.leftovers(namespace):
@@ -923,7 +924,7 @@ class ArtifactStore:
         return item.age > grace
 
     def prune(self, namespace: str | None = None, older_than: float | None = None,
-              keep_last: int | None = None) -> list[str]:
+              keep_last: int | None = None) -> builtins.list[str]:
         """Delete artifacts whose current version is older than ``older_than`` seconds, and
         versions beyond the newest ``keep_last`` of a name; never one a restore is reading."""
         done: list[str] = []
