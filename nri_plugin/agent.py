@@ -20,13 +20,14 @@ import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from runtime import checkpoint as checkpoint_flow
 from runtime import housekeeping
 from runtime import control
 from runtime import restore as restore_flow
 from runtime.compat import NodeFacts
+from runtime.cuda import Checkpointer
 from runtime.gpu_target import node_cuda
 from runtime.keys import load_key
 from runtime.probe import probe as run_probe
@@ -36,7 +37,7 @@ from runtime.store import ArtifactStore
 
 from . import guards
 from .config import Settings
-from .handlers import RekindlePlugin
+from .handlers import ImageRef, RekindlePlugin
 from .prefetch import Prefetcher
 from .health import HEARTBEAT, Health
 from .jobs import Jobs, Skipped, Work
@@ -45,6 +46,11 @@ from .outcomes import Reporter
 from .policy import AfterCheckpoint, ReadyProbe
 from .probes import ProbeSlots
 from .stub import Identity, Stub
+from .swap import SpecAccess
+
+if TYPE_CHECKING:  # imported where used: the Kubernetes client only with --events
+    from .events_k8s import KubeReporter
+    from .httpd import HttpEndpoint
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +70,7 @@ def install_init(settings: Settings) -> None:
     log.info("installed %s -> %s", src, settings.installed_init)
 
 
-def _cuda() -> Any:
+def _cuda() -> Checkpointer | None:
     """The long-lived CUDA checkpointer, or None on nodes without a usable driver."""
     try:
         from runtime.cuda import CudaCheckpointer
@@ -79,8 +85,9 @@ def _cuda() -> Any:
 class NodeEngine:
     """Adapts the runtime flows to the jobs' ``Engine`` protocol."""
 
-    def __init__(self, settings: Settings, store: ArtifactStore, key: bytes, cuda: Any,
-                 facts: NodeFacts, image_ref: Any, running: guards.RunningContainers | None = None) -> None:
+    def __init__(self, settings: Settings, store: ArtifactStore, key: bytes, cuda: Checkpointer | None,
+                 facts: NodeFacts, image_ref: ImageRef | None,
+                 running: guards.RunningContainers | None = None) -> None:
         self.settings = settings
         self.store = store
         self.key = key
@@ -137,7 +144,7 @@ class NodeEngine:
         return await run_probe(netns, probe.kind.value, probe.host, probe.port, probe.path)
 
 
-def _clients(settings: Settings) -> tuple[Any, Any, guards.RunningContainers | None]:
+def _clients(settings: Settings) -> tuple[SpecAccess | None, ImageRef | None, guards.RunningContainers | None]:
     """containerd spec access, an image-digest lookup and a pod's live containers, when the
     socket is there."""
     if not os.path.exists(settings.containerd_socket):
@@ -159,7 +166,8 @@ def _clients(settings: Settings) -> tuple[Any, Any, guards.RunningContainers | N
     return specs, image_ref, cri.live_containers
 
 
-def _engine(settings: Settings) -> tuple[ArtifactStore, bytes, NodeFacts, NodeEngine, Any, Any]:
+def _engine(settings: Settings) -> tuple[ArtifactStore, bytes, NodeFacts, NodeEngine, SpecAccess | None,
+                                         ImageRef | None]:
     # Only the plugin, and only when told (--create-key), may make a key; everything else reads it.
     key = load_key(settings.key_path, create=settings.create_key)
     store = ArtifactStore(settings.store)
@@ -170,7 +178,8 @@ def _engine(settings: Settings) -> tuple[ArtifactStore, bytes, NodeFacts, NodeEn
     return store, key, facts, engine, specs, image_ref
 
 
-def _reporting(settings: Settings, status: StatusBook) -> tuple[Metrics, Health, Any, Any]:
+def _reporting(settings: Settings, status: StatusBook) -> tuple[Metrics, Health, HttpEndpoint | None,
+                                                                KubeReporter | None]:
     """Metrics, health, the HTTP endpoint (bound now: a port in use stops the plugin) and the
     Kubernetes reporter (configured now: no service account with --events stops it too)."""
     metrics = Metrics(store_path=settings.store)

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 from runtime import control
 from runtime.errors import RekindleError
@@ -206,7 +206,7 @@ class Jobs:
             log.info("%s: restored from %s (%s)", work.who, work.artifact, _fmt(work.timings),
                      extra={"phase": "restored", "seconds": work.timings.get("total")})
 
-    async def _run(self, fn: Any, work: Work, running: Phase, ok: Phase, failed: Phase, failure_file: str) -> bool:
+    async def _run(self, fn: Callable[[Work], dict[str, float]], work: Work, running: Phase, ok: Phase, failed: Phase, failure_file: str) -> bool:
         """Run one engine call; record and report its outcome (the file tells the container)."""
         self._running.add(work.container_id)
         recorder = ProgressRecorder(lambda p: self._set(work, running, "", progress=p))

@@ -18,7 +18,8 @@ import subprocess
 import tempfile
 import tomllib
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol
 
 from .criu import CRIU, MIN_VERSION, parse_version, version_tuple
 from .errors import ConfigError, KeyMissing
@@ -192,18 +193,35 @@ def check_store(path: str) -> list[Check]:
                   f"only {gib}: GPU artifacts take tens of GiB", required=False)]
 
 
-def run_checks(settings: Any) -> list[Check]:
+class DoctorSettings(Protocol):
+    """What the checks read of the plugin's settings (``nri_plugin.config.Settings``); an empty
+    ``socket_path`` or ``containerd_config`` skips its check."""
+
+    @property
+    def socket_path(self) -> str: ...
+    @property
+    def containerd_socket(self) -> str: ...
+    @property
+    def containerd_config(self) -> str: ...
+    @property
+    def store(self) -> str: ...
+    @property
+    def key_path(self) -> Path: ...
+    def init_source(self) -> str | None: ...
+
+
+def run_checks(settings: DoctorSettings) -> list[Check]:
     checks = [check_root(), check_criu(),
               check_binary("nsenter"), check_binary("unshare")]
     init = settings.init_source()
     checks.append(Check("rekindle-init", init is not None, init or "not built (run make)"))
-    sock = getattr(settings, "socket_path", "")
+    sock = settings.socket_path
     if sock:
         checks.append(Check("nri-socket", os.path.exists(sock),
                             sock if os.path.exists(sock) else f"{sock} missing: is NRI enabled? (rekindle nri-toggle)"))
     api, version = check_containerd_api(settings.containerd_socket)
     checks.append(api)
-    config = getattr(settings, "containerd_config", "")
+    config = settings.containerd_config
     if config:
         checks.append(check_nri_config(config, version, sock))
     checks.extend(check_store(settings.store))
