@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.plugin_process import PluginProcess, build_native
+from tests.waiting import wait_for
 
 COUNTER = "localhost/rekindle/counter:1"
 SERVER = ["/usr/local/bin/counter-server", "8080"]
@@ -38,15 +39,8 @@ def get(ip: str, path: str = "/", timeout: float = 3.0) -> str:
 
 
 def wait_http(ip: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            get(ip, "/healthz", 1.0)
-            return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
+    wait_for(lambda: get(ip, "/healthz", 1.0) is not None, timeout, f"{ip} to serve /healthz", interval=0.2,
+             ignore=(OSError,))
 
 
 def wait_status(plugin: PluginProcess, ns: str, pod: str, ctr: str, phases: set[str], timeout: float = 60.0) -> dict:
@@ -410,13 +404,8 @@ def _criu_restores(artifact: str) -> list[int]:
     return found
 
 
-def _wait_criu_restore(artifact: str, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if _criu_restores(artifact):
-            return True
-        time.sleep(0.02)
-    return False
+def _wait_criu_restore(artifact: str, timeout: float) -> None:
+    wait_for(lambda: _criu_restores(artifact), timeout, f"criu restore of {artifact} to start")
 
 
 def _stopped_in(cid_pidns: int) -> bool:
@@ -458,19 +447,13 @@ def test_plugin_killed_during_a_restore_leaves_a_cold_start_not_a_stuck_pod(sand
         cid = sandbox.run_container(b, "server", COUNTER, command=SERVER, env=warm)
         wait_status(plugin, "default", b.name, "server", {"restoring"}, timeout=20)
         if path == "stock":
-            assert _wait_criu_restore(name, timeout=30), "criu restore never started"
+            _wait_criu_restore(name, timeout=30)
         else:
             pidns = resolve_container(str(sandbox.state_dir), cid).namespaces["pid"].inode
-            deadline = time.monotonic() + 60
-            while not _stopped_in(pidns):
-                assert time.monotonic() < deadline, "the restored tree was never seen stopped for its fill"
-                time.sleep(0.01)
+            wait_for(lambda: _stopped_in(pidns), 60, "the restored tree stopped for its fill", interval=0.01)
         plugin.kill()  # mid-CRIU or mid-fill
         # CRIU needs seconds for this restore; killed with the agent, it is gone at once.
-        deadline = time.monotonic() + 1.0
-        while _criu_restores(name) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert not _criu_restores(name), "criu outlived the agent"
+        wait_for(lambda: not _criu_restores(name), 1.0, "criu to end with the agent")
         plugin.start()
         st = wait_status(plugin, "default", b.name, "server", {"restored", "cold-start"})
         assert st["phase"] == "cold-start" and "agent restarted during the restore" in st["reason"], st

@@ -18,7 +18,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import pytest
@@ -29,6 +29,7 @@ from runtime.layout import MountPlanEntry
 from runtime.errors import CriuError
 from runtime.bulk import signal_all
 from runtime.criu_executor import DumpResult, dump_workload, restore_into
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -56,16 +57,6 @@ def _skip_reason() -> str | None:
     if (criu_mod.version_tuple(v) or ()) < criu_mod.MIN_VERSION:
         return f"criu {v} < {'.'.join(map(str, criu_mod.MIN_VERSION))}"
     return None
-
-
-def wait_for(cond: Callable[[], object], timeout: float, what: str, step: float = 0.05) -> object:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = cond()
-        if v:
-            return v
-        time.sleep(step)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 class Drain:

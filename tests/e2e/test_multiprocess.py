@@ -18,6 +18,7 @@ from tests.e2e.plugin_process import PluginProcess, build_native
 from devtools.cri import ContainerState, Mount
 from devtools.gpu import host_python_mounts
 from runtime.status import Phase, StatusBook
+from tests.waiting import wait_for
 
 BUSYBOX = "localhost/rekindle/busybox:1"
 HOST_USR = "localhost/rekindle/host-usr:1"
@@ -143,10 +144,7 @@ def test_tree_with_io_uring_is_refused_before_anything_is_touched(sandbox, pod, 
     assert "io_uring" in (control / "checkpoint-failed").read_text()
     # Never stopped, still running.
     first = beat(sandbox, cid)
-    deadline = time.monotonic() + 5
-    while beat(sandbox, cid) <= first:
-        assert time.monotonic() < deadline, "the refused source stopped beating"
-        time.sleep(0.1)
+    wait_for(lambda: beat(sandbox, cid) > first, 5, "the refused source to beat on", interval=0.1)
     assert sandbox.cri.container_status(cid).state is ContainerState.RUNNING
 
 

@@ -17,8 +17,8 @@ import os
 import re
 import shutil
 import subprocess
-import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -28,6 +28,7 @@ from runtime.containerd.proto import cri_api_pb2 as pb
 
 from tests.e2e.kubelet_volumes import KUBELET_DEFAULT_MODE, project
 from tests.unit import chart_render
+from tests.waiting import WaitTimeout, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -150,13 +151,11 @@ def _http(ip: str, path: str) -> str | None:
         return None
 
 
-def _wait(pred, timeout: float, what: str, diag) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.5)
-    pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}\n{diag()}")
+def _wait(pred: Callable[[], object], timeout: float, what: str, diag: Callable[[], str]) -> None:
+    try:
+        wait_for(pred, timeout, what, interval=0.5)
+    except WaitTimeout as exc:
+        pytest.fail(f"{exc}\n{diag()}")
 
 
 def test_plugin_from_image_registers_and_adjusts_annotated_pods(sandbox, pod, plugin_image, tmp_path):

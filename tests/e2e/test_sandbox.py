@@ -6,12 +6,14 @@ import ipaddress
 import os
 import signal
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from devtools.cri import ContainerState, CRIError, PodState, SecurityContext
 from devtools.sandbox import Sandbox
+from tests.waiting import wait_for
 
 BUSYBOX = "localhost/rekindle/busybox:1"
 COUNTER = "localhost/rekindle/counter:1"
@@ -126,10 +128,5 @@ def test_second_sandbox_2_1_and_clean_teardown(sandbox_factory, pod) -> None:
     assert all(x.state is PodState.NOTREADY for x in extra.cri.list_pods() if x.id == p.id)
 
 
-def _wait(cond, timeout: float, what: str) -> None:
-    import time
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
+def _wait(cond: Callable[[], object], timeout: float, what: str) -> None:
+    wait_for(cond, timeout, what, interval=0.1)

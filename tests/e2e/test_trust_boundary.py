@@ -15,14 +15,16 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
-from tests.e2e.plugin_process import PluginProcess, build_native
 from devtools.cri import Mount
+from tests.e2e.plugin_process import PluginProcess, build_native
+from tests.waiting import wait_for
 
 COUNTER = "localhost/rekindle/counter:1"
 INIT = "/.rekindle/bin/rekindle-init"
@@ -50,20 +52,6 @@ def get(ip: str, path: str = "/", timeout: float = 3.0) -> str:
         return r.read().decode()
 
 
-def wait_for(fn, timeout: float, what: str):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            got = fn()
-        except OSError:
-            got = None
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
-
-
 def count(ip: str) -> int:
     return int(get(ip).split("count=")[1].split()[0])
 
@@ -78,7 +66,7 @@ def checkpoint(sandbox, pod, plugin, name: str, pod_name: str, requests: int, sh
     sandbox.run_container(a, "server", COUNTER, command=["/bin/busybox", "sh", "-c", script],
                           env={"WARMUP_MIB": "64"})
     ip = sandbox.cri.pod_ip(a.id)
-    wait_for(lambda: get(ip, "/healthz", 1.0), 30, "the source to serve")
+    wait_until_served(lambda: get(ip, "/healthz", 1.0), 30, "the source to serve")
     for _ in range(requests):
         get(ip)
     ctl = plugin.control_dir(a.uid, "server")
@@ -211,11 +199,11 @@ def test_a_restore_uses_only_the_bytes_it_verified(sandbox, pod, plugin, tmp_pat
         def alone() -> bool:
             members = [p for p in os.listdir("/proc") if p.isdigit() and _in_pidns(p, target.namespaces["pid"].inode)]
             return members == [str(target.init_pid)]
-        wait_for(alone, 10, "the killed restore to be reaped")
+        wait_until_served(alone, 10, "the killed restore to be reaped")
         return
     assert attack is not _attack_hardlink, "a rewritten pages file was restored"
     ip = sandbox.cri.pod_ip(b.id)
-    wait_for(lambda: get(ip, "/healthz", 1.0), 30, "the restored server")
+    wait_until_served(lambda: get(ip, "/healthz", 1.0), 30, "the restored server")
     # Exactly the version opened (v2): the same next count as v2's source, and its memory intact.
     assert count(ip) == count(ip2)
     assert "verify=ok" in get(ip, "/verify")
@@ -226,3 +214,11 @@ def _in_pidns(pid: str, inode: int) -> bool:
         return os.stat(f"/proc/{pid}/ns/pid").st_ino == inode
     except OSError:
         return False
+
+
+T = TypeVar("T")
+
+
+def wait_until_served(fn: Callable[[], T], timeout: float, what: str) -> T:
+    """``wait_for`` with a server that may not listen yet (OSError: not yet)."""
+    return wait_for(fn, timeout, what, interval=0.1, ignore=(OSError,))

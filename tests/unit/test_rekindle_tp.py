@@ -19,6 +19,7 @@ import pytest
 
 from runtime.workload import rekindle_tp
 from runtime.workload.rekindle_tp import Outcome, TensorParallelGroup
+from tests.waiting import wait_for
 
 HELPER = Path(rekindle_tp.__file__)
 
@@ -89,10 +90,7 @@ def run_ranks(world: int, control: Path, stores: Stores, log: list, agent: Any, 
 
 
 def wait_file(path: Path, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert time.monotonic() < deadline, f"{path} never appeared"
-        time.sleep(0.01)
+    wait_for(path.exists, timeout, f"{path} to appear", interval=0.01)
 
 
 def test_ready_only_after_every_rank_is_down_then_rebuilt_on_a_fresh_store(tmp_path: Path) -> None:
