@@ -13,24 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.plugin_process import PluginProcess, build_native
+from tests.e2e.plugin_process import PluginProcess
 from tests.waiting import wait_for
 
 COUNTER = "localhost/rekindle/counter:1"
 SERVER = ["/usr/local/bin/counter-server", "8080"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _native():
-    build_native()
-
-
-@pytest.fixture(scope="module")
-def plugin(sandbox, tmp_path_factory):
-    p = PluginProcess(sandbox, tmp_path_factory.mktemp("cr") / "plugin")
-    p.start()
-    yield p
-    p.stop()
 
 
 def get(ip: str, path: str = "/", timeout: float = 3.0) -> str:

@@ -11,27 +11,12 @@ from __future__ import annotations
 
 import time
 
-import pytest
 
-from tests.e2e.plugin_process import PluginProcess, build_native
 from tests.waiting import wait_for
 
 BUSYBOX = "localhost/rekindle/busybox:1"
 LOOP = ("i=0; while :; do i=$((i+1)); echo $i >> /counter.log; echo $i >> /dev/shm/log-counter; "
         "done")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _native():
-    build_native()
-
-
-@pytest.fixture(scope="module")
-def plugin(sandbox, tmp_path_factory):
-    p = PluginProcess(sandbox, tmp_path_factory.mktemp("consistency") / "plugin")
-    p.start()
-    yield p
-    p.stop()
 
 
 def _numbers(sandbox, cid: str, path: str) -> list[int]:

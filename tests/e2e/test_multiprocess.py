@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.plugin_process import PluginProcess, build_native
+from tests.e2e.plugin_process import PluginProcess
 from devtools.cri import ContainerState, Mount
 from devtools.gpu import host_python_mounts
 from runtime.status import Phase, StatusBook
@@ -41,19 +41,6 @@ until grep -q hello-before /tmp/recv; do sleep 0.05; done
 touch "$REKINDLE_CONTROL_DIR/ready-for-checkpoint"
 wait
 """
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _native():
-    build_native()
-
-
-@pytest.fixture(scope="module")
-def plugin(sandbox, tmp_path_factory):
-    p = PluginProcess(sandbox, tmp_path_factory.mktemp("mp") / "plugin")
-    p.start()
-    yield p
-    p.stop()
 
 
 def wait_phase(plugin: PluginProcess, pod, ctr: str, phases: set[str], want: str, timeout: float = 90.0) -> dict:

@@ -12,17 +12,12 @@ import time
 
 import pytest
 
-from tests.e2e.plugin_process import PluginProcess, build_native
+from tests.e2e.plugin_process import PluginProcess
 from tests.e2e.slow_servers import SlowServers
 from tests.waiting import wait_for
 
 BUSYBOX = "localhost/rekindle/busybox:1"
 SLEEP = ["/bin/sh", "-c", "echo started; exec sleep 3600"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _native():
-    build_native()
 
 
 @pytest.fixture

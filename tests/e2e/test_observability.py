@@ -15,18 +15,13 @@ import urllib.request
 
 import pytest
 
-from tests.e2e.plugin_process import REPO, PluginProcess, build_native
+from tests.e2e.plugin_process import REPO, PluginProcess
 from tests.e2e.test_checkpoint_restore import COUNTER, SERVER, checkpoint_source, wait_http, wait_status
 from tests.plugin.fake_apiserver import FakeApiServer
 from tests.waiting import wait_for
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate is in the test extra")
 K8S_VERSION = "1.33"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _native():
-    build_native()
 
 
 def _free_port() -> int:

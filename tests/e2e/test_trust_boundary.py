@@ -23,7 +23,6 @@ from typing import TypeVar
 import pytest
 
 from devtools.cri import Mount
-from tests.e2e.plugin_process import PluginProcess, build_native
 from tests.waiting import wait_for
 
 COUNTER = "localhost/rekindle/counter:1"
@@ -32,19 +31,6 @@ RECORDER = ("#!/bin/busybox sh\n"
             "echo \"uid=$(/bin/busybox id -u) $(/bin/busybox grep CapEff /proc/self/status)\" "
             "> /rekindle/sh-ran-$$\n"
             "exec /bin/busybox sh \"$@\"\n")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _native():
-    build_native()
-
-
-@pytest.fixture(scope="module")
-def plugin(sandbox, tmp_path_factory):
-    p = PluginProcess(sandbox, tmp_path_factory.mktemp("tb") / "plugin")
-    p.start()
-    yield p
-    p.stop()
 
 
 def get(ip: str, path: str = "/", timeout: float = 3.0) -> str:

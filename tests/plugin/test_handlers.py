@@ -84,20 +84,16 @@ def test_unannotated_and_other_container_get_empty_replies(make_plugin):
     assert not _create(plugin, pod, ctr).HasField("adjust")
 
 
-def test_malformed_annotation_is_recorded_and_left_alone(make_plugin):
+@pytest.mark.parametrize("annotations, phase, named", [
+    ({"rekindle.dev/restore": "../x"}, Phase.IGNORED, "rekindle.dev/restore"),
+    ({"rekindle.dev/restore": "nothing-here"}, Phase.COLD_START, "nothing-here"),
+], ids=["malformed-annotation-ignored", "missing-artifact-cold-start"])
+def test_a_restore_that_cannot_be_is_left_alone_with_the_reason(make_plugin, annotations, phase, named):
     plugin = make_plugin()
-    pod, ctr = _req({"rekindle.dev/restore": "../x"})
+    pod, ctr = _req(annotations)
     assert not _create(plugin, pod, ctr).HasField("adjust")
     st = plugin.status.read("default", "web", "app")
-    assert st.phase is Phase.IGNORED and "rekindle.dev/restore" in st.reason
-
-
-def test_restore_of_missing_artifact_is_a_cold_start_with_reason(make_plugin):
-    plugin = make_plugin()
-    pod, ctr = _req({"rekindle.dev/restore": "nothing-here"})
-    assert not _create(plugin, pod, ctr).HasField("adjust")
-    st = plugin.status.read("default", "web", "app")
-    assert st.phase is Phase.COLD_START and "nothing-here" in st.reason
+    assert st.phase is phase and named in st.reason
 
 
 def test_stale_protocol_files_are_cleared_on_create(make_plugin):
