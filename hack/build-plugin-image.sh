@@ -96,6 +96,8 @@ PY
 chmod 0755 "$rootfs/usr/local/bin/rekindle"
 chroot "$rootfs" python3 -c 'import nri_plugin, runtime, grpc, google.protobuf, tomlkit, prometheus_client, kubernetes.client' \
   || die "the project does not import inside the image"
+# the dev harness (devtools/: sandbox, kubelet stand-in, demo) is not part of the package
+if chroot "$rootfs" python3 -c 'import devtools' 2>/dev/null; then die "devtools/ must not ship in the image"; fi
 
 # 3. trim
 rm -rf "$rootfs"/var/cache/apt/* "$rootfs"/var/lib/apt/lists/* "$rootfs"/var/log/* \
