@@ -36,9 +36,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from bench import phases
 from bench.gpu_restore import GB, GIB, measure_h2d, pick_image_root
 from bench.llm_restore import drop_caches
+from devtools import phases
 from devtools.cri import Mount, Pod
 from devtools.sandbox import Runtime, Sandbox, SandboxConfig
 

@@ -72,7 +72,7 @@ def run_pod(cri: CRIClient, name: str, env: dict[str, str], annotations: dict[st
 
 
 def _phase_table(store: Path, timings: dict[str, float]) -> str:
-    from bench import phases
+    from devtools import phases
     art = phases.artifact_dir(store, "default", "demo-warm")
     files = [p for p in art.rglob("*") if p.is_file()]
     threads = os.cpu_count() or 1
