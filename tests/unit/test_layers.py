@@ -36,9 +36,11 @@ HARNESS = ("devtools", "tests", "bench")
     "package, forbidden",
     [("runtime", ("nri_plugin", *HARNESS)),
      ("nri_plugin", HARNESS),
+     ("devtools", ("tests", "bench")),
      ("nri_plugin/transport", ("runtime", "nri_plugin.handlers", "nri_plugin.policy", "nri_plugin.jobs",
                                "nri_plugin.stub", "nri_plugin.agent"))],
-    ids=["engine-below-plugin-and-harness", "plugin-below-harness", "transport-below-everything"],
+    ids=["engine-below-plugin-and-harness", "plugin-below-harness", "harness-below-tests-and-bench",
+         "transport-below-everything"],
 )
 def test_lower_layers_do_not_import_higher_ones(package, forbidden):
     bad = []
