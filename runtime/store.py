@@ -297,7 +297,9 @@ def _tree_bytes(dir_fd: int) -> int:
     return total
 
 
-def _read_capped(dir_fd: int, name: str, cap: int, label: str) -> bytes:
+def _open_regular(dir_fd: int, name: str, label: str) -> int:
+    """An fd of the regular file ``name`` below ``dir_fd``, no symlink followed; anything else
+    (absent, a link, a fifo, a directory) is ArtifactRejected."""
     try:
         fd = os.open(name, _FILE_FLAGS, dir_fd=dir_fd)
     except FileNotFoundError:
@@ -307,6 +309,15 @@ def _read_capped(dir_fd: int, name: str, cap: int, label: str) -> bytes:
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise ArtifactRejected(label, f"{name} is not a regular file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _read_capped(dir_fd: int, name: str, cap: int, label: str) -> bytes:
+    fd = _open_regular(dir_fd, name, label)
+    try:
         data = os.read(fd, cap + 1)
         while len(data) <= cap and (more := os.read(fd, cap + 1 - len(data))):
             data += more
@@ -705,15 +716,8 @@ class ArtifactStore:
     @staticmethod
     def _read_locked(dir_fd: int, label: str) -> tuple[int, bytes]:
         """The manifest's bytes, read through the fd that holds the version's shared lock."""
+        fd = _open_regular(dir_fd, MANIFEST, label)
         try:
-            fd = os.open(MANIFEST, _FILE_FLAGS, dir_fd=dir_fd)
-        except FileNotFoundError:
-            raise ArtifactRejected(label, f"incomplete: no {MANIFEST}") from None
-        except OSError as exc:
-            raise ArtifactRejected(label, f"{MANIFEST}: {_why(exc)}") from exc
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise ArtifactRejected(label, f"{MANIFEST} is not a regular file")
             # Never wait here (this runs inside NRI handlers): a writer lock means a remover
             # is taking this version away.
             if not _ofd_lock(fd, fcntl.F_RDLCK, wait=False):
