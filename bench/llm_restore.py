@@ -38,12 +38,12 @@ from pathlib import Path
 from typing import Any
 
 from bench.gpu_restore import GB, GIB, _read_file, measure_h2d, pick_image_root
-from runtime.containerd.cri import Mount, Pod
-from runtime.sandbox import Runtime, Sandbox, SandboxConfig
+from devtools.cri import Mount, Pod
+from devtools.sandbox import Runtime, Sandbox, SandboxConfig
+
+from tests.gpu import gpu_pods
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests" / "gpu"))
-import gpu_pods  # noqa: E402
 
 log = logging.getLogger(__name__)
 

@@ -36,17 +36,16 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from bench import phases
 from bench.gpu_restore import GB, GIB, measure_h2d, pick_image_root
 from bench.llm_restore import drop_caches
-from runtime.containerd.cri import Mount, Pod
-from runtime.sandbox import Runtime, Sandbox, SandboxConfig
+from devtools import phases
+from devtools.cri import Mount, Pod
+from devtools.sandbox import Runtime, Sandbox, SandboxConfig
+
+from tests.gpu import gpu_pods
+from tests.gpu.workloads import gpu_holder  # client helpers; torch is not imported
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests" / "gpu"))
-sys.path.insert(0, str(REPO / "tests" / "gpu" / "workloads"))
-import gpu_holder  # noqa: E402  (client helpers; torch is not imported)
-import gpu_pods  # noqa: E402
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@
 # add CRIU (${CRIU:-/usr/local/sbin/criu}), the static init (make
 # build/rekindle-init) and the project with its Python dependencies (pip, from
 # the project's wheel); drop docs, locales and apt lists; pack it with
-# runtime/images.py as localhost/rekindle/plugin:<version>.
+# devtools/pack_rootfs.py as localhost/rekindle/plugin:<version>.
 # Needs root, debootstrap, the Debian archive apt is configured with, and PyPI.
 set -euo pipefail
 
@@ -96,6 +96,8 @@ PY
 chmod 0755 "$rootfs/usr/local/bin/rekindle"
 chroot "$rootfs" python3 -c 'import nri_plugin, runtime, grpc, google.protobuf, tomlkit, prometheus_client, kubernetes.client' \
   || die "the project does not import inside the image"
+# the dev harness (devtools/: sandbox, kubelet stand-in, demo) is not part of the package
+if chroot "$rootfs" python3 -c 'import devtools' 2>/dev/null; then die "devtools/ must not ship in the image"; fi
 
 # 3. trim
 rm -rf "$rootfs"/var/cache/apt/* "$rootfs"/var/lib/apt/lists/* "$rootfs"/var/log/* \
@@ -107,4 +109,4 @@ find "$rootfs" -name __pycache__ -type d -prune -exec rm -rf {} +
 out="$work/plugin.oci.tar"
 args=("$rootfs" "$name" "$out")
 [ -n "$address" ] && args+=(--address "$address" --ctr "$ctr_bin")
-"$py" hack/plugin-image/pack.py "${args[@]}"
+"$py" -m devtools.pack_rootfs "${args[@]}"

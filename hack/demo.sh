@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The README's demo command, as root: set the node up (hack/setup.sh: installs what is missing,
-# else only re-checks), then run hack/demo.py: containerd with NRI + the Rekindle plugin, a pod
+# else only re-checks), then run devtools/demo.py: containerd with NRI + the Rekindle plugin, a pod
 # checkpointed and a new pod restored from it, with timings.
 #
 #   hack/demo.sh [--warmup-mib MIB] [--passes N] [--restore-path bulk|stock] [--keep]
@@ -13,4 +13,5 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 lock=/run/lock/rekindle-e2e.lock
 mkdir -p "$(dirname "$lock")"
 flock -n "$lock" true || echo "demo.sh: waiting for the test session that uses the sandbox ($lock)"
-exec flock -o "$lock" "${REKINDLE_VENV:-$root/.venv}/bin/python" "$root/hack/demo.py" "$@"
+cd "$root"
+exec flock -o "$lock" "${REKINDLE_VENV:-$root/.venv}/bin/python" -m devtools.demo "$@"

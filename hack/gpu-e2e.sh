@@ -63,6 +63,6 @@ sb=${REKINDLE_SANDBOX:-/var/lib/rekindle-sandbox}
 cp "$sb/containerd.log" "$out/" 2>/dev/null
 logs=$(find "$REKINDLE_GPU_E2E_DIR" /var/log/pods -name '*.log' -size -20M 2>/dev/null | grep -v '/store/')
 [ -n "$logs" ] && tar -cJf "$out/criu-logs.tar.xz" $logs 2>/dev/null
-python3 -m runtime.sandbox down > /dev/null 2>&1
+python3 -m devtools.sandbox down > /dev/null 2>&1
 echo "total $(( $(date +%s) - t0 ))s"
 exit $rc

@@ -72,6 +72,6 @@ EOF
 sb=${REKINDLE_SANDBOX:-/var/lib/rekindle-sandbox}
 tail -c 2000000 "$sb/containerd.log" > "$out/containerd.log" 2>/dev/null
 rm -rf "$REKINDLE_GPU_E2E_DIR/plugin-multi/store"
-python3 -m runtime.sandbox down > /dev/null 2>&1
+python3 -m devtools.sandbox down > /dev/null 2>&1
 echo "total $(( $(date +%s) - t0 ))s"
 exit $rc

@@ -12,7 +12,7 @@
 # - busybox applets fill in tools the node lacks (e.g. ip), after the node's own on PATH;
 # - installs the wheels into <bundle>/site, first on PYTHONPATH;
 # - copies rekindle-init and counter-server into build/ when they are missing;
-# - brings the sandbox up (python -m runtime.sandbox up) unless REKINDLE_SETUP_NO_SANDBOX=1.
+# - brings the sandbox up (python -m devtools.sandbox up) unless REKINDLE_SETUP_NO_SANDBOX=1.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 bundle=${1:-$root/.carry/gpu-bundle.tar.xz}
@@ -69,5 +69,5 @@ criu check >/dev/null 2>&1 && echo "criu check: ok" || { echo "criu check:"; cri
 
 if [ "${REKINDLE_SETUP_NO_SANDBOX:-0}" != 1 ]; then
   cd "$root"
-  "$py" -m runtime.sandbox up
+  "$py" -m devtools.sandbox up
 fi

@@ -6,10 +6,10 @@
 #   hack/sandbox.sh status                   JSON status (exit 3 when not running)
 #   eval "$(hack/sandbox.sh env)"            export CONTAINERD_ADDRESS, REKINDLE_NRI_SOCKET, ...
 #
-# The logic lives in runtime/sandbox.py; this only finds the Python. Needs root.
+# The logic lives in devtools/sandbox.py; this only finds the Python. Needs root.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 py=${PYTHON:-$root/.venv/bin/python}
 [ -x "$py" ] || py=python3
 cd "$root"
-exec "$py" -m runtime.sandbox "$@"
+exec "$py" -m devtools.sandbox "$@"

@@ -21,13 +21,15 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from runtime import checkpoint as checkpoint_flow
 from runtime import housekeeping, store_gc
 from runtime import control
 from runtime import restore as restore_flow
 from runtime.compat import NodeFacts
+from runtime.cuda import Checkpointer
+from runtime.gpu_target import node_cuda
 from runtime.keys import load_key
 from runtime.probe import probe as run_probe
 from runtime.rollback import GenerationBook
@@ -36,7 +38,7 @@ from runtime.store import ArtifactStore
 
 from . import guards
 from .config import Settings
-from .handlers import RekindlePlugin
+from .handlers import ImageRef, RekindlePlugin
 from .imageids import ImageIds
 from .prefetch import Prefetcher
 from .health import HEARTBEAT, Health
@@ -46,6 +48,11 @@ from .outcomes import Reporter
 from .policy import AfterCheckpoint, ReadyProbe
 from .probes import ProbeSlots
 from .stub import Identity, Stub
+from .swap import SpecAccess
+
+if TYPE_CHECKING:  # imported where used: the Kubernetes client only with --events
+    from .events_k8s import KubeReporter
+    from .httpd import HttpEndpoint
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +72,7 @@ def install_init(settings: Settings) -> None:
     log.info("installed %s -> %s", src, settings.installed_init)
 
 
-def _cuda() -> Any:
+def _cuda() -> Checkpointer | None:
     """The long-lived CUDA checkpointer, or None on nodes without a usable driver."""
     try:
         from runtime.cuda import CudaCheckpointer
@@ -87,8 +94,9 @@ class NodeEngine:
     image_id_wait = 30.0
     image_id_every = 0.5
 
-    def __init__(self, settings: Settings, store: ArtifactStore, key: bytes, cuda: Any,
-                 facts: NodeFacts, image_ref: Any, running: guards.RunningContainers | None = None) -> None:
+    def __init__(self, settings: Settings, store: ArtifactStore, key: bytes, cuda: Checkpointer | None,
+                 facts: NodeFacts, image_ref: ImageRef | None,
+                 running: guards.RunningContainers | None = None) -> None:
         self.settings = settings
         self.store = store
         self.key = key
@@ -160,7 +168,7 @@ class NodeEngine:
         return await run_probe(netns, probe.kind.value, probe.host, probe.port, probe.path)
 
 
-def _clients(settings: Settings) -> tuple[Any, Any, guards.RunningContainers | None]:
+def _clients(settings: Settings) -> tuple[SpecAccess | None, ImageRef | None, guards.RunningContainers | None]:
     """containerd spec access, an image-digest lookup and a pod's live containers, when the
     socket is there."""
     if not os.path.exists(settings.containerd_socket):
@@ -168,9 +176,9 @@ def _clients(settings: Settings) -> tuple[Any, Any, guards.RunningContainers | N
                     settings.containerd_socket)
         return None, None, None
     from runtime.containerd.client import ContainerdClient
-    from runtime.containerd.cri import CRIClient, ContainerState
+    from runtime.containerd.cri_lookup import CriLookup
     specs = ContainerdClient(settings.containerd_socket, namespace=settings.containerd_namespace)
-    cri = CRIClient(settings.containerd_socket, timeout=1.0)
+    cri = CriLookup(settings.containerd_socket, timeout=1.0)
 
     def image_ref(image: str) -> str:
         try:
@@ -179,25 +187,23 @@ def _clients(settings: Settings) -> tuple[Any, Any, guards.RunningContainers | N
             log.debug("image digest of %s unavailable: %s", image, exc)
             return ""
 
-    def running(pod_id: str) -> list[tuple[str, str]]:
-        live = (ContainerState.RUNNING, ContainerState.CREATED)
-        return [(c.id, c.name) for c in cri.list_containers(pod_id=pod_id) if c.state in live]
-    return specs, image_ref, running
+    return specs, image_ref, cri.live_containers
 
 
-def _engine(settings: Settings) -> tuple[ArtifactStore, bytes, NodeFacts, NodeEngine, Any, Any]:
+def _engine(settings: Settings) -> tuple[ArtifactStore, bytes, NodeFacts, NodeEngine, SpecAccess | None,
+                                         ImageRef | None]:
     # Only the plugin, and only when told (--create-key), may make a key; everything else reads it.
     key = load_key(settings.key_path, create=settings.create_key)
     store = ArtifactStore(settings.store)
     cuda = _cuda()
-    cuda_facts = restore_flow.cuda_facts(cuda)
-    facts = NodeFacts.detect(cuda=cuda_facts)
+    facts = NodeFacts.detect(cuda=node_cuda(cuda))
     specs, image_ref, running = _clients(settings)
     engine = NodeEngine(settings, store, key, cuda, facts, image_ref, running)
     return store, key, facts, engine, specs, image_ref
 
 
-def _reporting(settings: Settings, status: StatusBook) -> tuple[Metrics, Health, Any, Any]:
+def _reporting(settings: Settings, status: StatusBook) -> tuple[Metrics, Health, HttpEndpoint | None,
+                                                                KubeReporter | None]:
     """Metrics, health, the HTTP endpoint (bound now: a port in use stops the plugin) and the
     Kubernetes reporter (configured now: no service account with --events stops it too)."""
     metrics = Metrics(store_path=settings.store)

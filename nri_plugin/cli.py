@@ -27,6 +27,9 @@ from runtime.errors import KeyMissing, RekindleError
 from . import logs
 
 if TYPE_CHECKING:
+    from runtime.status import Progress
+    from runtime.store import ArtifactStore
+
     from .config import Settings
 
 log = logging.getLogger("rekindle")
@@ -67,7 +70,7 @@ def _restore_path(p: argparse.ArgumentParser) -> None:
                         "restores every page ($REKINDLE_RESTORE_PATH, else bulk)")
 
 
-def _settings(args: argparse.Namespace):
+def _settings(args: argparse.Namespace) -> Settings:
     from .config import Settings
     fields = {k: getattr(args, k) for k in ("state_dir", "store", "hmac_key_file", "containerd_state",
                                               "containerd_socket") if hasattr(args, k)}
@@ -113,6 +116,7 @@ def _positive(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .config import Settings
     parser = argparse.ArgumentParser(
         prog="rekindle",
         description="Start GPU inference pods warm: checkpoint a loaded pod, restore new pods from it "
@@ -121,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plugin", help="run the NRI plugin (the DaemonSet's command)")
     _common(p); _paths(p)
-    p.add_argument("--socket-path", default="/var/run/nri/nri.sock", help="NRI socket (default: %(default)s)")
+    p.add_argument("--socket-path", default=Settings().socket_path, help="NRI socket (default: %(default)s)")
     p.add_argument("--name", default="rekindle", help="plugin name (default: %(default)s)")
     p.add_argument("--idx", default="50", help="plugin index, two digits (default: %(default)s)")
     p.add_argument("--init-binary", default="", help="rekindle-init to install into <state-dir>/bin")
@@ -210,8 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("doctor", help="check this node's prerequisites (connects to NRI and containerd)")
     _common(p); _paths(p)
-    p.add_argument("--socket-path", default="/var/run/nri/nri.sock", help="NRI socket (default: %(default)s)")
-    p.add_argument("--containerd-config", default="/etc/containerd/config.toml",
+    p.add_argument("--socket-path", default=Settings().socket_path, help="NRI socket (default: %(default)s)")
+    p.add_argument("--containerd-config", default=Settings().containerd_config,
                    help="containerd's config file, checked for NRI (default: %(default)s)")
     _output(p)
     p.set_defaults(func=cmd_doctor)
@@ -327,12 +331,13 @@ def cmd_artifacts(args: argparse.Namespace) -> int:
     return 0
 
 
-def _list(store, key: bytes, args: argparse.Namespace) -> int:  # type: ignore[no-untyped-def]
+def _list(store: ArtifactStore, key: bytes, args: argparse.Namespace) -> int:
     rows = store.list(args.namespace, key=key)
     from runtime import store_gc
     extra = store_gc.leftovers(store, args.namespace) if args.all else []
     if _json(args):
-        doc = [{"namespace": r.namespace, "name": r.name, "ok": r.problem is None, "problem": r.problem,
+        doc: list[dict[str, object]] = [
+               {"namespace": r.namespace, "name": r.name, "ok": r.problem is None, "problem": r.problem,
                 "version": r.version or None,
                 "generation": r.manifest.generation if r.manifest else None,
                 "created_at": r.manifest.created_at if r.manifest else None,
@@ -367,7 +372,7 @@ def _bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
-def _progress(p) -> str:  # type: ignore[no-untyped-def]
+def _progress(p: Progress) -> str:
     """``fill 3.1 GiB of 17.6 GiB (17%), 1.8 GiB/s, 2s`` for a running phase."""
     text = p.phase
     if p.bytes_total:

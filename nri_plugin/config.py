@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from runtime.errors import ConfigError
+from runtime.nodeconfig import DEFAULT_CONFIG, DEFAULT_SOCKET
 
 from .policy import parse_decimal
 
@@ -30,7 +31,7 @@ def _default_init_candidates() -> list[str]:
 class Settings:
     name: str = "rekindle"
     idx: str = "50"
-    socket_path: str = "/var/run/nri/nri.sock"
+    socket_path: str = DEFAULT_SOCKET
     state_dir: str = DEFAULT_STATE_DIR
     store: str = DEFAULT_STATE_DIR + "/store"
     hmac_key_file: str = ""          # default: <state_dir>/hmac.key
@@ -39,7 +40,6 @@ class Settings:
     containerd_state: str = "/run/containerd"
     containerd_namespace: str = "k8s.io"
     init_binary: str = ""            # where to install the init from; default: first that exists
-    criu_bin: str = "criu"
     restore_timeout: int = 1800     # default of the rekindle.dev/restore-timeout annotation
     restore_path: str = "bulk"      # bulk (pages filled beside CRIU) or stock (CRIU restores all)
     prefetch: bool = True           # read a restore's artifact ahead from RunPodSandbox on
@@ -52,7 +52,7 @@ class Settings:
     events: bool = False            # report outcomes to Kubernetes (Events, pod condition)
     kubeconfig: str = ""            # with events: a kubeconfig file instead of the service account
     node_name: str = ""             # the Kubernetes node (the chart: $NODE_NAME from spec.nodeName)
-    containerd_config: str = "/etc/containerd/config.toml"  # read by `rekindle doctor` only
+    containerd_config: str = str(DEFAULT_CONFIG)  # read by `rekindle doctor` only
 
     @property
     def key_path(self) -> Path:

@@ -33,14 +33,14 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable
 
 from runtime import control
 from runtime.errors import AnnotationError, RekindleError
 from runtime.compat import NodeFacts, check_compatibility
 from runtime.manifest import Manifest
 from runtime.security import LsmSupport, SecurityProfile, check_privilege
-from runtime.restore import target_facts
+from runtime.gpu_target import target_facts
 from runtime.rollback import GenerationBook
 from runtime.status import ContainerStatus, Phase, StatusBook
 from runtime.store import ArtifactStore
@@ -58,6 +58,8 @@ from .swap import SpecAccess, Strategy, choose, init_command, is_swapped, swap_b
 log = logging.getLogger(__name__)
 
 IMAGE_NAME_ANNOTATION = "io.kubernetes.cri.image-name"
+# An image name -> the digest containerd resolves it to ("" when unknown).
+ImageRef = Callable[[str], str]
 
 
 @dataclass
@@ -80,7 +82,7 @@ def who(pod: api.PodSandbox, ctr: api.Container) -> str:
 class RekindlePlugin:
     def __init__(self, settings: Settings, *, store: ArtifactStore, key: bytes, status: StatusBook,
                  jobs: Jobs, specs: SpecAccess | None, facts: NodeFacts,
-                 image_ref: Any = None, generations: GenerationBook | None = None,
+                 image_ref: ImageRef | None = None, generations: GenerationBook | None = None,
                  prefetcher: Prefetcher | None = None) -> None:
         self.settings = settings
         self.store = store
@@ -89,7 +91,7 @@ class RekindlePlugin:
         self.jobs = jobs
         self.specs = specs
         self.facts = facts
-        self.image_ref = image_ref  # callable(image name) -> digest, or None
+        self.image_ref = image_ref  # None: no containerd API here
         self.generations = generations  # rollback check (runtime.rollback)
         self.prefetcher = prefetcher  # reads a restore's artifact ahead (RunPodSandbox)
         self.runtime: RuntimeInfo | None = None
@@ -320,11 +322,8 @@ class RekindlePlugin:
                 phase: Phase, reason: str) -> None:
         # A malformed pod still says what it wanted (for its Event): the role, if recognisable.
         hint = role_hint(dict(pod.annotations)) if intent is None else None
-        try:
-            self.status.write(ContainerStatus(
-                namespace=pod.namespace, pod=pod.name, container=ctr.name,
-                role=intent.role.value if intent else (hint.value if hint else ""),
-                artifact=intent.artifact if intent else "",
-                phase=phase, reason=reason, container_id=ctr.id, pod_uid=pod.uid))
-        except (OSError, ValueError) as exc:
-            log.error("%s: cannot record status: %s", who(pod, ctr), exc)
+        self.status.record(ContainerStatus(
+            namespace=pod.namespace, pod=pod.name, container=ctr.name,
+            role=intent.role.value if intent else (hint.value if hint else ""),
+            artifact=intent.artifact if intent else "",
+            phase=phase, reason=reason, container_id=ctr.id, pod_uid=pod.uid))

@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 from runtime import control
 from runtime.errors import RekindleError
@@ -108,7 +109,10 @@ class Jobs:
         task = asyncio.get_running_loop().create_task(run(work), name=f"rekindle-{work.container_id[:12]}",
                                                       context=ctx)
         self._tasks[work.container_id] = task
-        task.add_done_callback(lambda _t, cid=work.container_id: self._tasks.pop(cid, None))
+        task.add_done_callback(functools.partial(self._forget, work.container_id))
+
+    def _forget(self, container_id: str, _task: asyncio.Task[None]) -> None:
+        self._tasks.pop(container_id, None)
 
     def resume(self, work: Work) -> None:
         """After a plugin restart: continue what can be continued, fail what was cut short.
@@ -209,7 +213,7 @@ class Jobs:
             log.info("%s: restored from %s (%s)", work.who, work.artifact, _fmt(work.timings),
                      extra={"phase": "restored", "seconds": work.timings.get("total")})
 
-    async def _run(self, fn: Any, work: Work, running: Phase, ok: Phase, failed: Phase, failure_file: str) -> bool:
+    async def _run(self, fn: Callable[[Work], dict[str, float]], work: Work, running: Phase, ok: Phase, failed: Phase, failure_file: str) -> bool:
         """Run one engine call; record and report its outcome (the file tells the container)."""
         self._running.add(work.container_id)
         recorder = ProgressRecorder(lambda p: self._set(work, running, "", progress=p))
@@ -246,14 +250,11 @@ class Jobs:
         return True
 
     def _set(self, work: Work, phase: Phase, reason: str, progress: Progress | None = None) -> None:
-        try:
-            self.status.write(ContainerStatus(
-                namespace=work.namespace, pod=work.pod, container=work.container,
-                role=work.intent.role.value, artifact=work.artifact, phase=phase, reason=reason,
-                container_id=work.container_id, pod_uid=work.pod_uid, timings=dict(work.timings),
-                progress=progress, bytes=work.bytes))
-        except (OSError, ValueError) as exc:
-            log.error("%s: cannot record status: %s", work.who, exc)
+        self.status.record(ContainerStatus(
+            namespace=work.namespace, pod=work.pod, container=work.container,
+            role=work.intent.role.value, artifact=work.artifact, phase=phase, reason=reason,
+            container_id=work.container_id, pod_uid=work.pod_uid, timings=dict(work.timings),
+            progress=progress, bytes=work.bytes))
 
 
 def _fmt(timings: dict[str, float]) -> str:

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from typing import Any
-
-from runtime.doctor import Check
+from runtime.doctor import Check, DoctorSettings
 from runtime.doctor import run_checks as node_checks
 
 from .stub import RUNTIME_SERVICE
@@ -55,9 +53,9 @@ def check_nri_socket(socket_path: str, timeout: float = TIMEOUT) -> Check:
     return Check("nri-socket", True, f"{socket_path}: {detail}")
 
 
-def run_checks(settings: Any) -> list[Check]:
+def run_checks(settings: DoctorSettings) -> list[Check]:
     checks = [c for c in node_checks(settings) if c.name != "nri-socket"]
-    sock = getattr(settings, "socket_path", "")
+    sock = settings.socket_path
     if sock:
         checks.insert(next((i for i, c in enumerate(checks) if c.name == "containerd-api"), len(checks)),
                       check_nri_socket(sock))

@@ -58,6 +58,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
 from runtime.errors import RekindleError
+from runtime.nodeconfig import DEFAULT_SOCKET
 
 from . import logs
 from .events import Event, RuntimeInfo, describe_mask, event_mask
@@ -70,7 +71,6 @@ log = logging.getLogger(__name__)
 
 PLUGIN_SERVICE = "nri.pkg.api.v1alpha1.Plugin"
 RUNTIME_SERVICE = "nri.pkg.api.v1alpha1.Runtime"
-DEFAULT_SOCKET = "/var/run/nri/nri.sock"
 DEFAULT_REQUEST_TIMEOUT = 2.0
 # Time kept back from the runtime's deadline for serialisation, the socket and scheduling.
 REPLY_MARGIN = 0.4
@@ -273,16 +273,6 @@ class Stub:
             raise ConnectionClosed(f"no socket at {self.socket_path}")
         return await asyncio.open_unix_connection(self.socket_path)
 
-    # ------------------------------------------------------------------ outgoing
-    async def update_containers(self, updates: list[api.ContainerUpdate]) -> list[api.ContainerUpdate]:
-        """Unsolicited updates. Never call this from inside a handler: the runtime holds its
-        lock while waiting for the handler's reply, so the call would deadlock until timeout."""
-        if self._client is None:
-            raise ConnectionClosed("not connected")
-        req = api.UpdateContainersRequest(update=updates)
-        raw = await self._client.call(RUNTIME_SERVICE, "UpdateContainers", req.SerializeToString(), 2.0)
-        return list(api.UpdateContainersResponse.FromString(raw).failed)
-
     # ------------------------------------------------------------------ incoming
     def _service_handlers(self) -> dict[tuple[str, str], Handler]:
         table: dict[str, Handler] = {
@@ -391,7 +381,8 @@ class Stub:
         self._sync_containers.extend(req.containers)
         if req.more:
             # Split sync (NRI >= 0.8): acknowledge each chunk, updates only in the last reply.
-            return api.SynchronizeResponse(more=True).SerializeToString()
+            ack: bytes = api.SynchronizeResponse(more=True).SerializeToString()
+            return ack
         pods, containers = self._sync_pods, self._sync_containers
         self._sync_pods, self._sync_containers = [], []
         data = await self._call_plugin("synchronize", pods, containers, budget=self._budget(deadline),

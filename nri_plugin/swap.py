@@ -22,11 +22,12 @@ import json
 from enum import Enum
 from typing import Any, Protocol
 
-from runtime.control import CONTAINER_PATH, INIT_IN_CONTAINER
+from runtime.control import CONTAINER_PATH, INIT_IN_CONTAINER, ORIGINAL_ARGS_ANNOTATION
 
 from .events import RuntimeInfo
 
-ORIGINAL_ARGS_ANNOTATION = "rekindle.dev/original-args"
+__all__ = ["ORIGINAL_ARGS_ANNOTATION", "SpecAccess", "Strategy", "choose", "init_command", "is_swapped",
+           "swap_by_spec_update", "swapped_spec"]
 
 
 class Strategy(Enum):
@@ -36,7 +37,7 @@ class Strategy(Enum):
 
 class SpecAccess(Protocol):
     def get_spec(self, container_id: str) -> dict[str, Any]: ...
-    def update_spec(self, container_id: str, spec: dict[str, Any]) -> None: ...
+    def update_spec(self, container_id: str, spec: dict[str, Any]) -> object: ...
 
 
 def choose(runtime: RuntimeInfo) -> Strategy:

@@ -60,9 +60,6 @@ class Artifact:
         except KeyError:
             raise ArtifactRejected(self.label, f"file {path}: not in the manifest") from None
 
-    def has(self, path: str) -> bool:
-        return path in self._entries
-
     def open_file(self, path: str) -> int:
         """A read-only fd of listed file ``path``, opened below the version's dir fd without
         following any symlink. The caller must verify what it reads (size and digest)."""

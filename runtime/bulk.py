@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 from runtime import criu_image as img
 from runtime.errors import RekindleError
@@ -70,7 +71,7 @@ class FillStats:
 
 # --- split ---------------------------------------------------------------------------------------
 
-def _runs(pagemap: img.Pagemap, vmas: list, min_run: int) -> tuple[list[BulkRange], set[int]]:  # type: ignore[type-arg]
+def _runs(pagemap: img.Pagemap, vmas: list[Any], min_run: int) -> tuple[list[BulkRange], set[int]]:
     """Bulk ranges of one process and the indexes of the pagemap entries they replace."""
     starts = [v.start for v in vmas]
     runs: list[tuple[int, int, int, list[int], int]] = []  # vaddr, length, offset, entries, vma

@@ -31,14 +31,12 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import json
 import logging
 import os
 import signal
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
 
 from runtime import bulk
 from runtime import control as control_mod
@@ -46,18 +44,19 @@ from runtime import layout
 from runtime import overlay
 from runtime import preflight
 from runtime import tcpmode
-from runtime.containers import ContainerInfo, process_tree, resolve_container, workload_root
+from runtime.containers import ContainerInfo, ns_pids, process_tree, resolve_container, workload_root
+from runtime.cuda import Checkpointer
 from runtime.errors import CheckpointRefused, CriuError, CudaStuck, ImageUnknown, RekindleError
-from runtime.gpus import spec_devices, visible_gpus
-from runtime.manifest import CriuInfo, CudaInfo, Gpu, Manifest, MountInfo, NodeInfo, ProcessInfo, Source
-from runtime.mechanics import DumpResult, dump_workload
+from runtime.gpu_target import source_gpus
+from runtime.manifest import CriuInfo, CudaInfo, Manifest, MountInfo, NodeInfo, ProcessInfo, Source
+from runtime.procfs import anon_mappings
+from runtime.criu_executor import DumpResult, dump_workload
 from runtime.security import SecurityProfile
 from runtime.store import ArtifactStore
 from runtime.timings import Timings
 
 log = logging.getLogger(__name__)
 
-ORIGINAL_ARGS_ANNOTATION = "rekindle.dev/original-args"
 CUDA_LOCK_TIMEOUT_MS = 30_000
 HUGE_MIN = 2 << 20  # staging mappings smaller than this gain nothing from huge pages
 
@@ -80,18 +79,6 @@ class CheckpointRequest:
     capture_timeout: float = 600.0  # seconds for the capture, while the tree is stopped
 
 
-def _original_args(spec: dict[str, Any]) -> list[str]:
-    raw = (spec.get("annotations") or {}).get(ORIGINAL_ARGS_ANNOTATION)
-    if raw:
-        try:
-            args = json.loads(raw)
-            if isinstance(args, list) and all(isinstance(a, str) for a in args):
-                return args
-        except ValueError:
-            pass
-    return [str(a) for a in (spec.get("process") or {}).get("args") or []]
-
-
 def capture_excludes(info: ContainerInfo) -> list[str]:
     """Paths never captured: every mount destination (their content is not the container's)."""
     dests = [m.get("destination", "") for m in info.spec_mounts]
@@ -99,31 +86,11 @@ def capture_excludes(info: ContainerInfo) -> list[str]:
                    *control_mod.CONTAINER_PATHS, os.path.dirname(control_mod.INIT_DIR_IN_CONTAINER)})
 
 
-def anon_mappings(pid: int) -> set[tuple[int, int]]:
-    """(start, end) of every private anonymous writable mapping of ``pid`` (unnamed, or named with
-    PR_SET_VMA_ANON_NAME as ``[anon:...]``; not the heap or a stack)."""
-    out = set()
-    try:
-        with open(f"/proc/{pid}/maps") as f:
-            for line in f:
-                fields = line.split(maxsplit=5)
-                if len(fields) < 5 or not fields[1].startswith("rw") or fields[1][3] != "p" or fields[4] != "0":
-                    continue
-                name = fields[5].strip() if len(fields) == 6 else ""
-                if name and not name.startswith("[anon:"):
-                    continue
-                start, end = (int(x, 16) for x in fields[0].split("-"))
-                out.add((start, end))
-    except OSError:
-        pass
-    return out
-
-
 Progress = Callable[[str, int, int], None]  # (phase, bytes done, bytes total)
 
 
 def checkpoint(req: CheckpointRequest, store: ArtifactStore, key: bytes, *,
-               control: control_mod.ControlDir | None = None, cuda: Any = None,
+               control: control_mod.ControlDir | None = None, cuda: Checkpointer | None = None,
                progress: Progress | None = None) -> dict[str, float]:
     if req.image and not req.image_ref:
         raise ImageUnknown(f"checkpoint {req.namespace}/{req.name}: the id of image {req.image} is unknown "
@@ -154,10 +121,8 @@ def checkpoint(req: CheckpointRequest, store: ArtifactStore, key: bytes, *,
         raise CheckpointRefused(report.reasons())
     with store.stage(req.namespace, req.name) as staging:
         images = os.path.join(staging.path, layout.CRIU_DIR)
-        if cuda_host:
-            gpus = [Gpu(g.uuid, g.name) for g in visible_gpus(spec_devices(info.spec))]
-            if not gpus:  # a container given every GPU (privileged): what CUDA sees
-                gpus = [Gpu(g.uuid, g.name) for g in cuda.gpus()]
+        if cuda is not None and cuda_host:
+            gpus = source_gpus(cuda, info.spec)
             driver = cuda.driver_version()
             stale = cuda.release(cuda_host)
             if stale:
@@ -166,9 +131,9 @@ def checkpoint(req: CheckpointRequest, store: ArtifactStore, key: bytes, *,
             before = {h: anon_mappings(h) for h in cuda_host}
             with t.phase("cuda_checkpoint"), _ends_source_on(CudaStuck, root.host):
                 cuda_host = cuda.checkpoint_all(cuda_host, lock_timeout_ms=CUDA_LOCK_TIMEOUT_MS)
-            ns_of = {h: ns_pid(h) for h in cuda_host}
+            ns_of = {h: ns_pids(h)[-1] for h in cuda_host}
             if cuda_host:
-                cuda_info = CudaInfo(driver, tuple(gpus), tuple(sorted(ns_of.values())))
+                cuda_info = CudaInfo(driver, gpus, tuple(sorted(ns_of.values())))
             for h in cuda_host:  # the driver's host copy of device memory: new mappings
                 new = sorted(r for r in anon_mappings(h) - before[h] if r[1] - r[0] >= HUGE_MIN)
                 huge[ns_of[h]] = new  # empty: split marks the process's largest bulk run instead
@@ -200,7 +165,7 @@ def checkpoint(req: CheckpointRequest, store: ArtifactStore, key: bytes, *,
             # CRIU leaves kept connections in repair mode when it leaves the tree stopped.
             unrepaired = tcpmode.repair_off(tcp.holders) if tcp.established else []
             bulk.signal_all(_tree(root.host), signal.SIGCONT)  # whatever CRIU left stopped
-            if cuda_host and not req.exit_after:
+            if cuda is not None and cuda_host and not req.exit_after:
                 with t.phase("cuda_resume_source"), _ends_source_on(RekindleError, root.host):
                     cuda.restore_all(cuda_host)
         if unrepaired:
@@ -226,7 +191,7 @@ def checkpoint(req: CheckpointRequest, store: ArtifactStore, key: bytes, *,
             criu=CriuInfo(dump.criu_version),
             cuda=cuda_info,
             security=SecurityProfile.from_oci_spec(info.spec, label=req.name),
-            process=ProcessInfo(root_pid=dump.root_ns_pid, args=tuple(_original_args(info.spec))),
+            process=ProcessInfo(root_pid=dump.root_ns_pid, args=tuple(control_mod.original_args(info.spec))),
             mounts=tuple(MountInfo(m.key, m.destination, m.type) for m in dump.mount_plan),
             files=(),
             timings=dict(t),
@@ -274,11 +239,3 @@ def _tree(host_pid: int) -> list[int]:
         return process_tree(host_pid)
     except Exception:  # noqa: BLE001 - the source died: nothing to resume
         return []
-
-
-def ns_pid(host_pid: int) -> int:
-    with open(f"/proc/{host_pid}/status") as f:
-        for line in f:
-            if line.startswith("NSpid:"):
-                return int(line.split()[-1])
-    return host_pid

@@ -2,29 +2,22 @@
 
 :func:`check_compatibility` lists every reason it cannot (architecture, CRIU version, image,
 CUDA driver, GPU count and models); a kernel major.minor difference is only a warning unless
-asked for. :class:`NodeFacts` describes the node, with the GPUs narrowed to the target
-container's when the caller knows them.
+asked for. :class:`NodeFacts` describes the node, its CUDA driver and GPUs as a manifest's
+:class:`runtime.manifest.CudaInfo` (without pids), narrowed to the target container's GPUs when
+the caller knows them.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import re
-import subprocess
 from dataclasses import dataclass
 
-from runtime.manifest import Gpu, Manifest
+from runtime.criu import criu_version, version_tuple
+from runtime.errors import CriuError
+from runtime.manifest import CudaInfo, Manifest
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class CudaFacts:
-    """The CUDA driver and the GPUs visible to the target container, in device order."""
-
-    driver_version: str
-    gpus: tuple[Gpu, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,10 +26,10 @@ class NodeFacts:
     kernel: str
     arch: str
     criu_version: str | None
-    cuda: CudaFacts | None
+    cuda: CudaInfo | None  # the driver and the GPUs (of the target container, once narrowed)
 
     @classmethod
-    def detect(cls, criu_version: str | None = None, cuda: CudaFacts | None = None) -> NodeFacts:
+    def detect(cls, criu_version: str | None = None, cuda: CudaInfo | None = None) -> NodeFacts:
         """Facts of this node. ``criu_version`` None runs ``criu --version`` (None on failure);
         ``cuda`` is passed in by the caller (the cuda module owns libcuda)."""
         uts = os.uname()
@@ -46,22 +39,14 @@ class NodeFacts:
 
 def _criu_version() -> str | None:
     try:
-        out = subprocess.run(["criu", "--version"], capture_output=True, text=True, timeout=5,
-                             check=True).stdout
-    except (OSError, subprocess.SubprocessError) as exc:
+        return criu_version(timeout=5)
+    except CriuError as exc:
         log.warning("criu --version failed: %s", exc)
         return None
-    match = re.search(r"Version:\s*(\S+)", out)
-    return match.group(1) if match else None
-
-
-def _version_tuple(text: str) -> tuple[int, ...] | None:
-    match = re.match(r"(\d+(?:\.\d+)*)", text)
-    return tuple(int(p) for p in match.group(1).split(".")) if match else None
 
 
 def _major_minor(kernel: str) -> tuple[int, ...] | str:
-    version = _version_tuple(kernel)
+    version = version_tuple(kernel)
     return version[:2] if version else kernel
 
 
@@ -80,8 +65,8 @@ def check_compatibility(manifest: Manifest, facts: NodeFacts, *, image: str, ima
             reasons.append(message)
         else:
             log.warning("artifact %s/%s: %s", manifest.namespace, manifest.name, message)
-    want = _version_tuple(manifest.criu.version)
-    have = _version_tuple(facts.criu_version or "")
+    want = version_tuple(manifest.criu.version)
+    have = version_tuple(facts.criu_version or "")
     if have is None or want is None:
         reasons.append(f"CRIU version unknown: artifact {manifest.criu.version!r}, "
                        f"node {facts.criu_version!r}")

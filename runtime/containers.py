@@ -133,16 +133,23 @@ def read_mountinfo(pid: int | str = "self") -> list[MountInfo]:
         raise ContainerNotFound(f"process {pid} is gone: {e}") from e
 
 
+def parse_nspid(status: str) -> list[int] | None:
+    """The ``NSpid`` line of a /proc status text: the pid in every pid namespace, outermost
+    first; None without one."""
+    for line in status.splitlines():
+        if line.startswith("NSpid:"):
+            return [int(x) for x in line.split()[1:]]
+    return None
+
+
 def ns_pids(host_pid: int) -> list[int]:
     """``NSpid`` of a process: its pid in every pid namespace, outermost first."""
     try:
         with open(f"{PROC}/{host_pid}/status") as f:
-            for line in f:
-                if line.startswith("NSpid:"):
-                    return [int(x) for x in line.split()[1:]]
+            status = f.read()
     except (FileNotFoundError, ProcessLookupError) as e:
         raise ContainerNotFound(f"process {host_pid} is gone") from e
-    return [host_pid]
+    return parse_nspid(status) or [host_pid]
 
 
 def children(host_pid: int) -> list[int]:

@@ -3,7 +3,9 @@
 One directory per annotated container, on the host at
 ``<state>/control/<pod-uid>/<container-name>/`` and inside the container at ``/rekindle`` and
 at Dynamo's default ``/snapshot-control`` (the same directory twice), so hooks written for
-Dynamo find it whether they read the environment or use the default path.
+Dynamo find it whether they read the environment or use the default path. The init runs in
+front of the workload's command (:data:`INIT_IN_CONTAINER`); the command it replaced is kept in
+the spec annotation :data:`ORIGINAL_ARGS_ANNOTATION` (JSON), read back by :func:`original_args`.
 File names are in docs/design.md. The directory is writable by the workload, so everything in
 it is untrusted: reads never follow symlinks and are size-capped, writes go to a fresh temp
 file (O_EXCL|O_NOFOLLOW) renamed over the target (a planted symlink is replaced, never
@@ -15,7 +17,9 @@ from __future__ import annotations
 import json
 import os
 import secrets
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from . import names
 from .errors import AnnotationError
@@ -26,6 +30,7 @@ CONTAINER_PATHS = (CONTAINER_PATH, DYNAMO_CONTAINER_PATH)
 ENV_NAMES = ("REKINDLE_CONTROL_DIR", "SNAPSHOT_CONTROL_DIR", "DYN_SNAPSHOT_CONTROL_DIR")
 INIT_DIR_IN_CONTAINER = "/.rekindle/bin"
 INIT_IN_CONTAINER = INIT_DIR_IN_CONTAINER + "/rekindle-init"
+ORIGINAL_ARGS_ANNOTATION = "rekindle.dev/original-args"
 
 READY_FILES = ("ready-for-checkpoint", "ready-for-snapshot")  # ours, then Dynamo's
 SNAPSHOT_COMPLETE = "snapshot-complete"
@@ -40,6 +45,20 @@ PROTOCOL_FILES = (*READY_FILES, SNAPSHOT_COMPLETE, CHECKPOINT_FAILED, RESTORE_PI
                   RESTORE_COMPLETE, RESTORE_FAILED, COLD_START, TIMINGS)
 MAX_READ = 64 * 1024
 
+
+
+
+def original_args(spec: Mapping[str, Any]) -> list[str]:
+    """The container's command before the entrypoint swap (the annotation), else its args."""
+    raw = (spec.get("annotations") or {}).get(ORIGINAL_ARGS_ANNOTATION)
+    if raw:
+        try:
+            args = json.loads(raw)
+            if isinstance(args, list) and all(isinstance(a, str) for a in args):
+                return args
+        except ValueError:
+            pass
+    return [str(a) for a in (spec.get("process") or {}).get("args") or []]
 
 
 def pod_control_root(state_dir: str | os.PathLike[str], pod_uid: str) -> Path:

@@ -1,4 +1,4 @@
-"""The CRIU command line: typed options, one runner, the external-mount plan, the pstree image.
+"""The CRIU command line: typed options, argv, one runner, the CRIU version.
 
 Contract:
 
@@ -16,12 +16,11 @@ Contract:
 - Fixed choices: ``--file-locks``; ``--network-lock skip`` on
   dump (the netns is external: nothing to lock, and nodes may lack iptables-restore);
   ``--manage-cgroups=ignore`` (cgroups are placed by the caller: the target's, never the source's).
-- Mount plan: :func:`plan_external_mounts` makes every bind mount of the OCI spec and every
-  cgroup/cgroup2 mount external, keys ``m0``, ``m1``, … in destination order;
-  :func:`map_mounts` resolves each key to the TARGET container's host source (bind: the target
-  spec's source at that destination; cgroup: the host dir the target's mount shows) and raises
-  CriuError naming any entry without a counterpart.
-- :func:`image_pids` reads ``pstree.img``: every pid and thread id of the image.
+- Version: :func:`criu_version` runs ``criu --version``; :func:`parse_version` and
+  :func:`version_tuple` are the one parser of its output (the doctor, the node facts and the
+  test suite's skip reasons use them); :data:`MIN_VERSION` is the oldest CRIU Rekindle runs.
+Which mounts are external is ``runtime.mount_plan``'s job; reading CRIU's log,
+``runtime.criu_log``'s; the image files, ``runtime.criu_image``'s.
 """
 
 from __future__ import annotations
@@ -35,10 +34,8 @@ import subprocess
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
-from runtime import criu_image
-from runtime.containers import ContainerInfo, MountInfo, read_mountinfo
+from runtime.criu_log import log_errors
 from runtime.errors import CriuError
 from runtime.layout import MountPlanEntry
 
@@ -49,6 +46,8 @@ CRIU = os.environ.get("REKINDLE_CRIU") or next(
     (p for p in ("/usr/local/sbin/criu", "/usr/local/bin/criu") if os.access(p, os.X_OK)), "criu"
 )
 NET_KEY = "extnet"
+# 3.17 fails on current kernels (vDSO); 4.1 cannot dump TCP sockets on kernels >= 6.16.
+MIN_VERSION = (4, 2)
 SETPRIV = shutil.which("setpriv") or ""
 
 
@@ -129,36 +128,6 @@ def criu_argv(opts: DumpOptions | RestoreOptions, criu: str = CRIU) -> list[str]
     return argv + list(opts.extra)
 
 
-# Error lines CRIU logs on every run of these nodes although nothing failed (no CAP_SYS_RESOURCE
-# to raise its own RLIMIT_NOFILE).
-HARMLESS_ERRORS = (re.compile(r"rlimit: Can't setup RLIMIT_NOFILE for self"),)
-
-
-def log_errors(path: str, n: int = 8) -> str:
-    """The last error lines of a CRIU log (else its last lines), without the harmless ones that
-    would otherwise lead every failure reason."""
-    try:
-        with open(path, errors="replace") as f:
-            lines = f.read().splitlines()
-    except OSError as e:
-        return f"(no log: {e})"
-    errs = [ln for ln in lines if ("Error" in ln or "error" in ln.split(":", 1)[0])
-            and not any(p.search(ln) for p in HARMLESS_ERRORS)]
-    return " | ".join((errs or lines)[-n:]).strip()
-
-
-def unexpected_errors(path: str) -> list[str]:
-    """Error lines of a CRIU log beyond the known harmless ones. CRIU 4.2.1 exits 0 even when it
-    could not read a shmem pages file ("Failed getting raw image fd"); the restored mapping then
-    has wrong contents. A restore is only accepted with a clean log."""
-    try:
-        with open(path, errors="replace") as f:
-            lines = [ln.rstrip() for ln in f if "Error (" in ln]
-    except OSError as exc:
-        return [f"(no log: {exc})"]
-    return [ln for ln in lines if not any(p.search(ln) for p in HARMLESS_ERRORS)]
-
-
 def run_criu(
     opts: DumpOptions | RestoreOptions,
     wrapper: Sequence[str] = (),
@@ -212,133 +181,29 @@ def _kill_group(proc: subprocess.Popen[bytes]) -> None:
         log.error("criu process group %d did not die", proc.pid)
 
 
-def criu_version(criu: str = CRIU) -> str:
+_VERSION_LINE = re.compile(r"^Version:\s*(\S+)", re.M)
+
+
+def parse_version(output: str) -> str | None:
+    """The version in ``criu --version`` output (``Version: 4.2.1``), or None."""
+    m = _VERSION_LINE.search(output)
+    return m.group(1) if m else None
+
+
+def version_tuple(version: str) -> tuple[int, ...] | None:
+    """``4.2.1`` (or a kernel release, ``6.8.0-45-generic``) -> (4, 2, 1); None when it does not
+    start with a number."""
+    m = re.match(r"(\d+(?:\.\d+)*)", version)
+    return tuple(int(p) for p in m.group(1).split(".")) if m else None
+
+
+def criu_version(criu: str = CRIU, timeout: float = 10) -> str:
+    """The version of the CRIU binary ``criu``; CriuError when it cannot say."""
     try:
-        out = subprocess.run([criu, "--version"], capture_output=True, text=True, timeout=10).stdout
+        out = subprocess.run([criu, "--version"], capture_output=True, text=True, timeout=timeout).stdout
     except (OSError, subprocess.TimeoutExpired) as e:
         raise CriuError("version", str(e)) from e
-    m = re.search(r"Version:\s*(\S+)", out)
-    if not m:
+    version = parse_version(out)
+    if version is None:
         raise CriuError("version", f"unexpected output: {out.strip()!r}")
-    return m.group(1)
-
-
-def version_tuple(v: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in re.findall(r"\d+", v)[:3])
-
-
-def check(criu: str = CRIU) -> None:
-    """``criu check``; CriuError with its output when the kernel lacks something CRIU needs."""
-    try:
-        res = subprocess.run([criu, "check"], capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        raise CriuError("check", str(e)) from e
-    if res.returncode != 0:
-        raise CriuError("check", (res.stdout + res.stderr).strip()[-500:])
-
-
-# ---- external mounts ----
-
-def _is_bind(m: dict[str, Any]) -> bool:
-    return m.get("type") == "bind" or any(o in ("bind", "rbind") for o in m.get("options") or [])
-
-
-def resolve_in_root(rootfs: str, path: str, depth: int = 0) -> str:
-    """Resolve symlinks of an absolute in-container path, staying inside rootfs (like runc does)."""
-    parts = [p for p in path.split("/") if p not in ("", ".")]
-    cur = "/"
-    for i, part in enumerate(parts):
-        cand = os.path.normpath(os.path.join(cur, part)) if part != ".." else os.path.dirname(cur)
-        host = os.path.join(rootfs, cand.lstrip("/"))
-        if os.path.islink(host) and depth < 40:
-            target = os.readlink(host)
-            base = "/" if target.startswith("/") else cur
-            cur = resolve_in_root(rootfs, os.path.join(base, target), depth + 1)
-        else:
-            cur = cand
-        if not cur.startswith("/"):
-            cur = "/"
-    return cur
-
-
-def plan_external_mounts(
-    mountinfo: list[MountInfo], spec: dict[str, Any], rootfs: str | None = None
-) -> list[MountPlanEntry]:
-    """Externals for a dump: every spec bind mount present in the workload's mountinfo and every cgroup mount."""
-    points = {m.mount_point for m in mountinfo}
-    found: dict[str, tuple[str, str]] = {}  # destination -> (type, mount point)
-    for m in spec.get("mounts") or []:
-        if not _is_bind(m):
-            continue
-        dest = os.path.normpath(m["destination"])
-        point = dest
-        if point not in points and rootfs:
-            point = resolve_in_root(rootfs, dest)
-        if point not in points:
-            log.warning("spec bind mount %s is not mounted in the workload; not external", dest)
-            continue
-        found[dest] = ("bind", point)
-    for mi in mountinfo:
-        if mi.fstype in ("cgroup", "cgroup2") and mi.mount_point not in found:
-            found[mi.mount_point] = (mi.fstype, mi.mount_point)
-    plan = []
-    for i, dest in enumerate(sorted(found)):
-        typ, point = found[dest]
-        plan.append(MountPlanEntry(key=f"m{i}", destination=dest, type=typ,
-                                   mount_point=point if point != dest else ""))
-    return plan
-
-
-def host_path_of_mount(m: MountInfo, host_mounts: list[MountInfo]) -> str:
-    """Host path showing the same thing as mount ``m`` (same device, longest root prefix)."""
-    best: MountInfo | None = None
-    for h in host_mounts:
-        if h.dev != m.dev:
-            continue
-        hr = h.root.rstrip("/")
-        if (m.root == h.root or m.root.startswith(hr + "/")) and (best is None or len(h.root) > len(best.root)):
-            best = h
-    if best is None:
-        raise CriuError("restore", f"no host mount of device {m.dev} root {m.root} (for {m.mount_point})")
-    return os.path.normpath(best.mount_point + "/" + m.root[len(best.root.rstrip("/")):])
-
-
-def map_mounts(plan: list[MountPlanEntry], target: ContainerInfo) -> list[str]:
-    """``mnt[key]:host_source`` for every plan entry, resolved in the target container."""
-    spec_binds = {os.path.normpath(m["destination"]): m for m in target.spec_mounts if _is_bind(m)}
-    target_mi: list[MountInfo] | None = None
-    host_mi: list[MountInfo] | None = None
-    out = []
-    for e in plan:
-        if e.type == "bind":
-            m = spec_binds.get(e.destination)
-            if m is None:
-                raise CriuError("restore", f"mount {e.key} ({e.destination}, bind) has no counterpart in container {target.id}")
-            src = m["source"]
-        else:
-            if target_mi is None:
-                target_mi, host_mi = read_mountinfo(target.init_pid), read_mountinfo("self")
-            tm = [m for m in target_mi if m.mount_point == e.destination and m.fstype in ("cgroup", "cgroup2")]
-            if not tm:
-                raise CriuError("restore", f"mount {e.key} ({e.destination}, {e.type}) has no counterpart in container {target.id}")
-            src = host_path_of_mount(tm[-1], host_mi or [])
-        out.append(f"mnt[{e.key}]:{src}")
-    return out
-
-
-# ---- pstree.img ----
-
-def image_pids(images_dir: str) -> set[int]:
-    """Every pid and thread id the image will need in the target pid namespace."""
-    out: set[int] = set()
-    for e in criu_image.read_pstree(images_dir):
-        out.add(e.pid)
-        out.update(e.threads)
-    return out
-
-
-def image_is_shell_job(images_dir: str) -> bool:
-    """True when the tree's session or process group leader is outside the image."""
-    entries = criu_image.read_pstree(images_dir)
-    pids = {e.pid for e in entries}
-    return any(e.sid not in pids or e.pgid not in pids for e in entries)
+    return version

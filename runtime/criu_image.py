@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import os
 import struct
-from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from google.protobuf.message import DecodeError
 
@@ -95,7 +95,7 @@ def write_raw(path: str, image: RawImage) -> None:
     os.replace(tmp, path)
 
 
-def _parse(msg_type, raw: bytes, path: str):  # type: ignore[no-untyped-def]
+def _parse(msg_type: Any, raw: bytes, path: str) -> Any:  # a protoc message class and one of its messages
     msg = msg_type()
     try:
         msg.ParseFromString(raw)
@@ -124,6 +124,22 @@ def read_pstree(images_dir: str) -> list[PstreeEntry]:
     return out
 
 
+def image_pids(images_dir: str) -> set[int]:
+    """Every pid and thread id the image will need in the target pid namespace."""
+    out: set[int] = set()
+    for e in read_pstree(images_dir):
+        out.add(e.pid)
+        out.update(e.threads)
+    return out
+
+
+def image_is_shell_job(images_dir: str) -> bool:
+    """True when the tree's session or process group leader is outside the image."""
+    entries = read_pstree(images_dir)
+    pids = {e.pid for e in entries}
+    return any(e.sid not in pids or e.pgid not in pids for e in entries)
+
+
 # --- pagemap ------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -141,7 +157,7 @@ class Pagemap:
 
 
 def nr_pages(entry: pagemap_pb2.pagemap_entry) -> int:
-    return entry.nr_pages if entry.HasField("nr_pages") else entry.compat_nr_pages
+    return int(entry.nr_pages if entry.HasField("nr_pages") else entry.compat_nr_pages)
 
 
 def has_data(entry: pagemap_pb2.pagemap_entry) -> bool:
@@ -167,19 +183,6 @@ def write_pagemap(pagemap: Pagemap, entries: list[pagemap_pb2.pagemap_entry]) ->
                                                      *(e.SerializeToString() for e in entries)]))
 
 
-def data_runs(pagemap: Pagemap) -> Iterator[tuple[int, int, int]]:
-    """(vaddr, length, offset in the pages file) of every present entry, in file order."""
-    offset = 0
-    for e in pagemap.entries:
-        if not has_data(e):
-            continue
-        length = nr_pages(e) * PAGE
-        yield e.vaddr, length, offset
-        offset += length
-
-
-# --- mm -----------------------------------------------------------------------------------------
-
 @dataclass(frozen=True)
 class Mm:
     path: str
@@ -199,7 +202,7 @@ def write_mm(mm: Mm) -> None:
     write_raw(mm.path, RawImage(mm.magic, [mm.entry.SerializeToString()]))
 
 
-def is_private_anon_writable(vma) -> bool:  # type: ignore[no-untyped-def]
+def is_private_anon_writable(vma: Any) -> bool:  # a vma_entry message
     """A plain private anonymous writable mapping: the only kind whose pages may move out of
     CRIU (process_vm_writev cannot write read-only mappings; shared ones are CRIU's)."""
     special = (VMA_ANON_SHARED | VMA_AREA_SYSVIPC | VMA_AREA_SOCKET | VMA_AREA_VVAR | VMA_AREA_AIORING

@@ -20,6 +20,7 @@ Contract:
   process left locked, or whose unlock answered ILLEGAL_STATE, never resumes).
 - GPU remapping (driver >= 580): ``gpu_map`` maps old UUID -> new UUID and must cover every GPU
   the process sees, as a bijection; :func:`build_gpu_map` makes one from two ordered UUID lists.
+- :class:`Checkpointer` is the part the flows use (a Protocol: tests hand in fakes).
 - :meth:`CudaCheckpointer.find_cuda_pids` probes with get-restore-tid (not get-state, which also
   answers for contextless coordinators); any error means "not a CUDA process".
 """
@@ -33,11 +34,11 @@ import re
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
-from runtime.cuda_driver import Driver, nvml_driver_version, parse_uuid, proc_driver_version
+from runtime.cuda_driver import Driver, format_uuid, nvml_driver_version, parse_uuid, proc_driver_version
 from runtime.errors import CudaError, CudaStuck, CudaUnavailable, RekindleError
+from runtime.gpus import Gpu
 
 log = logging.getLogger(__name__)
 
@@ -66,11 +67,15 @@ class ProcessState(enum.IntEnum):
         return self.name.lower()
 
 
-@dataclass(frozen=True, slots=True)
-class Gpu:
-    index: int
-    uuid: str
-    name: str
+class Checkpointer(Protocol):
+    """What the checkpoint and restore flows ask of CUDA (:class:`CudaCheckpointer`, or a fake)."""
+
+    def gpus(self) -> list[Gpu]: ...
+    def driver_version(self) -> str: ...
+    def find_cuda_pids(self, pids: Iterable[int]) -> list[int]: ...
+    def release(self, pids: Iterable[int]) -> list[int]: ...
+    def checkpoint_all(self, pids: Iterable[int], lock_timeout_ms: int = 0) -> list[int]: ...
+    def restore_all(self, pids: Iterable[int], gpu_map: Mapping[str, str] | None = None) -> None: ...
 
 
 class GpuMapError(RekindleError):
@@ -83,11 +88,9 @@ class GpuMapError(RekindleError):
 
 def _norm_uuid(text: str) -> str:
     try:
-        raw = parse_uuid(text)
+        return format_uuid(parse_uuid(text))
     except ValueError as exc:
         raise GpuMapError(str(exc)) from None
-    h = raw.hex()
-    return f"GPU-{h[0:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
 
 
 def build_gpu_map(source_uuids: Sequence[str], target_uuids: Sequence[str]) -> dict[str, str] | None:
@@ -182,19 +185,19 @@ class CudaCheckpointer:
     # ---- single calls -----------------------------------------------------------------------
     def lock(self, pids: Iterable[int], timeout_ms: int = 0) -> None:
         pids = list(pids)
-        self._run(lambda d: [d.lock(p, timeout_ms) for p in pids])
+        self._run(lambda d: _each(pids, lambda p: d.lock(p, timeout_ms)))
 
     def checkpoint(self, pids: Iterable[int]) -> None:
         pids = list(pids)
-        self._run(lambda d: [d.checkpoint(p) for p in pids])
+        self._run(lambda d: _each(pids, d.checkpoint))
 
     def restore(self, pids: Iterable[int], gpu_map: Mapping[str, str] | None = None) -> None:
         pids, pairs = list(pids), gpu_pairs(gpu_map)
-        self._run(lambda d: [d.restore(p, pairs) for p in pids])
+        self._run(lambda d: _each(pids, lambda p: d.restore(p, pairs)))
 
     def unlock(self, pids: Iterable[int]) -> None:
         pids = list(pids)
-        self._run(lambda d: [d.unlock(p) for p in pids])
+        self._run(lambda d: _each(pids, d.unlock))
 
     def state(self, pid: int) -> ProcessState:
         return ProcessState(self._run(lambda d: d.get_state(pid)))
@@ -241,11 +244,12 @@ class CudaCheckpointer:
         return self._run(seq)
 
     def gpus(self) -> list[Gpu]:
+        """Every GPU CUDA sees, by ordinal (the list position)."""
         def read(d: Driver) -> list[Gpu]:
             out = []
             for i in range(d.device_count()):
                 dev = d.device(i)
-                out.append(Gpu(i, d.device_uuid(dev), d.device_name(dev)))
+                out.append(Gpu(d.device_uuid(dev), d.device_name(dev)))
             return out
         return self._run(read)
 
@@ -326,6 +330,11 @@ class CudaCheckpointer:
                         raise exc.about(p) from exc
 
         self._run(seq)
+
+
+def _each(pids: Iterable[int], call: Callable[[int], None]) -> None:
+    for p in pids:
+        call(p)
 
 
 def _rollback(d: Driver, locked: list[int], checkpointed: list[int]) -> dict[int, str]:

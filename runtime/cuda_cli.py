@@ -23,6 +23,7 @@ import logging
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 from runtime.cuda import CudaCheckpointer, ProcessState
 from runtime.errors import RekindleError
@@ -71,7 +72,7 @@ class Command:
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         raise UsageError(message)
 
 

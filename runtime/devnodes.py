@@ -12,36 +12,13 @@ name is refused, never replaced.
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import os
 import stat
 from dataclasses import dataclass
 
 from runtime.errors import NamespaceError
-
-SYS_OPENAT2 = 437  # x86_64 and aarch64
-RESOLVE_NO_MAGICLINKS = 0x02
-RESOLVE_NO_SYMLINKS = 0x04
-RESOLVE_BENEATH = 0x08
-RESOLVE_IN_ROOT = 0x10
-
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-class _OpenHow(ctypes.Structure):
-    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
-
-
-def openat2(dir_fd: int, path: str, flags: int, resolve: int) -> int:
-    """openat2(2); OSError on failure (ENOSYS on kernels before 5.6)."""
-    how = _OpenHow(flags | os.O_CLOEXEC, 0, resolve)
-    fd = _libc.syscall(SYS_OPENAT2, ctypes.c_int(dir_fd), os.fsencode(path), ctypes.byref(how),
-                       ctypes.c_size_t(ctypes.sizeof(how)))
-    if fd < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"openat2({path!r}): {os.strerror(err)}")
-    return int(fd)
+from runtime.openat2 import RESOLVE_IN_ROOT, RESOLVE_NO_MAGICLINKS, RESOLVE_NO_SYMLINKS, openat2
 
 
 @dataclass(frozen=True)

@@ -18,10 +18,13 @@ import subprocess
 import tempfile
 import tomllib
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol
 
+from .criu import CRIU, MIN_VERSION, parse_version, version_tuple
 from .errors import ConfigError, KeyMissing
 from .keys import read_key
+from .nodeconfig import DEFAULT_SOCKET, NRI_PLUGIN
 
 
 @dataclass(frozen=True)
@@ -44,14 +47,16 @@ def check_root() -> Check:
     return Check("root", os.geteuid() == 0, "running as root" if os.geteuid() == 0 else "must run as root")
 
 
-def check_criu(criu: str = "criu") -> Check:
+def check_criu(criu: str = CRIU) -> Check:
+    """The CRIU binary the engine runs (``runtime.criu.CRIU``): recent enough, and ``criu check``."""
     rc, out = _run([criu, "--version"])
     if rc != 0:
         return Check("criu", False, f"{criu} not usable: {out[:200]}")
-    version = next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Version")), "?")
-    parts = tuple(int(p) for p in version.split(".")[:2] if p.isdigit())
-    if parts < (4, 2):
-        return Check("criu", False, f"CRIU {version} is too old (need >= 4.2: 3.17 fails on current kernels, 4.1 cannot dump TCP sockets on >= 6.16)")
+    version = parse_version(out) or "?"
+    if (version_tuple(version) or ()) < MIN_VERSION:
+        need = ".".join(map(str, MIN_VERSION))
+        return Check("criu", False, f"CRIU {version} is too old (need >= {need}: 3.17 fails on current kernels, "
+                     "4.1 cannot dump TCP sockets on >= 6.16)")
     rc, out = _run([criu, "check"], timeout=30)
     return Check("criu", rc == 0, f"CRIU {version}: {out.splitlines()[-1] if out else rc}")
 
@@ -93,17 +98,14 @@ def check_containerd_api(socket_path: str, timeout: float = 3.0) -> tuple[Check,
     """containerd answers its CRI Version call; returns the check and the runtime's version."""
     if not os.path.exists(socket_path):
         return Check("containerd-api", False, f"no socket at {socket_path}"), ""
-    from .containerd.cri import CRIClient
+    from .containerd.cri_lookup import CriLookup
     try:
-        with CRIClient(socket_path, timeout=timeout) as cri:
+        with CriLookup(socket_path, timeout=timeout) as cri:
             v = cri.version()
     except Exception as exc:  # noqa: BLE001 - any failure: containerd is not answering
         return Check("containerd-api", False, f"{socket_path}: {exc}"), ""
     return (Check("containerd-api", True, f"{v.runtime_name} {v.runtime_version} (CRI {v.runtime_api_version}) "
                   f"at {socket_path}"), v.runtime_version)
-
-
-NRI_PLUGIN = "io.containerd.nri.v1.nri"
 
 
 def _load_merged(path: str) -> tuple[dict[str, Any], list[str]]:
@@ -160,7 +162,7 @@ def check_nri_config(path: str, containerd_version: str = "", socket_path: str =
         return Check("nri-config", False, f"{where}: NRI is off (disable = true; rekindle nri-toggle)")
     if nri.get("disable_connections"):
         return Check("nri-config", False, f"{where}: NRI refuses external plugins (disable_connections = true)")
-    configured = nri.get("socket_path", "/var/run/nri/nri.sock")
+    configured = nri.get("socket_path", DEFAULT_SOCKET)
     if socket_path and os.path.normpath(configured) != os.path.normpath(socket_path):
         return Check("nri-config", False, f"{where}: NRI listens on {configured}, not on {socket_path}")
     return Check("nri-config", True, f"{where}: NRI on, socket {configured}")
@@ -191,18 +193,35 @@ def check_store(path: str) -> list[Check]:
                   f"only {gib}: GPU artifacts take tens of GiB", required=False)]
 
 
-def run_checks(settings: Any) -> list[Check]:
-    checks = [check_root(), check_criu(getattr(settings, "criu_bin", "criu")),
+class DoctorSettings(Protocol):
+    """What the checks read of the plugin's settings (``nri_plugin.config.Settings``); an empty
+    ``socket_path`` or ``containerd_config`` skips its check."""
+
+    @property
+    def socket_path(self) -> str: ...
+    @property
+    def containerd_socket(self) -> str: ...
+    @property
+    def containerd_config(self) -> str: ...
+    @property
+    def store(self) -> str: ...
+    @property
+    def key_path(self) -> Path: ...
+    def init_source(self) -> str | None: ...
+
+
+def run_checks(settings: DoctorSettings) -> list[Check]:
+    checks = [check_root(), check_criu(),
               check_binary("nsenter"), check_binary("unshare")]
     init = settings.init_source()
     checks.append(Check("rekindle-init", init is not None, init or "not built (run make)"))
-    sock = getattr(settings, "socket_path", "")
+    sock = settings.socket_path
     if sock:
         checks.append(Check("nri-socket", os.path.exists(sock),
                             sock if os.path.exists(sock) else f"{sock} missing: is NRI enabled? (rekindle nri-toggle)"))
     api, version = check_containerd_api(settings.containerd_socket)
     checks.append(api)
-    config = getattr(settings, "containerd_config", "")
+    config = settings.containerd_config
     if config:
         checks.append(check_nri_config(config, version, sock))
     checks.extend(check_store(settings.store))

@@ -67,7 +67,9 @@ def tree_bytes(dir_fd: int) -> int:
     return total
 
 
-def read_capped(dir_fd: int, name: str, cap: int, label: str) -> bytes:
+def open_regular(dir_fd: int, name: str, label: str) -> int:
+    """An fd of the regular file ``name`` below ``dir_fd``, no symlink followed; anything else
+    (absent, a link, a fifo, a directory) is ArtifactRejected."""
     try:
         fd = os.open(name, FILE_FLAGS, dir_fd=dir_fd)
     except FileNotFoundError:
@@ -77,6 +79,15 @@ def read_capped(dir_fd: int, name: str, cap: int, label: str) -> bytes:
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise ArtifactRejected(label, f"{name} is not a regular file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_capped(dir_fd: int, name: str, cap: int, label: str) -> bytes:
+    fd = open_regular(dir_fd, name, label)
+    try:
         data = os.read(fd, cap + 1)
         while len(data) <= cap and (more := os.read(fd, cap + 1 - len(data))):
             data += more

@@ -1,4 +1,9 @@
-"""Which GPUs a container can see, by the NVIDIA device nodes it was given.
+"""The one GPU type, and which GPUs a container can see, by the NVIDIA device nodes it was given.
+
+:class:`Gpu` is a GPU as every part of Rekindle names it: its UUID (``GPU-xxxxxxxx-...``, as the
+driver and nvidia-smi print it; ``runtime.cuda_driver.parse_uuid`` reads it) and its model name.
+The driver's listing (:func:`node_gpus`) keys them by device minor, CUDA's
+(``CudaCheckpointer.gpus``) by ordinal (the list position); a manifest stores them as they are.
 
 A GPU is visible to a container when its ``/dev/nvidia<minor>`` node is in the container's
 devices (that is how the NVIDIA device plugin and CDI hand GPUs to pods). The driver lists every
@@ -11,8 +16,9 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 PROC_GPUS = "/proc/driver/nvidia/gpus"
 NVIDIA_MAJOR = 195
@@ -20,19 +26,18 @@ _DEV = re.compile(r"^/dev/nvidia(\d+)$")
 
 
 @dataclass(frozen=True, slots=True)
-class NodeGpu:
-    minor: int
+class Gpu:
     uuid: str
     name: str
 
 
-def node_gpus(proc_gpus: str = PROC_GPUS) -> list[NodeGpu]:
-    """Every NVIDIA GPU of the node, by minor number; empty without the driver."""
-    out = []
+def node_gpus(proc_gpus: str = PROC_GPUS) -> dict[int, Gpu]:
+    """Every NVIDIA GPU of the node by device minor, in minor order; empty without the driver."""
+    out: dict[int, Gpu] = {}
     try:
         entries = os.listdir(proc_gpus)
     except OSError:
-        return []
+        return {}
     for bus in entries:
         fields: dict[str, str] = {}
         try:
@@ -43,8 +48,8 @@ def node_gpus(proc_gpus: str = PROC_GPUS) -> list[NodeGpu]:
         except OSError:
             continue
         if "Device Minor" in fields and "GPU UUID" in fields:
-            out.append(NodeGpu(int(fields["Device Minor"]), fields["GPU UUID"], fields.get("Model", "")))
-    return sorted(out, key=lambda g: g.minor)
+            out[int(fields["Device Minor"])] = Gpu(fields["GPU UUID"], fields.get("Model", ""))
+    return dict(sorted(out.items()))
 
 
 def minors_of(devices: Iterable[tuple[str, int, int]]) -> list[int]:
@@ -57,13 +62,13 @@ def minors_of(devices: Iterable[tuple[str, int, int]]) -> list[int]:
     return sorted(minors)
 
 
-def visible_gpus(devices: Iterable[tuple[str, int, int]], proc_gpus: str = PROC_GPUS) -> list[NodeGpu]:
-    """The node GPUs a container with these device entries can see."""
+def visible_gpus(devices: Iterable[tuple[str, int, int]], proc_gpus: str = PROC_GPUS) -> list[Gpu]:
+    """The node GPUs a container with these device entries can see, in minor order."""
     wanted = set(minors_of(devices))
-    return [g for g in node_gpus(proc_gpus) if g.minor in wanted]
+    return [g for minor, g in node_gpus(proc_gpus).items() if minor in wanted]
 
 
-def spec_devices(spec: dict) -> list[tuple[str, int, int]]:
+def spec_devices(spec: Mapping[str, Any]) -> list[tuple[str, int, int]]:
     """(path, major, minor) of every device in an OCI spec."""
     out = []
     for d in (spec.get("linux") or {}).get("devices") or []:

@@ -116,7 +116,3 @@ class RestorePlan:
             if not os.path.isabs(m.destination) or m.type not in ("bind", "cgroup", "cgroup2"):
                 raise ValueError(f"restore plan: bad mount {m}")
         return plan
-
-    @property
-    def bulk_bytes(self) -> int:
-        return sum(b.bytes for b in self.bulk)

@@ -27,7 +27,11 @@ from dataclasses import dataclass
 
 from runtime import strict_json
 from runtime.errors import ArtifactRejected
+from runtime.gpus import Gpu
 from runtime.security import SecurityProfile
+
+__all__ = ["CriuInfo", "CudaInfo", "FileEntry", "Gpu", "Manifest", "MountInfo", "NodeInfo", "ProcessInfo",
+           "Source", "sign", "verify"]
 
 FORMAT_VERSION = 2
 MAX_MANIFEST_BYTES = 16 * 1024 * 1024
@@ -64,13 +68,10 @@ class CriuInfo:
 
 
 @dataclass(frozen=True, slots=True)
-class Gpu:
-    uuid: str
-    name: str
-
-
-@dataclass(frozen=True, slots=True)
 class CudaInfo:
+    """The CUDA driver and GPUs of a checkpoint (``pids``: its CUDA processes), or of a node or a
+    target container (no pids) when an artifact is checked against them."""
+
     driver_version: str
     gpus: tuple[Gpu, ...]
     pids: tuple[int, ...] = ()

@@ -12,6 +12,8 @@ import re
 DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")  # namespaces, container names
 ARTIFACT_NAME = re.compile(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?")
 POD_UID = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]{0,127}")
+# A Kubernetes object name as a status file's path component (pod names are DNS subdomains).
+STATUS_COMPONENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,252}")
 MAX_LABEL = 63
 
 
@@ -25,3 +27,7 @@ def is_artifact_name(value: str) -> bool:
 
 def is_pod_uid(value: str) -> bool:
     return POD_UID.fullmatch(value) is not None
+
+
+def is_status_component(value: str) -> bool:
+    return STATUS_COMPONENT.fullmatch(value) is not None

@@ -5,7 +5,7 @@ breaks a threaded interpreter); every entry is a child process run through util-
 / ``unshare``, built by :func:`nsenter_argv` / :func:`in_pid_ns_argv`. Commands are bounded by a
 timeout and raise :class:`NamespaceError` naming the command and its stderr on failure.
 
-Helpers for the restore mechanics: read/raise a pid namespace's ``ns_last_pid``, list the pids in
+Helpers for the CRIU executor: raise a pid namespace's ``ns_last_pid``, list the pids in
 use in a pid namespace (from the host's procfs), map a namespace pid to its host pid, read and
 reset a UTS namespace's hostname/domainname, and move processes into cgroups.
 """
@@ -17,7 +17,7 @@ import os
 import subprocess
 from collections.abc import Iterable, Sequence
 
-from runtime.containers import children
+from runtime.containers import children, parse_nspid
 from runtime.errors import ContainerNotFound, NamespaceError
 
 log = logging.getLogger(__name__)
@@ -62,11 +62,6 @@ def run_cmd(argv: Sequence[str], timeout: float = DEFAULT_TIMEOUT, what: str = "
     return res.stdout
 
 
-def read_ns_last_pid(init_pid: int) -> int:
-    out = run_cmd(nsenter_argv(init_pid, ["pid"], [SH, "-c", "cat /proc/sys/kernel/ns_last_pid"]), what="read ns_last_pid")
-    return int(out.strip())
-
-
 def set_ns_last_pid(init_pid: int, value: int) -> None:
     """Make the next pid allocated in init_pid's pid namespace ``value + 1``.
 
@@ -94,12 +89,10 @@ def _ns_inode(pid: int | str, kind: str) -> int | None:
 def _last_nspid(status_path: str) -> int | None:
     try:
         with open(status_path) as f:
-            for line in f:
-                if line.startswith("NSpid:"):
-                    return int(line.split()[-1])
+            nspid = parse_nspid(f.read())
     except OSError:
         return None
-    return None
+    return nspid[-1] if nspid else None
 
 
 def used_pids(pidns_inode: int) -> dict[int, int]:
@@ -182,13 +175,3 @@ def move_to_cgroups(pids: Iterable[int], cgroup_dirs: Iterable[str]) -> None:
                 continue
             except OSError as e:
                 raise NamespaceError(f"cannot move pid {pid} into {d}: {e}") from e
-
-
-def cgroup_of(pid: int) -> dict[str, str]:
-    """{controllers: path} as /proc/<pid>/cgroup states them."""
-    out: dict[str, str] = {}
-    with open(f"{PROC}/{pid}/cgroup") as f:
-        for line in f.read().splitlines():
-            _h, ctl, path = line.split(":", 2)
-            out[ctl] = path
-    return out

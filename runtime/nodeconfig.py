@@ -41,7 +41,7 @@ from runtime.nodehost import HostView, check_not_managed
 log = logging.getLogger(__name__)
 
 DEFAULT_CONFIG = Path("/etc/containerd/config.toml")
-DEFAULT_SOCKET = "/var/run/nri/nri.sock"
+DEFAULT_SOCKET = "/var/run/nri/nri.sock"  # NRI's socket: the one default every part of Rekindle uses
 NRI_PLUGIN = "io.containerd.nri.v1.nri"
 SUPPORTED_VERSIONS = (2, 3)
 
@@ -110,14 +110,15 @@ def enable_nri(text: str, socket_path: str = DEFAULT_SOCKET, *, empty_version: i
     nri = plugins.get(NRI_PLUGIN)
     if nri is None:
         nri = tomlkit.table()
-        plugins.add(NRI_PLUGIN, nri)
+        plugins[NRI_PLUGIN] = nri
     elif not isinstance(nri, (Table, dict)):
         raise ConfigError(f"containerd config: plugins.{NRI_PLUGIN} is not a table")
 
     wanted = {"disable": False, "disable_connections": False, "socket_path": socket_path}
     for key, value in wanted.items():
         current = nri.get(key)
-        current = current.unwrap() if hasattr(current, "unwrap") else current
+        if current is not None and hasattr(current, "unwrap"):
+            current = current.unwrap()
         if current != value or type(current) is not type(value):  # 0 == False must not pass
             nri[key] = value
     for key, value in NRI_DEFAULTS.items():

@@ -28,7 +28,7 @@ import difflib
 import glob
 import logging
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path, PurePath, PurePosixPath
 from typing import Any
 
 import tomlkit
@@ -153,7 +153,7 @@ def _diff(old: str | None, new: str, path: PurePosixPath) -> str:
         fromfile="/dev/null" if old is None else str(path), tofile=str(path)))
 
 
-def apply_drop_in(config: PurePosixPath | str = nodeconfig.DEFAULT_CONFIG, drop_in: PurePosixPath | str | None = None,
+def apply_drop_in(config: PurePath | str = nodeconfig.DEFAULT_CONFIG, drop_in: PurePath | str | None = None,
                   socket_path: str = nodeconfig.DEFAULT_SOCKET, dry_run: bool = False, *,
                   view: HostView = HostView(), new_file_version: int | None = None) -> DropInResult:
     """Enable NRI through a drop-in (see the module docstring)."""

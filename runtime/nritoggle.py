@@ -21,6 +21,7 @@ import stat
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 from typing import Sequence
 
 from runtime import nodeconfig, nodedropin
@@ -63,7 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.drop_in is None:
             res = nodeconfig.apply(args.config, args.socket_path, dry_run=args.dry_run, view=view)
-            out = {"mode": "in-place", "path": str(res.path), "drop_in": None, "version": res.version,
+            out: dict[str, Any] = {"mode": "in-place", "path": str(res.path), "drop_in": None, "version": res.version,
                    "changed": res.changed, "restart_needed": res.restart_needed,
                    "backups": [str(res.backup_path)] if res.backup_path else [], "import_added": False}
             diff = res.diff

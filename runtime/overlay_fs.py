@@ -16,7 +16,9 @@ import os
 import shutil
 import stat
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from runtime.errors import OverlayError
 
@@ -84,7 +86,7 @@ def check_deadline(deadline: float | None, what: str) -> None:
         raise OverlayError(f"{what}: not finished by its deadline")
 
 
-def write_all(fd: int, data: bytes | memoryview) -> None:
+def write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view):]
@@ -168,5 +170,5 @@ class Meta:
                 "atime_ns": self.atime_ns, "mtime_ns": self.mtime_ns}
 
     @classmethod
-    def from_json(cls, obj: dict[str, object]) -> Meta:
-        return cls(**obj)  # type: ignore[arg-type]  # written by Meta.to_json in this process
+    def from_json(cls, obj: Mapping[str, Any]) -> Meta:
+        return cls(**obj)  # written by Meta.to_json in this process

@@ -142,8 +142,8 @@ class TarWriter:
                 extents.append((size, 0))  # as GNU tar does: the map reaches the real size
             smap = f"{len(extents)}\n".encode() + b"".join(f"{o}\n{n}\n".encode() for o, n in extents)
             smap += bytes(_padded(len(smap)) - len(smap))
-            info.pax_headers.update({"GNU.sparse.major": "1", "GNU.sparse.minor": "0",
-                                     "GNU.sparse.name": name, "GNU.sparse.realsize": str(size)})
+            info.pax_headers = {**info.pax_headers, "GNU.sparse.major": "1", "GNU.sparse.minor": "0",
+                                "GNU.sparse.name": name, "GNU.sparse.realsize": str(size)}
             base = name.rsplit("/", 1)[-1]
             ok = base.isascii() and base.isprintable() and len(base) <= 80
             info.name = "GNUSparseFile.0/" + (base if ok else "sparse")

@@ -30,6 +30,7 @@ import errno
 import json
 import logging
 import os
+import typing
 import secrets
 import shutil
 import stat
@@ -141,7 +142,7 @@ class Undo:
         if kind == "meta":
             fd = open_dir(self._root, path, "/".join(path))
             try:
-                Meta.from_json(record[2]).put(fd)  # type: ignore[arg-type]
+                Meta.from_json(_meta(record[2])).put(fd)
             finally:
                 os.close(fd)
             return
@@ -161,9 +162,17 @@ class Undo:
                     os.mkdir(path[-1], 0o700, dir_fd=parent)
                 fd = os.open(path[-1], DIR_FLAGS, dir_fd=parent)
                 try:
-                    Meta.from_json(record[3]).put(fd)  # type: ignore[arg-type]
+                    Meta.from_json(_meta(record[3])).put(fd)
                 finally:
                     os.close(fd)
-            os.utime(parent, ns=tuple(record[2]))  # type: ignore[arg-type]
+            atime_ns, mtime_ns = typing.cast("list[int]", record[2])  # as _record wrote it
+            os.utime(parent, ns=(atime_ns, mtime_ns))
         finally:
             os.close(parent)
+
+
+def _meta(field: object) -> dict[str, typing.Any]:
+    """A journal record's metadata object (written by ``Meta.to_json`` in this process)."""
+    if not isinstance(field, dict):
+        raise OverlayError(f"undo journal: metadata is {type(field).__name__}, not an object")
+    return field

@@ -51,10 +51,10 @@ async def socket_in_netns(netns: str, family: socket.AddressFamily) -> socket.so
         if made.cancelled():
             if sock is not None:
                 sock.close()
-        elif exc is not None:
-            made.set_exception(exc)
+        elif exc is not None or sock is None:
+            made.set_exception(exc or OSError("no socket was made"))
         else:
-            made.set_result(sock)  # type: ignore[arg-type]
+            made.set_result(sock)
 
     def in_netns() -> None:
         # This thread's netns changes for good; it ends right after, never to be reused.

@@ -128,6 +128,26 @@ def maps(pid: int, proc: str = PROC) -> list[Mapping]:
     return out
 
 
+def anon_mappings(pid: int, proc: str = PROC) -> set[tuple[int, int]]:
+    """(start, end) of every private anonymous writable mapping of ``pid`` (unnamed, or named with
+    PR_SET_VMA_ANON_NAME as ``[anon:...]``; not the heap or a stack)."""
+    out = set()
+    try:
+        with open(f"{proc}/{pid}/maps") as f:
+            for line in f:
+                fields = line.split(maxsplit=5)
+                if len(fields) < 5 or not fields[1].startswith("rw") or fields[1][3] != "p" or fields[4] != "0":
+                    continue
+                name = fields[5].strip() if len(fields) == 6 else ""
+                if name and not name.startswith("[anon:"):
+                    continue
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                out.add((start, end))
+    except OSError:
+        pass
+    return out
+
+
 def socket_inodes(entries: list[Fd]) -> set[int]:
     out = set()
     for e in entries:

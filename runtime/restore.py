@@ -13,7 +13,7 @@ The target container runs ``rekindle-init --mode restore`` as PID 1 and waits. S
   5. criu_restore: CRIU inside the target's namespaces and cgroups with the target's LSM labels,
      TCP connections kept or closed as the dump decided (``RestorePlan.tcp_established``), left
      stopped; the target's oom_score_adj, rlimits and mount flags are forced on the stopped
-     tree (runtime.mechanics, runtime.confine);
+     tree (runtime.criu_executor, runtime.confine);
   6. fill: the bulk pages are read, hashed and written into the stopped process on many
      threads; the process is resumed only when every digest matched;
   7. cuda_restore: the target's GPU device nodes (created from the host by syscalls), restore
@@ -35,7 +35,6 @@ copy of them too), for comparison.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import enum
 import logging
 import os
@@ -44,19 +43,17 @@ import signal
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from runtime import bulk
 from runtime import control as control_mod
 from runtime import layout
 from runtime import overlay
-from runtime.compat import CudaFacts, NodeFacts, check_compatibility
-from runtime.containers import ContainerInfo, process_tree, resolve_container
-from runtime.devnodes import CharDevice, ensure_char_devices
-from runtime.errors import ArtifactRejected, RekindleError
-from runtime.gpus import NVIDIA_MAJOR, spec_devices, visible_gpus
-from runtime.manifest import Gpu
-from runtime.mechanics import restore_into
+from runtime.compat import NodeFacts, check_compatibility
+from runtime.containers import ContainerInfo, resolve_container
+from runtime.cuda import Checkpointer, build_gpu_map
+from runtime.errors import ArtifactRejected
+from runtime.gpu_target import cuda_restore, ensure_device_nodes, target_facts
+from runtime.criu_executor import restore_into
 from runtime.namespaces import host_pid_of
 from runtime.rollback import GenerationBook
 from runtime.security import LsmSupport, SecurityProfile, check_privilege, lsm_options
@@ -91,50 +88,11 @@ class RestoreRequest:
 Progress = Callable[[str, int, int], None]  # (phase, bytes done, bytes total)
 
 
-def cuda_facts(cuda: Any) -> CudaFacts | None:
-    """Driver version and every GPU of the node, from the agent's CUDA checkpointer."""
-    if cuda is None:
-        return None
-    try:
-        return CudaFacts(cuda.driver_version(), tuple(Gpu(g.uuid, g.name) for g in cuda.gpus()))
-    except RekindleError as exc:
-        log.warning("CUDA facts unavailable: %s", exc)
-        return None
-
-
-def target_facts(facts: NodeFacts, target_spec: dict[str, Any]) -> NodeFacts:
-    """The node's facts with the GPU list narrowed to what the target container can see."""
-    if facts.cuda is None:
-        return facts
-    visible = visible_gpus(spec_devices(target_spec))
-    by_uuid = {g.uuid: g for g in facts.cuda.gpus}
-    gpus = tuple(Gpu(g.uuid, by_uuid[g.uuid].name if g.uuid in by_uuid else g.name) for g in visible)
-    return dataclasses.replace(facts, cuda=CudaFacts(facts.cuda.driver_version, gpus or facts.cuda.gpus))
-
-
 def _shm_dir(target: ContainerInfo) -> str | None:
     for m in target.spec_mounts:
         if os.path.normpath(m.get("destination", "")) == "/dev/shm" and m.get("type") == "bind":
             return m.get("source")
     return None
-
-
-def gpu_device_nodes(target_spec: dict[str, Any]) -> list[CharDevice]:
-    """The target's NVIDIA device nodes, as its OCI spec lists them."""
-    out = []
-    for d in (target_spec.get("linux") or {}).get("devices") or []:
-        try:
-            path, major, minor = str(d["path"]), int(d["major"]), int(d["minor"])
-        except (KeyError, TypeError, ValueError):
-            continue
-        if major == NVIDIA_MAJOR or path.startswith("/dev/nvidia"):
-            out.append(CharDevice(path, major, minor, int(d.get("fileMode", 0o666)) & 0o777))
-    return out
-
-
-def ensure_device_nodes(host_pid: int, target_spec: dict[str, Any]) -> list[str]:
-    """The target's NVIDIA device nodes in the restored process's /dev (created from the host)."""
-    return ensure_char_devices(host_pid, gpu_device_nodes(target_spec))
 
 
 def _stage(artifact: Artifact, private: str, path: RestorePath) -> layout.RestorePlan:
@@ -168,30 +126,8 @@ def _open_bulk(held: contextlib.ExitStack, artifact: Artifact, plan: layout.Rest
     return fds
 
 
-def cuda_restore(cuda: Any, host_pids: list[int], gpu_map: dict[str, str] | None, root_host: int,
-                 restored: tuple[int, ...]) -> None:
-    """Restore and unlock every CUDA process of a running restored tree; on any failure kill the
-    tree and re-raise. Some processes may be back on the GPU and others stuck locked: none may go
-    on (a rank would wait for its peer forever); the caller's restore-failed makes the init start
-    cold."""
-    try:
-        cuda.restore_all(host_pids, gpu_map)
-    except BaseException:
-        bulk.kill_all(_tree_now(root_host, restored))
-        raise
-
-
-def _tree_now(root_host: int, restored: tuple[int, ...]) -> list[int]:
-    """The restored tree as it is now (it ran since CRIU, and may have forked), and as it was."""
-    try:
-        now = process_tree(root_host)
-    except Exception:  # noqa: BLE001 - the root is gone: kill what is known
-        now = []
-    return list(dict.fromkeys([*now, *restored]))
-
-
 def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFacts, *,
-            control: control_mod.ControlDir | None = None, cuda: Any = None,
+            control: control_mod.ControlDir | None = None, cuda: Checkpointer | None = None,
             check_image: bool = True, generations: GenerationBook | None = None,
             progress: Progress | None = None) -> dict[str, float]:
     t = Timings()
@@ -241,7 +177,7 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
             with t.phase("criu_restore"):
                 stdio = plan.stdio if len(plan.stdio) == 3 else None
                 result = restore_into(target, os.path.join(private, layout.CRIU_DIR), list(plan.mounts),
-                                      source_stdio=stdio, work_dir=work,  # type: ignore[arg-type]
+                                      source_stdio=stdio, work_dir=work,
                                       lsm=lsm_options(security, lsm), tcp_established=plan.tcp_established)
             pidns = target.namespaces["pid"].inode
             host_pids: list[int] = []
@@ -254,7 +190,6 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
                         bulk.fill(artifact, plan.bulk, fds, lambda pid: host_pid_of(pidns, pid),
                                   threads=req.threads, progress=report)
                 if manifest.cuda is not None:
-                    from runtime.cuda import build_gpu_map
                     host_pids = [host_pid_of(pidns, p) for p in manifest.cuda.pids]
                     gpu_map = build_gpu_map([g.uuid for g in manifest.cuda.gpus],
                                             [g.uuid for g in (tfacts.cuda.gpus if tfacts.cuda else ())])
@@ -266,7 +201,7 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
                 raise
         # Every byte is in place and verified: let it run.
         bulk.signal_all(result.tree, signal.SIGCONT)
-        if manifest.cuda is not None:
+        if manifest.cuda is not None and cuda is not None:  # CUDA state without a driver was refused
             with t.phase("cuda_restore"):
                 cuda_restore(cuda, host_pids, gpu_map, result.host_pid, result.tree)
             log.info("CUDA restored for %d process(es)%s", len(host_pids),

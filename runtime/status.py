@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import threading
 import time
 from collections.abc import Callable
@@ -26,10 +25,9 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from runtime import names
+
 log = logging.getLogger(__name__)
-
-_COMPONENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,252}")
-
 
 class Phase(str, Enum):
     IGNORED = "ignored"            # malformed annotations: left alone
@@ -113,7 +111,7 @@ class StatusBook:
 
     def _path(self, namespace: str, pod: str, container: str) -> Path:
         for part in (namespace, pod, container):
-            if not _COMPONENT.fullmatch(part):
+            if not names.is_status_component(part):
                 raise ValueError(f"unusable status path component {part!r}")
         return self.root / namespace / pod / f"{container}.json"
 
@@ -130,6 +128,16 @@ class StatusBook:
             except Exception:  # noqa: BLE001 - reporting must never undo or fail a record
                 log.exception("status observer failed for %s/%s:%s", status.namespace, status.pod,
                               status.container)
+
+    def record(self, status: ContainerStatus) -> bool:
+        """:meth:`write`, for callers a status failure must not stop (an NRI handler, a job):
+        an unusable name or a full disk is logged, and False returned."""
+        try:
+            self.write(status)
+        except (OSError, ValueError) as exc:
+            log.error("%s/%s:%s: cannot record status: %s", status.namespace, status.pod, status.container, exc)
+            return False
+        return True
 
     def read(self, namespace: str, pod: str, container: str) -> ContainerStatus | None:
         return self.read_path(self._path(namespace, pod, container))

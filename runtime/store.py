@@ -37,6 +37,7 @@ Contract:
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import dataclasses
 import errno
@@ -54,7 +55,7 @@ from types import TracebackType
 from runtime import layout, names
 from runtime.artifact import Artifact, Vanished
 from runtime.digests import hash_fd
-from runtime.fdfs import (DIR_FLAGS, FILE_FLAGS, exclusive, fsync_dir, ofd_lock, read_capped,
+from runtime.fdfs import (DIR_FLAGS, FILE_FLAGS, exclusive, fsync_dir, ofd_lock, open_regular, read_capped,
                           walk_files_path, why, write_file)
 from runtime.errors import ArtifactNotFound, ArtifactRejected, RekindleError, StoreError
 from runtime.manifest import MAX_MANIFEST_BYTES as MAX_MANIFEST
@@ -323,15 +324,8 @@ class ArtifactStore:
     @staticmethod
     def _read_locked(dir_fd: int, label: str) -> tuple[int, bytes]:
         """The manifest's bytes, read through the fd that holds the version's shared lock."""
+        fd = open_regular(dir_fd, MANIFEST, label)
         try:
-            fd = os.open(MANIFEST, FILE_FLAGS, dir_fd=dir_fd)
-        except FileNotFoundError:
-            raise ArtifactRejected(label, f"incomplete: no {MANIFEST}") from None
-        except OSError as exc:
-            raise ArtifactRejected(label, f"{MANIFEST}: {why(exc)}") from exc
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise ArtifactRejected(label, f"{MANIFEST} is not a regular file")
             # Never wait here (this runs inside NRI handlers): a writer lock means a remover
             # is taking this version away.
             if not ofd_lock(fd, fcntl.F_RDLCK, wait=False):
@@ -347,7 +341,7 @@ class ArtifactStore:
             raise
 
     # ------------------------------------------------------------------ listing
-    def namespaces(self) -> list[str]:
+    def namespaces(self) -> builtins.list[str]:
         return self._children(self.root)
 
     def list(self, namespace: str | None = None, key: bytes | None = None) -> list[Listing]:
@@ -365,7 +359,7 @@ class ArtifactStore:
                 out.append(self._describe(ns, name, key))
         return out
 
-    def _children(self, path: str) -> list[str]:
+    def _children(self, path: str) -> builtins.list[str]:  # list: the method above shadows it
         try:
             return sorted(n for n in os.listdir(path) if not n.startswith("."))
         except FileNotFoundError:

@@ -14,7 +14,7 @@ import dataclasses
 import json
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 MAX_DEPTH = 64
@@ -100,7 +100,8 @@ def from_obj(tp: Any, value: Any, where: str) -> Any:
         if set(value) != names:
             extra, missing = sorted(set(value) - names), sorted(names - set(value))
             raise ValueError(f"{where}: unknown keys {extra}, missing keys {missing}")
-        return tp(**{n: from_obj(hints[n], value[n], f"{where}.{n}") for n in names})
+        make = typing.cast("Callable[..., Any]", tp)  # a dataclass type (is_dataclass also takes instances)
+        return make(**{n: from_obj(hints[n], value[n], f"{where}.{n}") for n in names})
     if origin is tuple:
         if not isinstance(value, list):
             raise TypeError(f"{where}: expected a list")

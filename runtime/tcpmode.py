@@ -93,12 +93,6 @@ def _connected(pids: Iterable[int], proc: str) -> dict[int, tuple[procfs.TcpSock
     return found
 
 
-def connected_sockets(pids: Iterable[int], proc: str = procfs.PROC) -> list[procfs.TcpSocket]:
-    """The connected TCP sockets the processes ``pids`` hold, each once."""
-    found = _connected(pids, proc)
-    return [found[i][0] for i in sorted(found)]
-
-
 def plan(pids: Iterable[int], proc: str = procfs.PROC, reuse: bool = True) -> TcpPlan:
     """The mode for ``pids``; when kept, each socket's SO_REUSEADDR is recorded (``reuse``,
     real processes only) for :func:`repair_off`."""

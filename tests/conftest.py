@@ -11,16 +11,16 @@ from __future__ import annotations
 
 import functools
 import os
-import re
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 
+from runtime.criu import MIN_VERSION, criu_version, version_tuple
+from runtime.errors import CriuError
+
 TESTS = Path(__file__).resolve().parent
 MARK_BY_DIR = {"e2e": "e2e", "gpu": "gpu"}
-CRIU_MIN = (4, 2)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -36,10 +36,12 @@ def e2e_skip_reason() -> str | None:
     missing = [t for t in ("containerd", "runc", "criu") if shutil.which(t) is None]
     if missing:
         return f"e2e tests need {', '.join(missing)} (run hack/setup.sh)"
-    out = subprocess.run(["criu", "--version"], capture_output=True, text=True).stdout
-    m = re.search(r"Version:\s*(\d+)\.(\d+)", out)
-    if not m or (int(m.group(1)), int(m.group(2))) < CRIU_MIN:
-        return f"e2e tests need criu >= {'.'.join(map(str, CRIU_MIN))} (run hack/install-deps.sh)"
+    try:
+        version = version_tuple(criu_version("criu")) or ()
+    except CriuError:
+        version = ()
+    if version < MIN_VERSION:
+        return f"e2e tests need criu >= {'.'.join(map(str, MIN_VERSION))} (run hack/install-deps.sh)"
     return None
 
 

@@ -24,10 +24,10 @@ from pathlib import Path
 
 from bench.drill import observe
 from bench.drill.faults import StoreDisk
-from runtime.containerd.cri import CRIClient, Pod
+from devtools.cri import CRIClient, Pod
 from runtime.containers import resolve_container
 from runtime.keys import read_key
-from runtime.sandbox import Runtime, Sandbox, SandboxConfig
+from devtools.sandbox import Runtime, Sandbox, SandboxConfig
 from runtime.status import ContainerStatus, Phase, StatusBook
 from runtime.store import ArtifactStore
 

@@ -110,7 +110,8 @@ def _response(status: Code | int = Code.OK, message: str = "", payload: bytes = 
         resp.status.message = message
     else:
         resp.payload = payload
-    return resp.SerializeToString()
+    data: bytes = resp.SerializeToString()
+    return data
 
 
 class TtrpcServer:

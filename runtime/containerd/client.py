@@ -56,7 +56,7 @@ class ContainerRecord:
     runtime: str
     snapshotter: str
     snapshot_key: str
-    spec: dict
+    spec: dict[str, Any]
     spec_type_url: str
     raw: Any = field(repr=False)  # the containers_pb2.Container
 
@@ -97,14 +97,10 @@ class ContainerdClient:
                                snapshotter=c.snapshotter, snapshot_key=c.snapshot_key, spec=spec,
                                spec_type_url=c.spec.type_url, raw=c)
 
-    def get_spec(self, container_id: str) -> dict:
+    def get_spec(self, container_id: str) -> dict[str, Any]:
         return self.get(container_id).spec
 
-    def list_ids(self, *filters: str) -> list[str]:
-        resp = self._call("Containers.List", self._containers.List, pb.ListContainersRequest(filters=list(filters)))
-        return [c.id for c in resp.containers]
-
-    def update_spec(self, container_id: str, spec: dict, type_url: str | None = None) -> ContainerRecord:
+    def update_spec(self, container_id: str, spec: dict[str, Any], type_url: str | None = None) -> ContainerRecord:
         """Store spec as the container's OCI spec (only the spec field changes)."""
         if type_url is None:
             type_url = self.get(container_id).spec_type_url or OCI_SPEC_TYPE_URL

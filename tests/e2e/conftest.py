@@ -9,12 +9,16 @@ Fixtures (use them from any test under tests/e2e/):
     same runtime is reused and left running; otherwise it is started and stopped at the end.
     Attributes: ``runtime``, ``dir``, ``containerd_socket``, ``nri_socket``, ``state_dir``,
     ``bundles_dir``, ``root_dir``, ``log_path``, ``ctr``, ``subnet``, ``env``, ``cri``
-    (a :class:`~runtime.containerd.cri.CRIClient`), ``sandbox`` (the engine); methods
+    (a :class:`~devtools.cri.CRIClient`), ``sandbox`` (the engine); methods
     ``bundle(container_id)``, ``containerd()`` (a ContainerdClient), ``run_container(pod, name,
     image, **create_kwargs)`` (create + start, returns the id), ``log_tail(lines)``.
 ``sandbox_factory`` (session) -> callable ``(runtime="2.1") -> SandboxHandle``: a fresh extra
     sandbox with its own dir, bridge ``rkbr<N>`` and subnet ``10.77.<N>.0/24``; torn down (and
     purged) at the end of the session.
+``plugin`` (module) -> :class:`~tests.e2e.plugin_process.PluginProcess`: ``rekindle plugin`` against
+    ``sandbox`` for the module's tests, with its own state dir and store (a module that needs
+    other flags defines its own ``plugin``). Every e2e module starts with ``make`` done (the init
+    and the test server, ``_native``).
 ``pod`` (function) -> callable ``(name=None, namespace="default", *, annotations=None,
     labels=None, pid_mode=NamespaceMode.CONTAINER, on=None) -> Pod``: runs a pod sandbox in
     ``sandbox`` (or in the handle ``on``); every pod it made is stopped and removed afterwards.
@@ -40,9 +44,10 @@ from typing import Any
 import pytest
 
 from runtime.containerd.client import ContainerdClient
-from runtime.containerd.cri import CRIClient, NamespaceMode, Pod
+from devtools.cri import CRIClient, NamespaceMode, Pod
 from runtime.errors import RekindleError
-from runtime.sandbox import DEFAULT_DIR, Runtime, Sandbox, SandboxConfig
+from devtools.sandbox import DEFAULT_DIR, Runtime, Sandbox, SandboxConfig
+from tests.e2e.plugin_process import PluginProcess, build_native
 
 log = logging.getLogger(__name__)
 
@@ -202,6 +207,21 @@ def pod(request: pytest.FixtureRequest, sandbox: SandboxHandle) -> Iterator[Call
             where.cri.remove_pod(p.id)
         except RekindleError as e:
             log.warning("cleaning up pod %s: %s", p.name, e)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _native() -> None:
+    build_native()
+
+
+@pytest.fixture(scope="module")
+def plugin(sandbox: SandboxHandle, tmp_path_factory: pytest.TempPathFactory,
+           request: pytest.FixtureRequest) -> Iterator[PluginProcess]:
+    short = request.module.__name__.rsplit(".", 1)[-1].removeprefix("test_")[:12]  # socket paths stay short
+    p = PluginProcess(sandbox, tmp_path_factory.mktemp(short) / "plugin")
+    p.start()
+    yield p
+    p.stop()
 
 
 @pytest.hookimpl(wrapper=True)

@@ -6,8 +6,9 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+from tests.waiting import WaitTimeout, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -54,15 +55,18 @@ class PluginProcess:
             return ""
 
     def wait_log(self, needle: str, count: int = 1, timeout: float = 20.0) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        def seen() -> str | None:
             text = self.log()
             if text.count(needle) >= count:
                 return text
             if self.proc is not None and self.proc.poll() is not None:
                 raise AssertionError(f"plugin exited ({self.proc.returncode}):\n{text[-3000:]}")
-            time.sleep(0.1)
-        raise AssertionError(f"plugin log lacks {needle!r} x{count} after {timeout}s:\n{self.log()[-3000:]}")
+            return None
+        try:
+            return wait_for(seen, timeout, f"{needle!r} x{count} in the plugin log", interval=0.1)
+        except WaitTimeout:
+            raise AssertionError(f"plugin log lacks {needle!r} x{count} after {timeout}s:\n{self.log()[-3000:]}") \
+                from None
 
     def kill(self) -> None:
         if self.proc and self.proc.poll() is None:

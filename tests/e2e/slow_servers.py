@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections import Counter
+
+from tests.waiting import wait_for
 
 
 class SlowServers:
@@ -75,9 +76,5 @@ class SlowServers:
 
     def wait_probed(self, times: int, timeout: float) -> None:
         """Until every server has accepted ``times`` connections."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if all(self.accepted[p] >= times for p in self.ports):
-                return
-            time.sleep(0.2)
-        raise AssertionError(f"not every slow server was probed {times}x in {timeout}s: {dict(self.accepted)}")
+        wait_for(lambda: all(self.accepted[p] >= times for p in self.ports), timeout,
+                 f"every slow server probed {times}x (accepted: {dict(self.accepted)})", interval=0.2)

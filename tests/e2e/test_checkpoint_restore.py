@@ -13,23 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from plugin_process import PluginProcess, build_native
+from tests.e2e.plugin_process import PluginProcess
+from tests.waiting import wait_for
 
 COUNTER = "localhost/rekindle/counter:1"
 SERVER = ["/usr/local/bin/counter-server", "8080"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _native():
-    build_native()
-
-
-@pytest.fixture(scope="module")
-def plugin(sandbox, tmp_path_factory):
-    p = PluginProcess(sandbox, tmp_path_factory.mktemp("cr") / "plugin")
-    p.start()
-    yield p
-    p.stop()
 
 
 def get(ip: str, path: str = "/", timeout: float = 3.0) -> str:
@@ -38,15 +26,8 @@ def get(ip: str, path: str = "/", timeout: float = 3.0) -> str:
 
 
 def wait_http(ip: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            get(ip, "/healthz", 1.0)
-            return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
+    wait_for(lambda: get(ip, "/healthz", 1.0) is not None, timeout, f"{ip} to serve /healthz", interval=0.2,
+             ignore=(OSError,))
 
 
 def wait_status(plugin: PluginProcess, ns: str, pod: str, ctr: str, phases: set[str], timeout: float = 60.0) -> dict:
@@ -158,7 +139,7 @@ def assert_cold(sandbox, plugin, b, cid, ip, reason_part: str, ns: str = "defaul
 
 def test_source_exits_when_annotated(sandbox, pod, plugin):
     a, a_cid, a_ip = checkpoint_source(sandbox, pod, plugin, "exit-after", after="exit")
-    from runtime.containerd.cri import ContainerState
+    from devtools.cri import ContainerState
     st = sandbox.cri.wait_container(a_cid, states=(ContainerState.EXITED,), timeout=20)
     assert st.exit_code == 0  # the server's SIGTERM handler exits 0, the init passes it on
     assert (plugin.control_dir(a.uid, "server") / "snapshot-complete").read_text().strip() == "exit-after"
@@ -197,7 +178,7 @@ def test_artifact_of_another_namespace_is_invisible(sandbox, pod, plugin):
 
 
 def test_restore_into_less_privileged_container_is_refused(sandbox, pod, plugin):
-    from runtime.containerd.cri import SecurityContext
+    from devtools.cri import SecurityContext
     checkpoint_source(sandbox, pod, plugin, "root-source")  # runs as root with default caps
     b, cid, ip = restore_pod(sandbox, pod, plugin, "root-source", "dst-unprivileged",
                              security=SecurityContext(run_as_user=1000, run_as_group=1000,
@@ -244,7 +225,7 @@ def test_restored_process_gets_the_targets_read_only_mounts_oom_score_and_rlimit
     import errno
     import resource
 
-    from runtime.containerd.cri import Mount, SecurityContext
+    from devtools.cri import Mount, SecurityContext
     src_vol, dst_vol = tmp_path / "src-vol", tmp_path / "dst-vol"
     src_vol.mkdir()
     dst_vol.mkdir()
@@ -410,13 +391,8 @@ def _criu_restores(artifact: str) -> list[int]:
     return found
 
 
-def _wait_criu_restore(artifact: str, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if _criu_restores(artifact):
-            return True
-        time.sleep(0.02)
-    return False
+def _wait_criu_restore(artifact: str, timeout: float) -> None:
+    wait_for(lambda: _criu_restores(artifact), timeout, f"criu restore of {artifact} to start")
 
 
 def _stopped_in(cid_pidns: int) -> bool:
@@ -458,19 +434,13 @@ def test_plugin_killed_during_a_restore_leaves_a_cold_start_not_a_stuck_pod(sand
         cid = sandbox.run_container(b, "server", COUNTER, command=SERVER, env=warm)
         wait_status(plugin, "default", b.name, "server", {"restoring"}, timeout=20)
         if path == "stock":
-            assert _wait_criu_restore(name, timeout=30), "criu restore never started"
+            _wait_criu_restore(name, timeout=30)
         else:
             pidns = resolve_container(str(sandbox.state_dir), cid).namespaces["pid"].inode
-            deadline = time.monotonic() + 60
-            while not _stopped_in(pidns):
-                assert time.monotonic() < deadline, "the restored tree was never seen stopped for its fill"
-                time.sleep(0.01)
+            wait_for(lambda: _stopped_in(pidns), 60, "the restored tree stopped for its fill", interval=0.01)
         plugin.kill()  # mid-CRIU or mid-fill
         # CRIU needs seconds for this restore; killed with the agent, it is gone at once.
-        deadline = time.monotonic() + 1.0
-        while _criu_restores(name) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert not _criu_restores(name), "criu outlived the agent"
+        wait_for(lambda: not _criu_restores(name), 1.0, "criu to end with the agent")
         private = list((plugin.state_dir / "logs").glob(f"restore-default-{name}-*/private"))
         plugin.start()
         st = wait_status(plugin, "default", b.name, "server", {"restored", "cold-start"})

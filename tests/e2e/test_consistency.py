@@ -11,26 +11,12 @@ from __future__ import annotations
 
 import time
 
-import pytest
 
-from plugin_process import PluginProcess, build_native
+from tests.waiting import wait_for
 
 BUSYBOX = "localhost/rekindle/busybox:1"
 LOOP = ("i=0; while :; do i=$((i+1)); echo $i >> /counter.log; echo $i >> /dev/shm/log-counter; "
         "done")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _native():
-    build_native()
-
-
-@pytest.fixture(scope="module")
-def plugin(sandbox, tmp_path_factory):
-    p = PluginProcess(sandbox, tmp_path_factory.mktemp("consistency") / "plugin")
-    p.start()
-    yield p
-    p.stop()
 
 
 def _numbers(sandbox, cid: str, path: str) -> list[int]:
@@ -50,10 +36,7 @@ def test_files_and_memory_come_from_one_instant(sandbox, pod, plugin):
     book = StatusBook(plugin.state_dir)
     a = pod("src-one-instant", annotations={"rekindle.dev/checkpoint": "one-instant"})
     a_cid = sandbox.run_container(a, "loop", BUSYBOX, command=["/bin/sh", "-c", LOOP])
-    deadline = time.monotonic() + 30
-    while len(_numbers(sandbox, a_cid, "/counter.log")) < 2000:
-        assert time.monotonic() < deadline, "the loop does not count"
-        time.sleep(0.2)
+    wait_for(lambda: len(_numbers(sandbox, a_cid, "/counter.log")) >= 2000, 30, "the loop to count", interval=0.2)
     (plugin.control_dir(a.uid, "loop") / "ready-for-checkpoint").write_text("ready\n")
     st = book.wait("default", a.name, "loop", {Phase.PUBLISHED, Phase.CHECKPOINT_FAILED}, 90)
     assert st is not None and st.phase is Phase.PUBLISHED, (st, plugin.log()[-3000:])

@@ -3,7 +3,7 @@
 Two runc containers are built by hand (busybox-static rootfs on overlay, own netns joined by a veth
 pair with different IPs, the real rekindle-init as PID 1). The source runs a shell counter; the
 target's init waits in restore mode. No containerd is involved: this exercises runtime.containers,
-runtime.criu and runtime.mechanics alone.
+runtime.criu and runtime.criu_executor alone.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import pytest
@@ -28,7 +28,8 @@ from runtime.containers import ContainerInfo, inspect_bundle, ns_pids, process_t
 from runtime.layout import MountPlanEntry
 from runtime.errors import CriuError
 from runtime.bulk import signal_all
-from runtime.mechanics import DumpResult, dump_workload, restore_into
+from runtime.criu_executor import DumpResult, dump_workload, restore_into
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -53,19 +54,9 @@ def _skip_reason() -> str | None:
         v = criu_mod.criu_version()
     except CriuError as e:
         return f"criu unusable: {e}"
-    if criu_mod.version_tuple(v) < (4, 1):
-        return f"criu {v} < 4.1"
+    if (criu_mod.version_tuple(v) or ()) < criu_mod.MIN_VERSION:
+        return f"criu {v} < {'.'.join(map(str, criu_mod.MIN_VERSION))}"
     return None
-
-
-def wait_for(cond: Callable[[], object], timeout: float, what: str, step: float = 0.05) -> object:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = cond()
-        if v:
-            return v
-        time.sleep(step)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 class Drain:
@@ -341,7 +332,7 @@ def test_restore_into_target(env: Env) -> None:
 # ---- the same through containerd + CRI: two pods, per-container pid namespaces, CNI ----
 
 def test_restore_into_other_pod_via_containerd(sandbox, pod) -> None:  # type: ignore[no-untyped-def]
-    from runtime.containerd.cri import ContainerState, Mount
+    from devtools.cri import ContainerState, Mount
     from runtime.containers import resolve_container
 
     reason = _skip_reason()

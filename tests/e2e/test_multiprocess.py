@@ -14,10 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from plugin_process import PluginProcess, build_native
-from runtime.containerd.cri import ContainerState, Mount
-from runtime.containerd.gpu import host_python_mounts
+from tests.e2e.plugin_process import PluginProcess
+from devtools.cri import ContainerState, Mount
+from devtools.gpu import host_python_mounts
 from runtime.status import Phase, StatusBook
+from tests.waiting import wait_for
 
 BUSYBOX = "localhost/rekindle/busybox:1"
 HOST_USR = "localhost/rekindle/host-usr:1"
@@ -40,19 +41,6 @@ until grep -q hello-before /tmp/recv; do sleep 0.05; done
 touch "$REKINDLE_CONTROL_DIR/ready-for-checkpoint"
 wait
 """
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _native():
-    build_native()
-
-
-@pytest.fixture(scope="module")
-def plugin(sandbox, tmp_path_factory):
-    p = PluginProcess(sandbox, tmp_path_factory.mktemp("mp") / "plugin")
-    p.start()
-    yield p
-    p.stop()
 
 
 def wait_phase(plugin: PluginProcess, pod, ctr: str, phases: set[str], want: str, timeout: float = 90.0) -> dict:
@@ -143,10 +131,7 @@ def test_tree_with_io_uring_is_refused_before_anything_is_touched(sandbox, pod, 
     assert "io_uring" in (control / "checkpoint-failed").read_text()
     # Never stopped, still running.
     first = beat(sandbox, cid)
-    deadline = time.monotonic() + 5
-    while beat(sandbox, cid) <= first:
-        assert time.monotonic() < deadline, "the refused source stopped beating"
-        time.sleep(0.1)
+    wait_for(lambda: beat(sandbox, cid) > first, 5, "the refused source to beat on", interval=0.1)
     assert sandbox.cri.container_status(cid).state is ContainerState.RUNNING
 
 
@@ -159,8 +144,7 @@ HELPER_DIR = Path(__file__).resolve().parents[2] / "runtime" / "workload"
 def test_tensor_parallel_job_rebuilds_its_group_in_the_restored_pod(sandbox, pod, plugin):
     """The TP protocol on CPU (gloo): launcher + 2 ranks; the ranks take the group down, rank 0
     says ready, the agent checkpoints; the source and the restored copy each build a new group."""
-    sys.path.insert(0, str(WORKLOADS))
-    import tp_worker  # noqa: PLC0415 - client helpers only
+    from tests.gpu.workloads import tp_worker  # noqa: PLC0415 - client helpers only
 
     prefix, base = subprocess.run([TORCH_PYTHON, "-c", "import sys; print(sys.prefix); print(sys.base_prefix)"],
                                   capture_output=True, text=True, check=True).stdout.split()

@@ -12,16 +12,12 @@ import time
 
 import pytest
 
-from plugin_process import PluginProcess, build_native
-from slow_servers import SlowServers
+from tests.e2e.plugin_process import PluginProcess
+from tests.e2e.slow_servers import SlowServers
+from tests.waiting import wait_for
 
 BUSYBOX = "localhost/rekindle/busybox:1"
 SLEEP = ["/bin/sh", "-c", "echo started; exec sleep 3600"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _native():
-    build_native()
 
 
 @pytest.fixture
@@ -111,10 +107,7 @@ def test_plugin_reconnects_after_containerd_restart(sandbox, plugin, pod):
     before = plugin.log().count("registered as")
     pid = sb.pid()
     os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + 20
-    while sb.is_running() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not sb.is_running()
+    wait_for(lambda: not sb.is_running(), 20, "containerd to exit", interval=0.1)
     plugin.wait_log("disconnected from the runtime")
     sb.up(import_images=False)
     plugin.wait_log("registered as", count=before + 1, timeout=30)
@@ -152,11 +145,8 @@ def test_plugin_restart_resumes_a_pending_checkpoint(sandbox, plugin, pod):
     plugin.start()
     plugin.wait_log("resuming checkpoint watch after plugin restart")
     status = plugin.state_dir / "status" / "default" / p.name / "server.json"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if status.exists() and json.loads(status.read_text())["phase"] in ("published", "checkpoint-failed"):
-            break
-        time.sleep(0.2)
+    wait_for(lambda: json.loads(status.read_text())["phase"] in ("published", "checkpoint-failed"), 60,
+             "the resumed checkpoint's outcome", interval=0.2, ignore=(OSError, ValueError))
     assert json.loads(status.read_text())["phase"] == "published", plugin.log()[-3000:]
     assert (plugin.store / "default" / "resumed" / "manifest.json").exists()
 

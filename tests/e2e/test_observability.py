@@ -10,26 +10,18 @@ import json
 import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import pytest
 
-from plugin_process import REPO, PluginProcess, build_native
-from test_checkpoint_restore import COUNTER, SERVER, checkpoint_source, wait_http, wait_status
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the plugin-level helpers
-from plugin.fake_apiserver import FakeApiServer  # noqa: E402
+from tests.e2e.plugin_process import REPO, PluginProcess
+from tests.e2e.test_checkpoint_restore import COUNTER, SERVER, checkpoint_source, wait_http, wait_status
+from tests.plugin.fake_apiserver import FakeApiServer
+from tests.waiting import wait_for
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate is in the test extra")
 K8S_VERSION = "1.33"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _native():
-    build_native()
 
 
 def _free_port() -> int:
@@ -78,37 +70,25 @@ def scrape(port: int) -> dict[str, float]:
 
 
 def wait_metric(port: int, key: str, at_least: float, timeout: float = 30.0) -> dict[str, float]:
-    deadline = time.monotonic() + timeout
-    while True:
+    def reached() -> dict[str, float] | None:
         m = scrape(port)
-        if m.get(key, 0.0) >= at_least:
-            return m
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{key} = {m.get(key)} after {timeout}s, wanted >= {at_least}")
-        time.sleep(0.2)
+        return m if m.get(key, 0.0) >= at_least else None
+    return wait_for(reached, timeout, f"{key} >= {at_least}", interval=0.2)
 
 
 def events_for(api: FakeApiServer, pod: str, reason: str, timeout: float = 30.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        for r in list(api.requests):
-            if r.method == "POST" and r.body["involvedObject"]["name"] == pod and r.body["reason"] == reason:
-                return r.body
-        if time.monotonic() > deadline:
-            raise AssertionError(f"no {reason} event for {pod}: {[(r.method, r.path) for r in api.requests]}")
-        time.sleep(0.2)
+    def event() -> dict | None:
+        return next((r.body for r in list(api.requests) if r.method == "POST"
+                     and r.body["involvedObject"]["name"] == pod and r.body["reason"] == reason), None)
+    return wait_for(event, timeout, f"a {reason} event for {pod}", interval=0.2)
 
 
 def status_patch(api: FakeApiServer, pod: str, timeout: float = 30.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        found = [r for r in list(api.requests) if r.method == "PATCH" and r.path.endswith(f"/pods/{pod}/status")]
-        if found:
-            (patch,) = found
-            return patch
-        if time.monotonic() > deadline:
-            raise AssertionError(f"no status patch for {pod}")
-        time.sleep(0.2)
+    found = wait_for(lambda: [r for r in list(api.requests)
+                              if r.method == "PATCH" and r.path.endswith(f"/pods/{pod}/status")],
+                     timeout, f"a status patch for {pod}", interval=0.2)
+    (patch,) = found
+    return patch
 
 
 def test_readyz_metrics_events_and_logs_after_a_checkpoint_and_a_restore(sandbox, pod, plugin, api):

@@ -17,20 +17,20 @@ import os
 import re
 import shutil
 import subprocess
-import sys
-import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from runtime.containerd.cri import ContainerState, Mount, NamespaceMode, Pod, SecurityContext
+from devtools.cri import ContainerState, Mount, NamespaceMode, Pod, SecurityContext
 from runtime.containerd.proto import cri_api_pb2 as pb
 
+from tests.e2e.kubelet_volumes import KUBELET_DEFAULT_MODE, project
+from tests.unit import chart_render
+from tests.waiting import WaitTimeout, wait_for
+
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tests" / "unit"))
-import chart_render  # noqa: E402
-from kubelet_volumes import KUBELET_DEFAULT_MODE, project  # noqa: E402
 
 BUSYBOX = "localhost/rekindle/busybox:1"
 COUNTER = "localhost/rekindle/counter:1"
@@ -151,13 +151,11 @@ def _http(ip: str, path: str) -> str | None:
         return None
 
 
-def _wait(pred, timeout: float, what: str, diag) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.5)
-    pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}\n{diag()}")
+def _wait(pred: Callable[[], object], timeout: float, what: str, diag: Callable[[], str]) -> None:
+    try:
+        wait_for(pred, timeout, what, interval=0.5)
+    except WaitTimeout as exc:
+        pytest.fail(f"{exc}\n{diag()}")
 
 
 def test_plugin_from_image_registers_and_adjusts_annotated_pods(sandbox, pod, plugin_image, tmp_path):

@@ -8,11 +8,11 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 
 from runtime.probe import probe
+from tests.waiting import wait_for
 
 SERVER = """
 import http.server, sys
@@ -62,9 +62,8 @@ def test_probe_runs_in_the_pods_netns_and_leaves_no_thread_there(netns):
             assert inside == [True] * 8
             assert outside is False
             # The netns threads have handed their sockets over; they may take a moment to exit.
-            deadline = time.monotonic() + 2
-            while (_thread_netns() != host_ns or threading.active_count() != threads) and time.monotonic() < deadline:
-                time.sleep(0.01)
+            wait_for(lambda: _thread_netns() == host_ns and threading.active_count() == threads, 2,
+                     "the netns threads to exit", interval=0.01)
             assert len(host_ns) == 1 and _thread_netns() == host_ns, "a thread was left in the pod's netns"
             assert threading.active_count() == threads
         finally:

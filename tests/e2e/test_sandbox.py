@@ -6,12 +6,14 @@ import ipaddress
 import os
 import signal
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from runtime.containerd.cri import ContainerState, CRIError, PodState, SecurityContext
-from runtime.sandbox import Sandbox
+from devtools.cri import ContainerState, CRIError, PodState, SecurityContext
+from devtools.sandbox import Sandbox
+from tests.waiting import wait_for
 
 BUSYBOX = "localhost/rekindle/busybox:1"
 COUNTER = "localhost/rekindle/counter:1"
@@ -140,10 +142,6 @@ def test_restart_keeps_running_pods(sandbox, pod) -> None:
     assert sandbox.cri.exec_sync(cid, ["/bin/sh", "-c", "echo alive"]).out.strip() == "alive"
 
 
-def _wait(cond, timeout: float, what: str) -> None:
-    import time
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
+
+def _wait(cond: Callable[[], object], timeout: float, what: str) -> None:
+    wait_for(cond, timeout, what, interval=0.1)

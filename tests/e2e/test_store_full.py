@@ -8,16 +8,10 @@ import subprocess
 import time
 import urllib.request
 
-import pytest
 
-from plugin_process import PluginProcess, build_native
+from tests.e2e.plugin_process import PluginProcess
 
 COUNTER = "localhost/rekindle/counter:1"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _native():
-    build_native()
 
 
 def get(ip: str, path: str = "/") -> str:

@@ -22,7 +22,7 @@ import pytest
 import tomlkit
 
 from runtime import nodeconfig, nodedropin
-from runtime.sandbox import Runtime
+from devtools.sandbox import Runtime
 
 BOOTED = "containerd successfully booted"
 NRI_ON_LOG = ("created NRI interface", 'Registered namespace \\"k8s.io\\" with NRI')

@@ -15,14 +15,15 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
-from plugin_process import PluginProcess, build_native
-from runtime.containerd.cri import Mount
+from devtools.cri import Mount
+from tests.waiting import wait_for
 
 COUNTER = "localhost/rekindle/counter:1"
 INIT = "/.rekindle/bin/rekindle-init"
@@ -32,36 +33,9 @@ RECORDER = ("#!/bin/busybox sh\n"
             "exec /bin/busybox sh \"$@\"\n")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _native():
-    build_native()
-
-
-@pytest.fixture(scope="module")
-def plugin(sandbox, tmp_path_factory):
-    p = PluginProcess(sandbox, tmp_path_factory.mktemp("tb") / "plugin")
-    p.start()
-    yield p
-    p.stop()
-
-
 def get(ip: str, path: str = "/", timeout: float = 3.0) -> str:
     with urllib.request.urlopen(f"http://{ip}:8080{path}", timeout=timeout) as r:
         return r.read().decode()
-
-
-def wait_for(fn, timeout: float, what: str):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            got = fn()
-        except OSError:
-            got = None
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
 
 
 def count(ip: str) -> int:
@@ -78,7 +52,7 @@ def checkpoint(sandbox, pod, plugin, name: str, pod_name: str, requests: int, sh
     sandbox.run_container(a, "server", COUNTER, command=["/bin/busybox", "sh", "-c", script],
                           env={"WARMUP_MIB": "64"})
     ip = sandbox.cri.pod_ip(a.id)
-    wait_for(lambda: get(ip, "/healthz", 1.0), 30, "the source to serve")
+    wait_until_served(lambda: get(ip, "/healthz", 1.0), 30, "the source to serve")
     for _ in range(requests):
         get(ip)
     ctl = plugin.control_dir(a.uid, "server")
@@ -91,7 +65,7 @@ def checkpoint(sandbox, pod, plugin, name: str, pod_name: str, requests: int, sh
 def test_no_container_binary_runs_with_the_plugins_privileges(sandbox, pod, plugin):
     from runtime.containers import resolve_container
     from runtime.namespaces import host_pid_of
-    from runtime.restore import ensure_device_nodes
+    from runtime.gpu_target import ensure_device_nodes
     from runtime.status import Phase, StatusBook
 
     plant = (f"/bin/busybox rm -f /bin/sh && /bin/busybox printf '%s' '{RECORDER}' > /bin/sh && "
@@ -211,11 +185,11 @@ def test_a_restore_uses_only_the_bytes_it_verified(sandbox, pod, plugin, tmp_pat
         def alone() -> bool:
             members = [p for p in os.listdir("/proc") if p.isdigit() and _in_pidns(p, target.namespaces["pid"].inode)]
             return members == [str(target.init_pid)]
-        wait_for(alone, 10, "the killed restore to be reaped")
+        wait_until_served(alone, 10, "the killed restore to be reaped")
         return
     assert attack is not _attack_hardlink, "a rewritten pages file was restored"
     ip = sandbox.cri.pod_ip(b.id)
-    wait_for(lambda: get(ip, "/healthz", 1.0), 30, "the restored server")
+    wait_until_served(lambda: get(ip, "/healthz", 1.0), 30, "the restored server")
     # Exactly the version opened (v2): the same next count as v2's source, and its memory intact.
     assert count(ip) == count(ip2)
     assert "verify=ok" in get(ip, "/verify")
@@ -226,3 +200,11 @@ def _in_pidns(pid: str, inode: int) -> bool:
         return os.stat(f"/proc/{pid}/ns/pid").st_ino == inode
     except OSError:
         return False
+
+
+T = TypeVar("T")
+
+
+def wait_until_served(fn: Callable[[], T], timeout: float, what: str) -> T:
+    """``wait_for`` with a server that may not listen yet (OSError: not yet)."""
+    return wait_for(fn, timeout, what, interval=0.1, ignore=(OSError,))

@@ -4,27 +4,12 @@ is published does not checkpoint again, unless the pod asks to overwrite."""
 
 from __future__ import annotations
 
-import pytest
 
-from plugin_process import PluginProcess, build_native
 from runtime.store import ArtifactStore
-from test_checkpoint_restore import COUNTER, SERVER, checkpoint_source, wait_status
+from tests.e2e.test_checkpoint_restore import COUNTER, SERVER, checkpoint_source, wait_status
 
 BUSYBOX = "localhost/rekindle/busybox:1"
 SLEEP = ["/bin/sh", "-c", "exec sleep 3600"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _native():
-    build_native()
-
-
-@pytest.fixture(scope="module")
-def plugin(sandbox, tmp_path_factory):
-    p = PluginProcess(sandbox, tmp_path_factory.mktemp("which") / "plugin")
-    p.start()
-    yield p
-    p.stop()
 
 
 def test_two_containers_and_none_named_take_no_checkpoint(sandbox, pod, plugin):

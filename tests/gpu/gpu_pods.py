@@ -14,18 +14,15 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from runtime.containerd.cri import ContainerState, Mount, Pod
-from runtime.containerd.gpu import gpu_devices_and_mounts, gpu_env, host_python_mounts
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
-from plugin_process import PluginProcess  # noqa: E402
+from devtools.cri import ContainerState, Mount, Pod
+from devtools.gpu import gpu_devices_and_mounts, gpu_env, host_python_mounts
+from tests.e2e.plugin_process import PluginProcess
 
 IMAGE = "localhost/rekindle/host-usr:1"
 

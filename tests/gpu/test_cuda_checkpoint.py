@@ -127,7 +127,6 @@ def _absent_pid() -> int:
 def test_driver_facts(ckpt: CudaCheckpointer) -> None:
     gpus = ckpt.gpus()
     assert gpus and all(g.uuid.startswith("GPU-") and len(g.uuid) == 40 for g in gpus)
-    assert [g.index for g in gpus] == list(range(len(gpus)))
     version = ckpt.driver_version()
     assert int(version.split(".")[0]) >= 570, version
     assert ckpt.cuda_version() >= 12080

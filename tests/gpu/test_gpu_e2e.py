@@ -2,7 +2,7 @@
 through the real sandbox (containerd 1.7 + runc + CRIU + CNI) and the real plugin, on a GPU node.
 
 The pods get their GPU as the NVIDIA device plugin gives it (device nodes + the driver's
-libraries, runtime.containerd.gpu); the image is the empty merged-/usr rootfs
+libraries, devtools.gpu); the image is the empty merged-/usr rootfs
 ``localhost/rekindle/host-usr:1`` with the node's /usr and Python environment (PyTorch) mounted
 read-only. The workload is tests/gpu/workloads/gpu_holder.py, mounted at /workload; it talks
 through its control dir (checksums.json, verify-request / verify-result.json).
@@ -30,9 +30,9 @@ from typing import Any
 
 import pytest
 
-from runtime.containerd.cri import ContainerState, Mount, Pod
+from devtools.cri import ContainerState, Mount, Pod
 from runtime.gpus import node_gpus
-from runtime.sandbox import Runtime, Sandbox, SandboxConfig
+from devtools.sandbox import Runtime, Sandbox, SandboxConfig
 
 pytestmark = pytest.mark.gpu
 
@@ -72,12 +72,10 @@ _SKIP = _why_skip()
 if _SKIP:
     pytest.skip(_SKIP, allow_module_level=True)
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gpu_pods  # noqa: E402
-from gpu_pods import PluginProcess, container_logs, gpu_memory, running, wait_file  # noqa: E402
+from tests.gpu import gpu_pods  # noqa: E402
+from tests.gpu.gpu_pods import PluginProcess, container_logs, gpu_memory, running, wait_file  # noqa: E402
 
-sys.path.insert(0, str(WORKLOADS))
-import gpu_holder  # noqa: E402  (client helpers only; torch is not imported)
+from tests.gpu.workloads import gpu_holder  # noqa: E402  (client helpers only; torch is not imported)
 
 
 # --- fixtures -------------------------------------------------------------------------------
@@ -144,7 +142,7 @@ def checkpoint_and_restore(cri, plugin: PluginProcess, pods: list[Pod], name: st
                            src_gpu: int, dst_gpu: int) -> dict[str, Any]:
     """Pod A on src_gpu checkpointed by annotation, pod B on dst_gpu restored; returns the record."""
     rec: dict[str, Any] = {"artifact": name, "gib": gib, "source_gpu": src_gpu, "target_gpu": dst_gpu,
-                           "gpus": [g.uuid for g in node_gpus()]}
+                           "gpus": [g.uuid for g in node_gpus().values()]}
     a = cri.run_pod_sandbox(f"gpu-src-{name}", annotations={"rekindle.dev/checkpoint": name})
     pods.append(a)
     t0 = time.monotonic()
@@ -226,7 +224,7 @@ def test_gpu_server_restored_into_another_pod(cri, plugin, pods):
 
 
 def test_gpu_server_restored_onto_another_gpu(cri, plugin, pods):
-    gpus = node_gpus()
+    gpus = list(node_gpus().values())
     if len(gpus) < 2:
         pytest.skip(f"restore onto another GPU needs 2 GPUs; this node has {len(gpus)}")
     rec = checkpoint_and_restore(cri, plugin, pods, "gpu-holder-x", XGPU_GIB, 0, 1)

@@ -42,9 +42,9 @@ from typing import Any
 
 import pytest
 
-from runtime.containerd.cri import ContainerState, Mount, Pod
+from devtools.cri import ContainerState, Mount, Pod
 from runtime.gpus import node_gpus
-from runtime.sandbox import Runtime, Sandbox, SandboxConfig
+from devtools.sandbox import Runtime, Sandbox, SandboxConfig
 
 pytestmark = pytest.mark.gpu
 
@@ -84,16 +84,13 @@ _SKIP = _why_skip()
 if _SKIP:
     pytest.skip(_SKIP, allow_module_level=True)
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(WORKLOADS))
-import gpu_holder  # noqa: E402  (client helpers only)
-import gpu_pods  # noqa: E402
-import tp_worker  # noqa: E402  (client helpers only)
-from gpu_pods import PluginProcess, container_logs, running, wait_file  # noqa: E402
+from tests.gpu import gpu_pods  # noqa: E402
+from tests.gpu.gpu_pods import PluginProcess, container_logs, running, wait_file  # noqa: E402
+from tests.gpu.workloads import gpu_holder, tp_worker  # noqa: E402  (client helpers only)
 
 
 def need_gpus(n: int) -> list[Any]:
-    gpus = node_gpus()
+    gpus = list(node_gpus().values())
     if len(gpus) < n:
         pytest.skip(f"needs {n} GPUs; this node has {len(gpus)}")
     return gpus

@@ -19,6 +19,7 @@ from runtime import control
 from runtime.compat import NodeFacts
 from runtime.status import Phase, StatusBook
 from runtime.store import ArtifactStore
+from tests.waiting import wait_for_async
 
 from .fake_runtime import FakeRuntime
 
@@ -94,9 +95,7 @@ def test_any_handler_error_is_an_empty_reply_and_reported(tmp_path, use_async):
             await conn.call("StopContainer", api.StopContainerRequest(pod=pod, container=ctr), api.StopContainerResponse)
             for ev in (Event.POST_CREATE_CONTAINER, Event.POST_START_CONTAINER, Event.REMOVE_POD_SANDBOX):
                 await conn.call("StateChange", api.StateChangeEvent(event=ev, pod=pod, container=ctr), api.Empty)
-            deadline = time.monotonic() + 5
-            while len(plugin.reported) < 8 and time.monotonic() < deadline:
-                await asyncio.sleep(0.02)
+            await wait_for_async(lambda: len(plugin.reported) >= 8, 5, "every failure reported to the plugin")
             assert stub.connections == 1, "an error must not cost the connection"
             await _stop(stub, task)
 
@@ -208,10 +207,8 @@ def test_late_create_result_is_discarded_and_post_create_leaves_it_alone(tmp_pat
             on_time = await conn.call("CreateContainer", api.CreateContainerRequest(pod=pod, container=fast),
                                       api.CreateContainerResponse)
             assert on_time.HasField("adjust")
-            deadline = time.monotonic() + 10
-            while slow.id not in rekindle.created:  # the slow handler has really returned
-                assert time.monotonic() < deadline, "the slow create never finished"
-                await asyncio.sleep(0.05)
+            # the slow handler has really returned
+            await wait_for_async(lambda: slow.id in rekindle.created, 10, "the slow create to finish", interval=0.05)
             for ctr in (slow, fast):
                 for ev in (Event.POST_CREATE_CONTAINER, Event.POST_START_CONTAINER):
                     await conn.call("StateChange", api.StateChangeEvent(event=ev, pod=pod, container=ctr), api.Empty)

@@ -84,20 +84,16 @@ def test_unannotated_and_other_container_get_empty_replies(make_plugin):
     assert not _create(plugin, pod, ctr).HasField("adjust")
 
 
-def test_malformed_annotation_is_recorded_and_left_alone(make_plugin):
+@pytest.mark.parametrize("annotations, phase, named", [
+    ({"rekindle.dev/restore": "../x"}, Phase.IGNORED, "rekindle.dev/restore"),
+    ({"rekindle.dev/restore": "nothing-here"}, Phase.COLD_START, "nothing-here"),
+], ids=["malformed-annotation-ignored", "missing-artifact-cold-start"])
+def test_a_restore_that_cannot_be_is_left_alone_with_the_reason(make_plugin, annotations, phase, named):
     plugin = make_plugin()
-    pod, ctr = _req({"rekindle.dev/restore": "../x"})
+    pod, ctr = _req(annotations)
     assert not _create(plugin, pod, ctr).HasField("adjust")
     st = plugin.status.read("default", "web", "app")
-    assert st.phase is Phase.IGNORED and "rekindle.dev/restore" in st.reason
-
-
-def test_restore_of_missing_artifact_is_a_cold_start_with_reason(make_plugin):
-    plugin = make_plugin()
-    pod, ctr = _req({"rekindle.dev/restore": "nothing-here"})
-    assert not _create(plugin, pod, ctr).HasField("adjust")
-    st = plugin.status.read("default", "web", "app")
-    assert st.phase is Phase.COLD_START and "nothing-here" in st.reason
+    assert st.phase is phase and named in st.reason
 
 
 def test_stale_protocol_files_are_cleared_on_create(make_plugin):
@@ -131,14 +127,14 @@ def test_node_default_restore_timeout_reaches_the_init(make_plugin):
 def test_restore_precheck_compares_gpus_the_container_was_given(monkeypatch):
     """A node with two GPUs, a container given one: an artifact from a one-GPU container fits."""
     from runtime import gpus as gpus_mod
-    from runtime.compat import CudaFacts
-    from runtime.manifest import Gpu
-    from runtime.restore import target_facts
-    monkeypatch.setattr(gpus_mod, "node_gpus", lambda proc_gpus=None: [
-        gpus_mod.NodeGpu(0, "GPU-aaaaaaaa-0000-0000-0000-000000000000", "H200"),
-        gpus_mod.NodeGpu(1, "GPU-bbbbbbbb-0000-0000-0000-000000000000", "H200")])
+    from runtime.gpu_target import target_facts
+    from runtime.gpus import Gpu
+    from runtime.manifest import CudaInfo
+    monkeypatch.setattr(gpus_mod, "node_gpus", lambda proc_gpus=None: {
+        0: Gpu("GPU-aaaaaaaa-0000-0000-0000-000000000000", "H200"),
+        1: Gpu("GPU-bbbbbbbb-0000-0000-0000-000000000000", "H200")})
     facts = NodeFacts("n", "6.18.0", "x86_64", "4.2.1",
-                      CudaFacts("580.1", (Gpu("GPU-aaaaaaaa-0000-0000-0000-000000000000", "H200"),
+                      CudaInfo("580.1", (Gpu("GPU-aaaaaaaa-0000-0000-0000-000000000000", "H200"),
                                           Gpu("GPU-bbbbbbbb-0000-0000-0000-000000000000", "H200"))))
     narrowed = target_facts(facts, {"linux": {"devices": [{"path": "/dev/nvidia1", "major": 195, "minor": 1}]}})
     assert [g.uuid[:12] for g in narrowed.cuda.gpus] == ["GPU-bbbbbbbb"]

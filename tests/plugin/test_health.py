@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 import urllib.error
 import urllib.request
 
@@ -20,6 +19,7 @@ from nri_plugin.httpd import HttpEndpoint
 from nri_plugin.metrics import Metrics
 from nri_plugin.proto import nri_api_pb2 as api
 from nri_plugin.stub import Identity, Stub
+from tests.waiting import wait_for_async
 
 from .fake_runtime import FakeRuntime
 
@@ -65,14 +65,6 @@ def capture():
     logger.removeHandler(handler)
 
 
-async def until(predicate, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.02)
-
-
 def test_ready_only_while_registered_and_synchronized(tmp_path, capture):
     sock = str(tmp_path / "nri.sock")
     health, metrics = Health(), Metrics()
@@ -89,7 +81,7 @@ def test_ready_only_while_registered_and_synchronized(tmp_path, capture):
             code, text = await asyncio.to_thread(get, port, "/readyz")
             assert code == 503, text  # registered, not yet synchronized
             await conn.handshake()
-            await until(lambda: get(port, "/readyz")[0] == 200)
+            await wait_for_async(lambda: get(port, "/readyz")[0] == 200, 5, "/readyz to answer 200")
             assert "synchronized" in get(port, "/readyz")[1]
             pod = api.PodSandbox(id="p", name="web", namespace="team-a")
             ctr = api.Container(id="c1", name="server")
@@ -103,11 +95,12 @@ def test_ready_only_while_registered_and_synchronized(tmp_path, capture):
             assert 'rekindle_nri_handler_duration_seconds_count{handler="post_start_container"} 1.0' \
                 in metrics_text[1]
             conn.close()  # the runtime goes away
-            await until(lambda: get(port, "/readyz")[0] == 503)
-            await until(lambda: metrics.registry.get_sample_value("rekindle_nri_connected") == 0)
+            await wait_for_async(lambda: get(port, "/readyz")[0] == 503, 5, "/readyz to answer 503")
+            await wait_for_async(lambda: metrics.registry.get_sample_value("rekindle_nri_connected") == 0, 5,
+                                 "rekindle_nri_connected to drop to 0")
             conn2 = await rt.next_plugin()  # the stub reconnects
             await conn2.handshake()
-            await until(lambda: get(port, "/readyz")[0] == 200)
+            await wait_for_async(lambda: get(port, "/readyz")[0] == 200, 5, "/readyz to answer 200")
             stub.stop()
             await asyncio.wait_for(task, 5)
     try:

@@ -9,12 +9,14 @@ import asyncio
 import json
 import logging
 import threading
+from collections.abc import Callable
 
 from nri_plugin import logs
 from nri_plugin.jobs import Jobs, Work
 from nri_plugin.policy import Intent, Role
 from runtime import control
-from runtime.status import Phase, StatusBook
+from runtime.status import ContainerStatus, Phase, StatusBook
+from tests.waiting import wait_for_async
 
 
 class SlowRestore:
@@ -63,21 +65,13 @@ def test_progress_while_running_then_outcome_total_and_size(tmp_path):
         jobs = Jobs(engine, status)
         jobs.bind_loop(asyncio.get_running_loop())
         jobs.start(work)
-        for _ in range(200):
-            st = status.read("team-a", "qwen-1", "server")
-            if st and st.progress and st.progress.phase == "fill":
-                break
-            await asyncio.sleep(0.02)
-        else:
-            raise AssertionError("no progress recorded")
+        st = await wait_for_async(lambda: _with(status.read("team-a", "qwen-1", "server"),
+                                                lambda s: s.progress is not None and s.progress.phase == "fill"),
+                                  4, "fill progress in the status record")
         assert st.phase is Phase.RESTORING and st.progress.phase == "fill" and st.progress.bytes_total == 1000
         engine.go_on.set()
-        for _ in range(200):
-            st = status.read("team-a", "qwen-1", "server")
-            if st.phase.final:
-                return st
-            await asyncio.sleep(0.02)
-        raise AssertionError("no outcome")
+        return await wait_for_async(lambda: _with(status.read("team-a", "qwen-1", "server"), lambda s: s.phase.final),
+                                    4, "an outcome in the status record")
     try:
         st = asyncio.run(asyncio.wait_for(body(), 20))
     finally:
@@ -88,3 +82,7 @@ def test_progress_while_running_then_outcome_total_and_size(tmp_path):
     (line,) = [entry for entry in capture.lines if entry["msg"] == "filling"]
     assert (line["namespace"], line["pod"], line["container"], line["artifact"]) == \
         ("team-a", "qwen-1", "server", "qwen-7b")
+
+
+def _with(st: ContainerStatus | None, holds: Callable[[ContainerStatus], bool]) -> ContainerStatus | None:
+    return st if st is not None and holds(st) else None

@@ -20,8 +20,9 @@ from nri_plugin.stub import Reply
 from runtime import control
 from runtime.compat import NodeFacts
 from runtime.manifest import CriuInfo, Manifest, NodeInfo, ProcessInfo, SecurityProfile, Source
-from runtime.status import Phase, StatusBook
+from runtime.status import ContainerStatus, Phase, StatusBook
 from runtime.store import ArtifactStore
+from tests.waiting import wait_for_async
 
 KEY = b"k" * 32
 DC = "kubectl.kubernetes.io/default-container"
@@ -178,12 +179,12 @@ def test_a_skipped_checkpoint_is_recorded_and_told_to_the_workload(tmp_path):
         jobs = Jobs(SkippingEngine(), status)
         jobs.bind_loop(asyncio.get_running_loop())
         jobs.start(work)
-        for _ in range(100):
-            st = status.read("default", "web", "app")
-            if st and st.phase.final:
-                return st
-            await asyncio.sleep(0.05)
-        raise AssertionError("no final phase")
+        return await wait_for_async(lambda: _final(status.read("default", "web", "app")), 5, "a final phase",
+                                    interval=0.05)
     st = asyncio.run(body())
     assert st.phase is Phase.SKIPPED and "several containers" in st.reason
     assert work.control.read("checkpoint-failed").startswith("skipped: the pod runs several containers")
+
+
+def _final(st: ContainerStatus | None) -> ContainerStatus | None:
+    return st if st is not None and st.phase.final else None

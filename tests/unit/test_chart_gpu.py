@@ -15,7 +15,7 @@ yaml = pytest.importorskip("yaml", reason="pyyaml is in the test extra")
 pytest.importorskip("helm_sdkpy", reason="helm-sdkpy is in the test extra (see docs/install.md)")
 kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate is in the test extra")
 
-from chart_render import CHART, RenderError, by_kind, render  # noqa: E402  (tests/unit is on sys.path)
+from tests.unit.chart_render import CHART, RenderError, by_kind, render  # noqa: E402
 
 K8S_VERSION = "1.33"
 NAMESPACE = "kube-system"

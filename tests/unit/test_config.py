@@ -6,6 +6,7 @@ import pytest
 
 from nri_plugin.cli import build_parser
 from nri_plugin.config import Settings
+from runtime.errors import ConfigError
 
 
 @pytest.mark.parametrize("fields, problem", [
@@ -46,3 +47,38 @@ def test_restore_timeout_from_the_environment_goes_through_the_same_check(monkey
     monkeypatch.setenv("REKINDLE_RESTORE_TIMEOUT", "120")
     args = build_parser().parse_args(["plugin", "--max-probes", "4"])
     assert (args.restore_timeout, args.probes_per_node, args.probes_per_pod) == (120, 4, 1)
+
+
+@pytest.mark.parametrize("fields, problem", [
+    ({"name": "bad name"}, "--name"),
+    ({"state_dir": "relative/state"}, "--state-dir"),
+    ({"store": "store"}, "--store"),
+    ({"containerd_state": "run/containerd"}, "--containerd-state"),
+    ({"restore_timeout": 0}, "--restore-timeout"),
+    ({"restore_timeout": 86401}, "--restore-timeout"),
+    ({"restore_path": "fast"}, "--restore-path"),
+    ({"probes_per_node": 1025}, "--max-probes"),
+    ({"metrics_port": 65536}, "--metrics-port"),
+    ({"events": True}, "--events"),
+    ({"kubeconfig": "/etc/kube.conf"}, "--kubeconfig"),
+    ({"init_binary": "/nonexistent/rekindle-init"}, "no rekindle-init"),
+], ids=["name", "state-dir", "store", "containerd-state", "timeout-0", "timeout-over-a-day", "restore-path",
+        "probes-over-1024", "port", "events-without-node", "kubeconfig-without-events", "no-init"])
+def test_each_bad_setting_is_named(fields, problem):
+    settings = Settings(**{"init_binary": "/bin/true", **fields})
+    assert [p for p in settings.validate() if p.startswith(problem)], settings.validate()
+
+
+def test_every_problem_is_listed_at_once():
+    bad = Settings(init_binary="/bin/true", idx="5", state_dir="state", restore_path="fast", metrics_port=70000)
+    problems = bad.validate()
+    assert len(problems) == 4, problems
+    with pytest.raises(ConfigError) as exc:
+        bad.check()
+    assert all(p in str(exc.value) for p in problems)
+
+
+def test_events_with_a_node_name_and_a_kubeconfig_are_valid():
+    ok = Settings(init_binary="/bin/true", events=True, node_name="gpu-node-1", kubeconfig="/etc/kube.conf")
+    assert ok.validate() == []
+    ok.check()

@@ -9,7 +9,7 @@ import pytest
 
 from runtime import criu as criu_mod
 from runtime.containers import ContainerInfo, NsRef, overlay_upperdir, parse_cgroup_paths, parse_mountinfo
-from runtime import criu_image
+from runtime import criu_image, criu_log, mount_plan
 from runtime.criu import DumpOptions, RestoreOptions
 from runtime.layout import MountPlanEntry
 from runtime.errors import CriuError, NamespaceError
@@ -78,7 +78,7 @@ def test_plan_external_mounts(tmp_path: Path) -> None:
     (tmp_path / "run").mkdir()
     (tmp_path / "var").mkdir()
     os.symlink("/run", tmp_path / "var/run")  # like many images: /var/run -> /run
-    plan = criu_mod.plan_external_mounts(parse_mountinfo(WORKLOAD), SPEC, str(tmp_path))
+    plan = mount_plan.plan_external_mounts(parse_mountinfo(WORKLOAD), SPEC, str(tmp_path))
     assert [(e.key, e.destination, e.type, e.mount_point) for e in plan] == [
         ("m0", "/data", "bind", ""),
         ("m1", "/etc/hosts", "bind", ""),
@@ -106,18 +106,18 @@ def test_map_mounts_binds_and_missing_counterpart() -> None:
     plan = [MountPlanEntry("m0", "/data", "bind"), MountPlanEntry("m1", "/etc/hosts", "bind")]
     spec = {"mounts": [{"destination": "/data", "type": "bind", "source": "/other/vol", "options": ["rbind"]},
                        {"destination": "/etc/hosts", "source": "/other/hosts", "options": ["bind", "ro"]}]}
-    assert criu_mod.map_mounts(plan, _target(spec)) == ["mnt[m0]:/other/vol", "mnt[m1]:/other/hosts"]
+    assert mount_plan.map_mounts(plan, _target(spec)) == ["mnt[m0]:/other/vol", "mnt[m1]:/other/hosts"]
     with pytest.raises(CriuError, match=r"m1 \(/etc/hosts, bind\) has no counterpart in container c2"):
-        criu_mod.map_mounts(plan, _target({"mounts": spec["mounts"][:1]}))
+        mount_plan.map_mounts(plan, _target({"mounts": spec["mounts"][:1]}))
 
 
 def test_host_path_of_mount_longest_root_prefix() -> None:
     host = parse_mountinfo(HOST_V1 + "50 27 0:29 /pods /mnt/pods rw - cgroup cgroup rw,cpu,cpuacct\n")
     mi = {m.mount_point: m for m in parse_mountinfo(WORKLOAD)}
-    assert criu_mod.host_path_of_mount(mi["/sys/fs/cgroup/cpu,cpuacct"], host) == "/mnt/pods/c1"
-    assert criu_mod.host_path_of_mount(mi["/sys/fs/cgroup/memory"], host) == "/sys/fs/cgroup/memory/pods/c1"
+    assert mount_plan.host_path_of_mount(mi["/sys/fs/cgroup/cpu,cpuacct"], host) == "/mnt/pods/c1"
+    assert mount_plan.host_path_of_mount(mi["/sys/fs/cgroup/memory"], host) == "/sys/fs/cgroup/memory/pods/c1"
     with pytest.raises(CriuError, match="no host mount of device 0:92"):
-        criu_mod.host_path_of_mount(mi["/sys/fs/cgroup"], host)
+        mount_plan.host_path_of_mount(mi["/sys/fs/cgroup"], host)
 
 
 def test_restore_argv() -> None:
@@ -170,10 +170,10 @@ def test_pstree_image(tmp_path: Path) -> None:
     magic = (0x54564319).to_bytes(4, "little") + (0x50273030).to_bytes(4, "little")
     (tmp_path / "pstree.img").write_bytes(
         magic + _entry(6, 1, 1, 1, [6, 8, 300], packed=False) + _entry(7, 6, 1, 1, [7], packed=True))
-    assert criu_mod.image_pids(str(tmp_path)) == {6, 7, 8, 300}
-    assert criu_mod.image_is_shell_job(str(tmp_path))
+    assert criu_image.image_pids(str(tmp_path)) == {6, 7, 8, 300}
+    assert criu_image.image_is_shell_job(str(tmp_path))
     (tmp_path / "pstree.img").write_bytes(magic + _entry(6, 0, 6, 6, [6], packed=True))
-    assert not criu_mod.image_is_shell_job(str(tmp_path))
+    assert not criu_image.image_is_shell_job(str(tmp_path))
     (tmp_path / "pstree.img").write_bytes(magic + b"\x05\x00\x00\x00\xff")
     with pytest.raises(CriuError, match="pstree.img: entry of 5 bytes"):
         criu_image.read_pstree(str(tmp_path))
@@ -185,8 +185,25 @@ def test_pstree_image(tmp_path: Path) -> None:
 def test_log_errors(tmp_path: Path) -> None:
     log = tmp_path / "r.log"
     log.write_text("(0.1) ok\n(0.2) Error (mount.c:1): mnt: No mapping for 94\n(0.3) bye\n")
-    assert "No mapping for 94" in criu_mod.log_errors(str(log))
-    assert "no log" in criu_mod.log_errors(str(tmp_path / "none"))
+    assert "No mapping for 94" in criu_log.log_errors(str(log))
+    assert "no log" in criu_log.log_errors(str(tmp_path / "none"))
+
+
+@pytest.mark.parametrize("output, version, parts", [
+    ("Version: 4.2.1\n", "4.2.1", (4, 2, 1)),
+    ("Version: 4.3\nGitID: v4.3\n", "4.3", (4, 3)),
+    ("criu: Version: 9\n", None, None),  # only a line that starts with it
+    ("nothing here", None, None),
+], ids=["three-parts", "gitid-line", "not-at-line-start", "no-version"])
+def test_one_parser_reads_criu_version_output(output, version, parts):
+    assert criu_mod.parse_version(output) == version
+    if version is not None:
+        assert criu_mod.version_tuple(version) == parts
+
+
+def test_version_tuple_reads_kernel_releases_and_refuses_words():
+    assert criu_mod.version_tuple("6.8.0-45-generic") == (6, 8, 0)
+    assert criu_mod.version_tuple("unknown") is None
 
 
 def test_log_errors_leave_out_the_harmless_rlimit_line(tmp_path: Path) -> None:
@@ -194,4 +211,4 @@ def test_log_errors_leave_out_the_harmless_rlimit_line(tmp_path: Path) -> None:
     log.write_text("(0.05) Error (criu/util.c:1534): rlimit: Can't setup RLIMIT_NOFILE for self: Operation not "
                    "permitted\n(0.95) Error (criu/page-xfer.c:263): page-xfer: Unable to spice data: No space left "
                    "on device\n(0.96) Error (criu/cr-dump.c:1975): Dumping FAILED.\n")
-    assert criu_mod.log_errors(str(log)).startswith("(0.95) Error (criu/page-xfer.c:263)")
+    assert criu_log.log_errors(str(log)).startswith("(0.95) Error (criu/page-xfer.c:263)")

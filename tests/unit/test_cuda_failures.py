@@ -10,9 +10,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from runtime import checkpoint, restore
+from runtime import checkpoint, gpu_target
 from runtime.containers import process_tree
 from runtime.errors import CudaError, CudaStuck
+from tests.waiting import wait_for
 
 
 def alive(pid: int) -> bool:
@@ -24,20 +25,14 @@ def alive(pid: int) -> bool:
 
 
 def wait_dead(pids: list[int], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while any(alive(p) for p in pids):
-        assert time.monotonic() < deadline, [p for p in pids if alive(p)]
-        time.sleep(0.02)
+    wait_for(lambda: not any(alive(p) for p in pids), timeout, f"processes {pids} to die")
 
 
 @pytest.fixture
 def tree() -> Iterator[list[int]]:
     """A root with two children, like a launcher and its ranks."""
     root = subprocess.Popen(["/bin/sh", "-c", "sleep 600 & sleep 600 & wait"])
-    deadline = time.monotonic() + 10
-    while len(process_tree(root.pid)) < 3:
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    wait_for(lambda: len(process_tree(root.pid)) >= 3, 10, "the root's two children")
     pids = process_tree(root.pid)
     yield pids
     for p in pids:
@@ -61,7 +56,7 @@ class FailingCuda:
 def test_failed_cuda_restore_kills_the_restored_tree(tree: list[int]) -> None:
     cuda = FailingCuda(CudaError("cuCheckpointProcessUnlock", 401, "CUDA_ERROR_ILLEGAL_STATE", pid=tree[2]))
     with pytest.raises(CudaError, match="ILLEGAL_STATE"):
-        restore.cuda_restore(cuda, tree[1:], {"GPU-a": "GPU-b"}, tree[0], (tree[0],))
+        gpu_target.cuda_restore(cuda, tree[1:], {"GPU-a": "GPU-b"}, tree[0], (tree[0],))
     assert cuda.calls == [(tree[1:], {"GPU-a": "GPU-b"})]
     wait_dead(tree)  # the children too, found from the root as the tree is now
 

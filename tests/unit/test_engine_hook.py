@@ -11,11 +11,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+
+from tests.waiting import wait_for
 
 yaml = pytest.importorskip("yaml", reason="pyyaml is in the test extra")
 
@@ -27,14 +28,6 @@ sys.modules["rekindle_hook"] = hook
 _spec.loader.exec_module(hook)
 
 DEADLINE = 20.0
-
-
-def wait_for(what: str, cond: Callable[[], object], timeout: float = DEADLINE) -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 class FakeEngine:
@@ -131,7 +124,7 @@ SLEEP = [("POST", "/sleep?level=1", None), ("POST", "/wake_up?tags=weights", Non
 def test_vllm_source_sleeps_writes_ready_and_the_restored_copy_wakes(engine, control, marker):
     marker.write_text("stale")  # left from an earlier run: not serving now
     t, res = start(lifecycle(engine, control, marker))
-    wait_for("ready-for-checkpoint", lambda: (control / hook.READY).exists())
+    wait_for(lambda: (control / hook.READY).exists(), DEADLINE, "ready-for-checkpoint")
     assert engine.requests[0] == ("GET", "/health", None) and engine.unhealthy == 0  # waited for health
     assert engine.calls() == SLEEP
     assert (control / hook.READY).read_text() == "vllm\n"
@@ -147,7 +140,7 @@ def test_vllm_source_sleeps_writes_ready_and_the_restored_copy_wakes(engine, con
 
 def test_source_after_its_checkpoint_does_not_touch_the_engine(engine, control, marker):
     t, res = start(lifecycle(engine, control, marker))
-    wait_for("ready", lambda: (control / hook.READY).exists())
+    wait_for(lambda: (control / hook.READY).exists(), DEADLINE, "ready")
     (control / hook.SNAPSHOT_COMPLETE).write_text("qwen-7b\n")
     assert finish(t, res) is hook.Outcome.CHECKPOINTED
     assert engine.calls() == SLEEP  # its CUDA state may still be checkpointed (after-checkpoint: exit)
@@ -156,7 +149,7 @@ def test_source_after_its_checkpoint_does_not_touch_the_engine(engine, control, 
 
 def test_source_that_keeps_running_wakes_after_its_checkpoint(engine, control, marker):
     t, res = start(lifecycle(engine, control, marker, resume_after_checkpoint=True))
-    wait_for("ready", lambda: (control / hook.READY).exists())
+    wait_for(lambda: (control / hook.READY).exists(), DEADLINE, "ready")
     (control / hook.SNAPSHOT_COMPLETE).write_text("qwen-7b\n")
     assert finish(t, res) is hook.Outcome.CHECKPOINTED
     assert engine.calls() == SLEEP + [("POST", "/wake_up", None)]
@@ -165,7 +158,7 @@ def test_source_that_keeps_running_wakes_after_its_checkpoint(engine, control, m
 
 def test_failed_checkpoint_wakes_the_engine(engine, control, marker):
     t, res = start(lifecycle(engine, control, marker))
-    wait_for("ready", lambda: (control / hook.READY).exists())
+    wait_for(lambda: (control / hook.READY).exists(), DEADLINE, "ready")
     (control / hook.CHECKPOINT_FAILED).write_text("criu dump failed\n")
     assert finish(t, res) is hook.Outcome.FAILED
     assert engine.calls()[-1] == ("POST", "/wake_up", None)
@@ -183,7 +176,7 @@ def test_time_frozen_between_checkpoint_and_restore_does_not_count(engine, contr
     jump = {"by": 0.0}
     life = lifecycle(engine, control, marker, checkpoint_timeout=60.0, clock=lambda: time.monotonic() + jump["by"])
     t, res = start(life)
-    wait_for("ready", lambda: (control / hook.READY).exists())
+    wait_for(lambda: (control / hook.READY).exists(), DEADLINE, "ready")
     jump["by"] = 1e6
     time.sleep(0.5)  # several polls see the jumped clock
     assert t.is_alive() and "timed-out" not in life.events
@@ -200,7 +193,7 @@ def test_serve_role_releases_nothing(engine, marker):
 
 def test_sglang_releases_and_resumes_the_kv_cache(engine, control, marker):
     t, res = start(lifecycle(engine, control, marker, eng=hook.SGLang()))
-    wait_for("ready", lambda: (control / hook.READY).exists())
+    wait_for(lambda: (control / hook.READY).exists(), DEADLINE, "ready")
     assert engine.calls() == [("POST", "/release_memory_occupation", {"tags": ["kv_cache"]})]
     (control / hook.RESTORE_COMPLETE).write_text("")
     assert finish(t, res) is hook.Outcome.RESTORED
@@ -262,7 +255,7 @@ def supervise(engine, control, marker, tmp_path):
 
 def test_job_source_exits_0_after_its_checkpoint(supervise, control):
     p, got = supervise()
-    wait_for("ready", lambda: (control / hook.READY).exists())
+    wait_for(lambda: (control / hook.READY).exists(), DEADLINE, "ready")
     (control / hook.SNAPSHOT_COMPLETE).write_text("qwen-7b\n")
     assert p.wait(DEADLINE) == 0, p.stderr.read()
     assert got.read_text() == str(int(signal.SIGTERM))  # the engine was stopped
@@ -271,7 +264,7 @@ def test_job_source_exits_0_after_its_checkpoint(supervise, control):
 def test_sigterm_from_the_plugin_after_the_checkpoint_is_success(supervise, control):
     """rekindle.dev/after-checkpoint: exit: snapshot-complete, then SIGTERM to the workload root."""
     p, got = supervise()
-    wait_for("ready", lambda: (control / hook.READY).exists())
+    wait_for(lambda: (control / hook.READY).exists(), DEADLINE, "ready")
     (control / hook.SNAPSHOT_COMPLETE).write_text("qwen-7b\n")
     p.send_signal(signal.SIGTERM)
     assert p.wait(DEADLINE) == 0, p.stderr.read()
@@ -280,7 +273,7 @@ def test_sigterm_from_the_plugin_after_the_checkpoint_is_success(supervise, cont
 
 def test_sigterm_before_a_checkpoint_exits_with_the_engine(supervise, control):
     p, got = supervise()
-    wait_for("ready", lambda: (control / hook.READY).exists())
+    wait_for(lambda: (control / hook.READY).exists(), DEADLINE, "ready")
     p.send_signal(signal.SIGTERM)
     assert p.wait(DEADLINE) == 3  # the fake engine's status on SIGTERM
     assert got.exists()
@@ -288,7 +281,7 @@ def test_sigterm_before_a_checkpoint_exits_with_the_engine(supervise, control):
 
 def test_failed_checkpoint_fails_the_job_with_the_reason(supervise, control, engine):
     p, got = supervise()
-    wait_for("ready", lambda: (control / hook.READY).exists())
+    wait_for(lambda: (control / hook.READY).exists(), DEADLINE, "ready")
     (control / hook.CHECKPOINT_FAILED).write_text("criu dump failed (errno 5)\n")
     assert p.wait(DEADLINE) == 1
     assert "criu dump failed (errno 5)" in p.stderr.read()
@@ -297,7 +290,7 @@ def test_failed_checkpoint_fails_the_job_with_the_reason(supervise, control, eng
 
 def test_restore_target_just_serves(supervise, control, engine, marker):
     p, got = supervise(source=False)
-    wait_for("serving", lambda: marker.exists())
+    wait_for(lambda: marker.exists(), DEADLINE, "serving")
     assert engine.calls() == [] and p.poll() is None
     env = {"PATH": os.environ["PATH"], hook.MARKER_ENV: str(marker)}
     assert subprocess.run([sys.executable, str(HOOK), "probe"], env=env).returncode == 0

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.waiting import wait_for
+
 REPO = Path(__file__).resolve().parents[2]
 INIT = REPO / "build" / "rekindle-init"
 SH = "/bin/sh"
@@ -60,15 +62,6 @@ def write_control(ctl: Path, name: str, content: str) -> None:
     tmp = ctl / f".{name}.test-tmp"
     tmp.write_text(content)
     os.rename(tmp, ctl / name)
-
-
-def wait_until(cond, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.02)
-    pytest.fail(f"timed out after {timeout} s waiting for {what}")
 
 
 def _ppid(pid: int) -> int | None:
@@ -119,7 +112,7 @@ class Init:
                         return True
             return False
 
-        wait_until(find, 5, "rekindle-init to start in its pid namespace")
+        wait_for(find, 5, "rekindle-init to start in its pid namespace")
         assert self._pid is not None
         return self._pid
 
@@ -130,7 +123,7 @@ class Init:
         return self.stdout_path.read_text()
 
     def wait_log(self, text: str, timeout: float = 5) -> None:
-        wait_until(lambda: text in self.stderr(), timeout, f"{text!r} in the init's log")
+        wait_for(lambda: text in self.stderr(), timeout, f"{text!r} in the init's log")
 
     def signal(self, sig: int) -> None:
         os.kill(self.pid, sig)
@@ -218,7 +211,7 @@ def test_exec_failure_is_127(run):
 def test_sigterm_is_forwarded(run, tmp_path):
     script = 'trap "echo got-term; exit 42" TERM; touch ready; while :; do sleep 0.05; done'
     init = run(["--mode", "source"], [SH, "-c", script])
-    wait_until(lambda: (tmp_path / "ready").exists(), 5, "the workload to start")
+    wait_for(lambda: (tmp_path / "ready").exists(), 5, "the workload to start")
     init.signal(signal.SIGTERM)
     assert init.wait() == 42
     assert init.stdout() == "got-term\n"
@@ -408,7 +401,7 @@ def test_adopted_pid_that_is_not_our_child_is_polled(run, ctl, tmp_path):
         stderr=subprocess.DEVNULL,
     )
     try:
-        wait_until(lambda: (ctl / "restore-pid").exists(), 5, "restore-pid")
+        wait_for(lambda: (ctl / "restore-pid").exists(), 5, "restore-pid")
         ns_pid = int((ctl / "restore-pid").read_text())
         write_control(ctl, "restore-complete", "")
         init.wait_log(f"main pid {ns_pid} is not our child; polling its liveness\n")

@@ -7,7 +7,6 @@ import os
 import signal
 import socket
 import stat
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,9 +14,7 @@ import pytest
 from runtime import openat2
 from runtime.errors import ConfigError, KeyMissing
 from runtime.keys import create_key, load_key, read_key
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
-from kubelet_volumes import project  # noqa: E402  (tests/e2e holds the layout helper)
+from tests.e2e.kubelet_volumes import project
 
 KEY = bytes(range(32))
 

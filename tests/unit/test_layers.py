@@ -1,5 +1,7 @@
-"""Layering: the engine (runtime/) never depends on the NRI side (nri_plugin/), and the
-transport never depends on Rekindle's policy or engine (kept swappable and testable alone)."""
+"""Layering: the engine (runtime/) never depends on the NRI side (nri_plugin/), the transport
+never depends on Rekindle's policy or engine (kept swappable and testable alone), and neither
+the engine nor the plugin depends on the dev harness (devtools/: it is not shipped) or on the
+tests and benchmarks."""
 
 from __future__ import annotations
 
@@ -27,12 +29,18 @@ def imports_of(path: Path) -> set[str]:
     return out
 
 
+HARNESS = ("devtools", "tests", "bench")
+
+
 @pytest.mark.parametrize(
     "package, forbidden",
-    [("runtime", ("nri_plugin",)),
+    [("runtime", ("nri_plugin", *HARNESS)),
+     ("nri_plugin", HARNESS),
+     ("devtools", ("tests", "bench")),
      ("nri_plugin/transport", ("runtime", "nri_plugin.handlers", "nri_plugin.policy", "nri_plugin.jobs",
                                "nri_plugin.stub", "nri_plugin.agent"))],
-    ids=["engine-below-plugin", "transport-below-everything"],
+    ids=["engine-below-plugin-and-harness", "plugin-below-harness", "harness-below-tests-and-bench",
+         "transport-below-everything"],
 )
 def test_lower_layers_do_not_import_higher_ones(package, forbidden):
     bad = []

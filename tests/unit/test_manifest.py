@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from runtime.errors import ArtifactRejected
-from runtime.compat import CudaFacts, NodeFacts, check_compatibility
+from runtime.compat import NodeFacts, check_compatibility
 from runtime.manifest import (
     CriuInfo, CudaInfo, FileEntry, Gpu, Manifest, MountInfo, NodeInfo, ProcessInfo, Source,
     sign, verify,
@@ -48,7 +48,7 @@ def make_manifest(**changes: Any) -> Manifest:
 
 def facts(**changes: Any) -> NodeFacts:
     base = NodeFacts(hostname="node-2", kernel="6.8.12-1", arch="x86_64", criu_version="4.1",
-                     cuda=CudaFacts(driver_version="580.65",
+                     cuda=CudaInfo(driver_version="580.65",
                                     gpus=(Gpu(uuid="GPU-9", name="NVIDIA H200"),)))
     return dataclasses.replace(base, **changes)
 
@@ -252,11 +252,11 @@ IMG, REF = "registry/img:1", "sha256:" + "1" * 64
     (make_manifest(), facts(criu_version="4.2"), IMG, REF, []),
     (make_manifest(), facts(criu_version=None), IMG, REF, ["CRIU version unknown"]),
     (make_manifest(), facts(cuda=None), IMG, REF, ["node has no CUDA driver"]),
-    (make_manifest(), facts(cuda=CudaFacts("570.1", (Gpu("G", "NVIDIA H200"),))), IMG, REF,
+    (make_manifest(), facts(cuda=CudaInfo("570.1", (Gpu("G", "NVIDIA H200"),))), IMG, REF,
      ["CUDA driver differs"]),
-    (make_manifest(), facts(cuda=CudaFacts("580.65", (Gpu("G", "NVIDIA A100"),))), IMG, REF,
+    (make_manifest(), facts(cuda=CudaInfo("580.65", (Gpu("G", "NVIDIA A100"),))), IMG, REF,
      ["GPU 0 model differs"]),
-    (make_manifest(), facts(cuda=CudaFacts("580.65", (Gpu("G", "NVIDIA H200"),) * 2)), IMG, REF,
+    (make_manifest(), facts(cuda=CudaInfo("580.65", (Gpu("G", "NVIDIA H200"),) * 2)), IMG, REF,
      ["GPU count differs"]),
     (make_manifest(cuda=None), facts(cuda=None), IMG, REF, []),
     (make_manifest(), facts(), "registry/img:2", REF, ["image differs"]),

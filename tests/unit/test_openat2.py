@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -93,39 +94,36 @@ def _read(dfd: int, path: str) -> bytes:
         os.close(fd)
 
 
+@pytest.fixture
+def dfd(tree: Path) -> Iterator[int]:
+    """An fd of the directory resolved beneath."""
+    fd = os.open(tree, os.O_RDONLY | os.O_DIRECTORY)
+    yield fd
+    os.close(fd)
+
+
 @pytest.mark.parametrize("path,content", OK, ids=[p for p, _ in OK])
-def test_follows_links_that_stay_beneath(tree, resolver, path, content):
-    dfd = os.open(tree, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        assert _read(dfd, path) == content
-    finally:
-        os.close(dfd)
+def test_follows_links_that_stay_beneath(dfd, resolver, path, content):
+    assert _read(dfd, path) == content
 
 
 @pytest.mark.parametrize("path,err", REFUSED, ids=[p for p, _ in REFUSED])
-def test_refuses_what_leaves_the_directory(tree, resolver, path, err):
-    dfd = os.open(tree, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        with pytest.raises(OSError) as exc:
-            _read(dfd, path)
-        assert exc.value.errno == err, exc.value
-    finally:
-        os.close(dfd)
+def test_refuses_what_leaves_the_directory(dfd, resolver, path, err):
+    with pytest.raises(OSError) as exc:
+        _read(dfd, path)
+    assert exc.value.errno == err, exc.value
 
 
-def test_fds_are_close_on_exec(tree, resolver):
-    dfd = os.open(tree, os.O_RDONLY | os.O_DIRECTORY)
+def test_fds_are_close_on_exec(dfd, resolver):
     fd = openat2.open_beneath(dfd, "via-dir", os.O_RDONLY)
     try:
         assert not os.get_inheritable(fd)
     finally:
         os.close(fd)
-        os.close(dfd)
 
 
-def test_walk_leaks_no_fds(tree, monkeypatch):
+def test_walk_leaks_no_fds(dfd, monkeypatch):
     monkeypatch.setattr(openat2, "_have_openat2", False)
-    dfd = os.open(tree, os.O_RDONLY | os.O_DIRECTORY)
     before = len(os.listdir("/proc/self/fd"))
     for path, _ in OK:
         os.close(openat2.open_beneath(dfd, path, os.O_RDONLY))
@@ -133,20 +131,15 @@ def test_walk_leaks_no_fds(tree, monkeypatch):
         with pytest.raises(OSError):
             openat2.open_beneath(dfd, path, os.O_RDONLY)
     assert len(os.listdir("/proc/self/fd")) == before
-    os.close(dfd)
 
 
-def test_enosys_switches_to_the_walk(tree, monkeypatch):
+def test_enosys_switches_to_the_walk(dfd, monkeypatch):
     def no_openat2(*args, **kwargs):
         raise OSError(errno.ENOSYS, "Function not implemented")
     monkeypatch.setattr(openat2, "openat2", no_openat2)
     monkeypatch.setattr(openat2, "_have_openat2", True)
-    dfd = os.open(tree, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        assert _read(dfd, "via-dir") == b"deep"
-        assert openat2._have_openat2 is False
-        with pytest.raises(OSError) as exc:
-            _read(dfd, "abs-outside")
-        assert exc.value.errno == errno.EXDEV
-    finally:
-        os.close(dfd)
+    assert _read(dfd, "via-dir") == b"deep"
+    assert openat2._have_openat2 is False
+    with pytest.raises(OSError) as exc:
+        _read(dfd, "abs-outside")
+    assert exc.value.errno == errno.EXDEV

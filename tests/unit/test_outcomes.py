@@ -19,7 +19,7 @@ def _existing() -> str:
     """The reason ``guards.existing_artifact`` gives for a published artifact."""
     import tempfile
 
-    from test_store import KEY, publish  # tests/unit is on sys.path
+    from tests.unit.test_store import KEY, publish
     from runtime.store import ArtifactStore
     with tempfile.TemporaryDirectory() as tmp:
         store = ArtifactStore(tmp)

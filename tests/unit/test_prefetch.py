@@ -9,7 +9,8 @@ from pathlib import Path
 from nri_plugin.prefetch import Prefetcher
 from runtime.prefetch import warm
 from runtime.store import ArtifactStore
-from test_store import KEY, publish
+from tests.unit.test_store import KEY, publish
+from tests.waiting import wait_for
 
 
 def test_warm_reads_every_file_once(tmp_path: Path) -> None:
@@ -40,10 +41,7 @@ def test_prefetcher_starts_only_for_valid_restore_annotations(tmp_path: Path) ->
         assert not p.start("uid-3", "Team_A", {"rekindle.dev/restore": "qwen-7b"})
         assert p.start("uid-4", "team-a", {"rekindle.dev/restore": "qwen-7b"})
         assert p.start("uid-5", "team-a", {"rekindle.dev/restore": "missing"})  # logged, harmless
-        deadline = time.monotonic() + 5
-        while p._cancel and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert not p._cancel
+        wait_for(lambda: not p._cancel, 5, "every prefetch to end")
     finally:
         p.shutdown()
 

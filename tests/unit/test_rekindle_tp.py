@@ -19,6 +19,7 @@ import pytest
 
 from runtime.workload import rekindle_tp
 from runtime.workload.rekindle_tp import Outcome, TensorParallelGroup
+from tests.waiting import wait_for
 
 HELPER = Path(rekindle_tp.__file__)
 
@@ -89,10 +90,7 @@ def run_ranks(world: int, control: Path, stores: Stores, log: list, agent: Any, 
 
 
 def wait_file(path: Path, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert time.monotonic() < deadline, f"{path} never appeared"
-        time.sleep(0.01)
+    wait_for(path.exists, timeout, f"{path} to appear", interval=0.01)
 
 
 def test_ready_only_after_every_rank_is_down_then_rebuilt_on_a_fresh_store(tmp_path: Path) -> None:
@@ -168,9 +166,10 @@ def test_helper_imports_nothing_from_rekindle() -> None:
     """It ships into workload images alone."""
     text = HELPER.read_text()
     assert "import runtime" not in text and "from runtime" not in text and "nri_plugin" not in text
-    out = subprocess.run([sys.executable, "-I", "-c", "import sys; sys.path.insert(0, sys.argv[1]); "
-                          "import rekindle_tp; print(sorted(m for m in sys.modules if m.startswith(('runtime', 'torch'))))",
-                          str(HELPER.parent)], capture_output=True, text=True, check=True)
+    load = ("import importlib.util as u, sys; s = u.spec_from_file_location('rekindle_tp', sys.argv[1]); "
+            "s.loader.exec_module(u.module_from_spec(s)); "
+            "print(sorted(m for m in sys.modules if m.startswith(('runtime', 'torch'))))")
+    out = subprocess.run([sys.executable, "-I", "-c", load, str(HELPER)], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
 
@@ -178,7 +177,6 @@ def test_helper_imports_nothing_from_rekindle() -> None:
 
 RANK = r"""
 import json, os, sys, time
-sys.path.insert(0, sys.argv[1])
 import torch, torch.distributed as dist
 from rekindle_tp import TensorParallelGroup
 g = TensorParallelGroup.from_env(backend="gloo")
@@ -207,9 +205,9 @@ def torch_python() -> str | None:
 def test_real_gloo_group_goes_down_and_comes_back(tmp_path: Path) -> None:
     python = torch_python()
     assert python is not None
-    procs = [subprocess.Popen([python, "-c", RANK, str(HELPER.parent)], text=True, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE,
-                              env={**os.environ, "RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r),
+    procs = [subprocess.Popen([python, "-c", RANK], text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env={**os.environ, "PYTHONPATH": str(HELPER.parent),  # as a workload image has it
+                                   "RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r),
                                    "REKINDLE_CONTROL_DIR": str(tmp_path), "GLOO_SOCKET_IFNAME": "lo"})
              for r in range(2)]
     try:

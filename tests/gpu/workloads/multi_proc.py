@@ -41,8 +41,7 @@ def atomic_write(path: Path, obj: Any) -> None:
 
 
 def engine(index: int, gib: float) -> int:
-    sys.path.insert(0, str(HERE))
-    from gpu_holder import Holder  # noqa: PLC0415 - torch is imported in there
+    from gpu_holder import Holder  # noqa: PLC0415 - torch is imported in there; run as a script, its dir is on sys.path
 
     holder = Holder(gib, 1234 + 100 * index)
     out = sys.stdout

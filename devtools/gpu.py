@@ -22,7 +22,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from runtime.containerd.cri import Device, Mount
+from devtools.cri import Device, Mount
 from runtime.gpus import node_gpus
 
 DRIVER_ROOT = os.environ.get("REKINDLE_NVIDIA_DRIVER_ROOT", "/usr/local/nvidia")
@@ -36,12 +36,12 @@ class GpuNotFound(LookupError):
 
 def gpu_minor(index: int) -> int:
     """The minor number of the node GPU at index (index itself when the driver lists none)."""
-    gpus = node_gpus()
-    if not gpus:
+    minors = list(node_gpus())
+    if not minors:
         return index
-    if not 0 <= index < len(gpus):
-        raise GpuNotFound(f"GPU index {index}: the node has {len(gpus)} GPU(s)")
-    return gpus[index].minor
+    if not 0 <= index < len(minors):
+        raise GpuNotFound(f"GPU index {index}: the node has {len(minors)} GPU(s)")
+    return minors[index]
 
 
 def gpu_devices_and_mounts(gpu_index: int | Sequence[int], driver_root: str = DRIVER_ROOT,

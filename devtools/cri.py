@@ -1,9 +1,11 @@
-"""A small CRI (runtime.v1) client that plays kubelet against containerd's CRI socket.
+"""A small CRI (runtime.v1) client that plays kubelet against containerd's CRI socket (tests, demo, bench).
 
 Contract:
-- :class:`CRIClient` wraps one gRPC channel; each method is one CRI call (plus the small amount
-  of kubelet behaviour a test needs: log dirs, kubelet's namespace modes) and returns plain
-  dataclasses. Every gRPC failure becomes :class:`CRIError` naming the operation.
+- :class:`CRIClient` extends the plugin's read-only :class:`runtime.containerd.cri_lookup.CriLookup`
+  (one gRPC channel; version, image digest, container list) with pod and container lifecycle
+  calls (plus the small amount of kubelet behaviour a test needs: log dirs, kubelet's namespace
+  modes); each method is one CRI call and returns plain dataclasses. Every gRPC failure becomes
+  :class:`CRIError` naming the operation.
 - Pods default to kubelet's layout: pid namespace per container (``NamespaceMode.CONTAINER``),
   network and ipc per pod; logs at ``<log_root>/<ns>_<name>_<uid>/<container>/<attempt>.log``.
 - :meth:`CRIClient.create_container` needs the :class:`Pod` returned by
@@ -18,36 +20,21 @@ import enum
 import json
 import logging
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
-import grpc
-
-from runtime.containerd import RECONNECT_OPTIONS
+from runtime.containerd.cri_lookup import ContainerState, ContainerSummary, CRIError, CriLookup
 from runtime.containerd.proto import cri_api_pb2 as pb
-from runtime.containerd.proto import cri_api_pb2_grpc as pb_grpc
-from runtime.errors import RekindleError
+
+__all__ = ["CRIClient", "CRIError", "ContainerState", "ContainerStatus", "ContainerSummary", "Device",
+           "ExecResult", "Mount", "NamespaceMode", "Pod", "PodState", "PodSummary", "SecurityContext",
+           "parse_cri_log"]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_LOG_ROOT = Path("/var/log/pods")
-
-
-class CRIError(RekindleError):
-    """A CRI call failed; ``code`` is the gRPC status code (or None)."""
-
-    def __init__(self, op: str, message: str, code: grpc.StatusCode | None = None) -> None:
-        super().__init__(f"CRI {op}: {message}")
-        self.op = op
-        self.code = code
-
-
-class ContainerState(enum.Enum):
-    CREATED = pb.CONTAINER_CREATED
-    RUNNING = pb.CONTAINER_RUNNING
-    EXITED = pb.CONTAINER_EXITED
-    UNKNOWN = pb.CONTAINER_UNKNOWN
 
 
 class PodState(enum.Enum):
@@ -111,15 +98,6 @@ class PodSummary:
 
 
 @dataclass(frozen=True)
-class ContainerSummary:
-    id: str
-    pod_id: str
-    name: str
-    state: ContainerState
-    image: str
-
-
-@dataclass(frozen=True)
 class ContainerStatus:
     id: str
     name: str
@@ -171,38 +149,15 @@ def parse_cri_log(raw: str) -> tuple[list[str], list[str]]:
     return out["stdout"], out["stderr"]
 
 
-class CRIClient:
+class CRIClient(CriLookup):
     """Kubelet-like CRI client over a unix socket; use as a context manager or call close()."""
 
     def __init__(self, address: str, timeout: float = 30.0, log_root: Path | str = DEFAULT_LOG_ROOT) -> None:
-        target = address if address.startswith("unix:") else f"unix://{address}"
-        self.address = address
-        self.timeout = timeout
+        super().__init__(address, timeout)
         self.log_root = Path(log_root)
-        self._channel = grpc.insecure_channel(target, options=[("grpc.max_receive_message_length", 16 << 20),
-                                                               *RECONNECT_OPTIONS])
-        self._rt = pb_grpc.RuntimeServiceStub(self._channel)
-        self._img = pb_grpc.ImageServiceStub(self._channel)
 
-    def close(self) -> None:
-        self._channel.close()
-
-    def __enter__(self) -> "CRIClient":
+    def __enter__(self) -> CRIClient:
         return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def _call(self, op: str, fn: Callable, request: Any, timeout: float | None = None) -> Any:
-        try:
-            return fn(request, timeout=timeout or self.timeout)
-        except grpc.RpcError as e:
-            raise CRIError(op, f"{e.code().name}: {e.details()}", e.code()) from None
-
-    # -- runtime --
-
-    def version(self) -> pb.VersionResponse:
-        return self._call("Version", self._rt.Version, pb.VersionRequest(version="v1"))
 
     # -- pods --
 
@@ -320,12 +275,6 @@ class CRIClient:
     def remove_container(self, container_id: str) -> None:
         self._call("RemoveContainer", self._rt.RemoveContainer, pb.RemoveContainerRequest(container_id=container_id))
 
-    def list_containers(self, pod_id: str = "", labels: Mapping[str, str] | None = None) -> list[ContainerSummary]:
-        flt = pb.ContainerFilter(pod_sandbox_id=pod_id, label_selector=dict(labels or {}))
-        resp = self._call("ListContainers", self._rt.ListContainers, pb.ListContainersRequest(filter=flt))
-        return [ContainerSummary(c.id, c.pod_sandbox_id, c.metadata.name, ContainerState(c.state), c.image.image)
-                for c in resp.containers]
-
     def container_status(self, container_id: str, verbose: bool = False) -> ContainerStatus:
         resp = self._call("ContainerStatus", self._rt.ContainerStatus,
                           pb.ContainerStatusRequest(container_id=container_id, verbose=verbose))
@@ -377,12 +326,6 @@ class CRIClient:
         return {"stdout": out, "stderr": err}.get(stream, out + err)
 
     # -- images --
-
-    def image_ref(self, image: str) -> str | None:
-        """The image id containerd resolves image to, or None when absent."""
-        resp = self._call("ImageStatus", self._img.ImageStatus,
-                          pb.ImageStatusRequest(image=pb.ImageSpec(image=image)))
-        return resp.image.id or None
 
     def list_images(self) -> list[str]:
         resp = self._call("ListImages", self._img.ListImages, pb.ListImagesRequest())

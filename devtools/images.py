@@ -9,7 +9,7 @@ Contract:
 - :data:`IMAGES` is the table of the project's images; adding one is one :class:`ImageSpec`.
   :func:`build_all` writes the archives, :func:`import_archive` imports one with ``ctr``.
 
-Run ``python -m runtime.images --address SOCK [--ctr PATH] [--out DIR]`` to build and import
+Run ``python -m devtools.images --address SOCK [--ctr PATH] [--out DIR]`` to build and import
 them all into the ``k8s.io`` namespace of a containerd.
 """
 
@@ -144,7 +144,7 @@ def _counter_layer() -> list[Entry]:
 def host_usr_rootfs() -> list[Entry]:
     """An empty merged-/usr rootfs: the node's /usr (or parts of it) is bind-mounted over it.
 
-    For GPU workloads that run the node's own Python and driver (runtime.containerd.gpu):
+    For GPU workloads that run the node's own Python and driver (devtools.gpu):
     bin, sbin, lib and lib64 point into /usr as on the node (Debian/Ubuntu merged /usr).
     """
     entries: list[Entry] = [Symlink(n, f"usr/{n}") for n in ("bin", "sbin", "lib", "lib64")]
@@ -191,7 +191,7 @@ def write_oci_archive(spec: ImageSpec, out: Path) -> Path:
         "architecture": "amd64", "os": "linux", "created": "1970-01-01T00:00:00Z",
         "config": {k: v for k, v in (("Entrypoint", spec.entrypoint), ("Cmd", spec.cmd), ("Env", spec.env)) if v},
         "rootfs": {"type": "layers", "diff_ids": [d for _, d in layers]},
-        "history": [{"created": "1970-01-01T00:00:00Z", "created_by": "runtime.images"} for _ in layers],
+        "history": [{"created": "1970-01-01T00:00:00Z", "created_by": "devtools.images"} for _ in layers],
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
@@ -248,7 +248,7 @@ def build_and_import(out_dir: Path, address: str, ctr: str = "ctr") -> list[str]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m runtime.images", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m devtools.images", description=__doc__.split("\n\n")[0])
     p.add_argument("--address", help="containerd socket to import into (omit to only build)")
     p.add_argument("--ctr", default=shutil.which("ctr") or "ctr")
     p.add_argument("--out", type=Path, default=REPO_ROOT / "build/images")

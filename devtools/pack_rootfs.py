@@ -1,6 +1,6 @@
-"""Pack a root filesystem directory as a one-layer OCI image archive (runtime.images).
+"""Pack a root filesystem directory as a one-layer OCI image archive (devtools.images).
 
-    python hack/plugin-image/pack.py ROOTFS NAME OUT.oci.tar [--address SOCK --ctr CTR]
+    python -m devtools.pack_rootfs ROOTFS NAME OUT.oci.tar [--address SOCK --ctr CTR]
 
 Regular files, directories and symlinks are packed with their permission bits
 (setuid included), owned by root; hard links become copies; device nodes,
@@ -16,10 +16,7 @@ import stat
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-
-from runtime import images  # noqa: E402
+from devtools import images
 
 SKIP_CONTENT = {"proc", "sys", "dev", "run", "tmp"}  # kept as empty dirs
 

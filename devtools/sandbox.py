@@ -9,7 +9,7 @@ Contract:
 - Two runtimes: ``1.7`` (the packaged containerd, config v2) and ``2.1`` (the extracted one under
   ``/opt/rekindle/containerd-2.1``, config v3, its own shim first in PATH).
 - :meth:`Sandbox.up` renders the config, starts containerd in its own session, waits until CRI
-  answers and the NRI socket exists, then imports the images (runtime.images). Idempotent.
+  answers and the NRI socket exists, then imports the images (devtools.images). Idempotent.
 - :meth:`Sandbox.down` removes every pod through CRI, stops containerd (TERM, then KILL),
   force-deletes leftover runc containers, kills leftover shims, unmounts what is left under the
   directory, removes the pods' network namespaces and the bridge, so ``up`` can run again.
@@ -17,7 +17,7 @@ Contract:
 - :meth:`Sandbox.restart` restarts containerd only, as a node's service manager does: shims,
   containers, network namespaces and the bridge stay, and containerd reloads its pods.
 
-Run ``python -m runtime.sandbox up|down|status|env`` (hack/sandbox.sh wraps it).
+Run ``python -m devtools.sandbox up|down|status|env`` (hack/sandbox.sh wraps it).
 """
 
 from __future__ import annotations
@@ -328,7 +328,7 @@ class Sandbox:
 
     def cri(self, timeout: float = 30.0):
         """A CRIClient bound to this sandbox's socket (pod logs under the sandbox)."""
-        from runtime.containerd.cri import CRIClient  # local: keeps rendering import-light
+        from devtools.cri import CRIClient  # local: keeps rendering import-light
         return CRIClient(self.address, timeout=timeout, log_root=self.paths.pod_logs)
 
     def pid(self) -> int | None:
@@ -375,7 +375,7 @@ class Sandbox:
             self._start()
         self.wait_ready(timeout)
         if import_images:
-            from runtime import images
+            from devtools import images
             names = images.build_and_import(self.paths.images, self.address, str(self.config.runtime.ctr))
             log.info("images: %s", ", ".join(names))
 

@@ -1,10 +1,10 @@
-"""Checkpoint a container's workload tree with CRIU, and restore it into another container.
+"""Runs CRIU inside a container's namespaces and cgroups: dump its workload tree, restore a tree into another.
 
 Contract (the container's PID 1 is ``rekindle-init``; the tree to move is its single child):
 
 - :func:`dump_workload` runs CRIU inside the source container's pid namespace with a /proc of that
   namespace (``nsenter -p`` + ``unshare -m --mount-proc``), so the image holds namespace pids. The
-  netns, every spec bind mount and every cgroup mount are external (see ``runtime.criu``). It
+  netns, every spec bind mount and every cgroup mount are external (see ``runtime.mount_plan``). It
   returns what restore needs and the manifest stores: the mount plan, the source's stdio links
   (``pipe:[ino]`` keys for ``--inherit-fd``), and the host source of ``/dev/shm`` when that is an
   external bind (CRIU does not save it; the caller tars it).
@@ -39,6 +39,9 @@ from dataclasses import dataclass
 
 from runtime import criu as criu_mod
 from runtime import namespaces as ns
+from runtime.criu_image import image_is_shell_job, image_pids
+from runtime.criu_log import unexpected_errors
+from runtime.mount_plan import map_mounts, plan_external_mounts
 from runtime.confine import confine
 from runtime.containers import ContainerInfo, Pid, process_tree, read_mountinfo, read_stdio, workload_root
 from runtime.bulk import kill_all, wait_stopped
@@ -114,7 +117,7 @@ def dump_workload(
     if os.stat(f"/proc/{root.host}/ns/pid").st_ino != info.namespaces["pid"].inode:
         raise NamespaceError(f"workload {root.host} is not in container {info.id}'s pid namespace")
     mounts = read_mountinfo(root.host)
-    plan = criu_mod.plan_external_mounts(mounts, info.spec, info.rootfs)
+    plan = plan_external_mounts(mounts, info.spec, info.rootfs)
     tree = process_tree(root.host)
     shell_job = _is_shell_job(tree)
     stdio = read_stdio(root.host)
@@ -147,7 +150,7 @@ def dump_workload(
 
 
 def _prepare_pid_ns(target: ContainerInfo, images_dir: str) -> None:
-    needed = criu_mod.image_pids(images_dir)
+    needed = image_pids(images_dir)
     deadline = time.monotonic() + PID_WAIT
     while True:  # leftovers of a failed attempt may still be dying (reaped by the target init)
         taken = sorted(needed & ns.used_pids(target.namespaces["pid"].inode).keys())
@@ -201,7 +204,7 @@ def restore_into(
     (memory restored until then stays charged to the caller's cgroup).
     """
     t0 = time.monotonic()
-    externals = criu_mod.map_mounts(mount_plan, target)
+    externals = map_mounts(mount_plan, target)
     work = work_dir or images_dir
     os.makedirs(work, exist_ok=True)
     pidfile = os.path.join(work, "restore.pid")
@@ -219,7 +222,7 @@ def restore_into(
             inherit_fds=fds,
             join_ns=[("ipc", "/proc/1/ns/ipc"), ("uts", "/proc/1/ns/uts")],
             external_mounts=externals,
-            shell_job=criu_mod.image_is_shell_job(images_dir),
+            shell_job=image_is_shell_job(images_dir),
             tcp_established=tcp_established,
             leave_stopped=True,
             lsm_profile=lsm.profile,
@@ -248,7 +251,7 @@ def restore_into(
         ppid = _ppid(host_pid)
         if ppid != target.init_pid:
             raise NamespaceError(f"restored root {host_pid} has parent {ppid}, not the target init {target.init_pid}")
-        errors = criu_mod.unexpected_errors(lp)
+        errors = unexpected_errors(lp)
         if errors:
             raise CriuError("restore", "exit 0 but the log has errors: " + " | ".join(errors[-4:]), lp)
         wait_stopped(tree)

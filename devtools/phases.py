@@ -4,7 +4,7 @@ The bytes of each phase come from the artifact itself (what the restore copies, 
 restores, what the bulk fill writes); the ceilings are measured in the same run on the same
 machine (:func:`read_gbps`: reading files with N threads; :func:`copy_gbps`: copying memory
 into fresh pages with N threads), so a phase's speed of light is its bytes over the ceiling that
-bounds it. Used by hack/demo.py (CPU) and bench/restore_speed.py (GPU).
+bounds it. Used by devtools/demo.py (CPU) and bench/restore_speed.py (GPU).
 """
 
 from __future__ import annotations

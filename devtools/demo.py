@@ -27,12 +27,11 @@ import time
 import urllib.request
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from devtools.cri import CRIClient
+from devtools.sandbox import DEFAULT_DIR, Runtime, Sandbox, SandboxConfig
+from runtime.status import Phase, StatusBook
 
-from runtime.containerd.cri import CRIClient  # noqa: E402
-from runtime.sandbox import DEFAULT_DIR, Runtime, Sandbox, SandboxConfig  # noqa: E402
-from runtime.status import Phase, StatusBook  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 IMAGE = "localhost/rekindle/counter:1"
 COMMAND = ["/usr/local/bin/counter-server", "8080"]
@@ -73,7 +72,7 @@ def run_pod(cri: CRIClient, name: str, env: dict[str, str], annotations: dict[st
 
 
 def _phase_table(store: Path, timings: dict[str, float]) -> str:
-    from bench import phases
+    from devtools import phases
     art = phases.artifact_dir(store, "default", "demo-warm")
     files = [p for p in art.rglob("*") if p.is_file()]
     threads = os.cpu_count() or 1
