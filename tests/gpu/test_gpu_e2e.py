@@ -16,8 +16,6 @@ On a GPU node without containerd, run hack/gpu-e2e.sh (bundle setup + this file)
 
 from __future__ import annotations
 
-import ctypes
-import importlib.util
 import json
 import os
 import shutil
@@ -29,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.gpu.node_check import why_skip
 
 from devtools.cri import ContainerState, Mount, Pod
 from runtime.gpus import node_gpus
@@ -46,29 +46,7 @@ OUT = Path(os.environ.get("REKINDLE_GPU_E2E_OUT", str(WORK)))
 CONTAINER = "holder"
 
 
-def _why_skip() -> str | None:
-    if os.geteuid() != 0:
-        return "the GPU e2e test needs root (containerd, CRIU)"
-    if not node_gpus():
-        return "no NVIDIA GPU on this node (/proc/driver/nvidia/gpus is empty)"
-    try:
-        ctypes.CDLL(os.environ.get("REKINDLE_LIBCUDA") or "libcuda.so.1")
-    except OSError as e:
-        return f"libcuda is not loadable: {e}"
-    if importlib.util.find_spec("torch") is None:
-        return "torch is not installed (the workload runs the node's PyTorch)"
-    if not Runtime.V1_7.containerd.exists():
-        return f"{Runtime.V1_7.containerd} missing (on a bare GPU node run hack/gpu-node-setup.sh)"
-    from runtime.criu import CRIU
-    missing = [t for t in ("runc", CRIU, "nsenter", "unshare") if shutil.which(t) is None]
-    if missing:
-        return f"missing {', '.join(missing)} (on a bare GPU node run hack/gpu-node-setup.sh)"
-    if not (REPO / "build" / "rekindle-init").exists():
-        return "build/rekindle-init missing (make)"
-    return None
-
-
-_SKIP = _why_skip()
+_SKIP = why_skip("the GPU e2e test")
 if _SKIP:
     pytest.skip(_SKIP, allow_module_level=True)
 

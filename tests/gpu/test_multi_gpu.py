@@ -27,8 +27,6 @@ test_gpu_e2e.py (``REKINDLE_GPU_E2E_DIR``: plugin state and store).
 
 from __future__ import annotations
 
-import ctypes
-import importlib.util
 import json
 import os
 import shutil
@@ -41,6 +39,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.gpu.node_check import why_skip
 
 from devtools.cri import ContainerState, Mount, Pod
 from runtime.gpus import node_gpus
@@ -58,29 +58,7 @@ NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"
 CTR = "app"
 
 
-def _why_skip() -> str | None:
-    if os.geteuid() != 0:
-        return "the multi-GPU tests need root (containerd, CRIU)"
-    if not node_gpus():
-        return "no NVIDIA GPU on this node (/proc/driver/nvidia/gpus is empty)"
-    try:
-        ctypes.CDLL(os.environ.get("REKINDLE_LIBCUDA") or "libcuda.so.1")
-    except OSError as e:
-        return f"libcuda is not loadable: {e}"
-    if importlib.util.find_spec("torch") is None:
-        return "torch is not installed (the workloads run the node's PyTorch)"
-    if not Runtime.V1_7.containerd.exists():
-        return f"{Runtime.V1_7.containerd} missing (on a bare GPU node run hack/gpu-node-setup.sh)"
-    from runtime.criu import CRIU
-    missing = [t for t in ("runc", CRIU, "nsenter", "unshare") if shutil.which(t) is None]
-    if missing:
-        return f"missing {', '.join(missing)} (on a bare GPU node run hack/gpu-node-setup.sh)"
-    if not (REPO / "build" / "rekindle-init").exists():
-        return "build/rekindle-init missing (make)"
-    return None
-
-
-_SKIP = _why_skip()
+_SKIP = why_skip("the multi-GPU tests")
 if _SKIP:
     pytest.skip(_SKIP, allow_module_level=True)
 
