@@ -16,7 +16,6 @@ import json
 import re
 import shutil
 import subprocess
-import sys
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -31,9 +30,9 @@ from devtools.sandbox import Runtime, Sandbox, SandboxConfig
 from runtime.status import ContainerStatus, Phase, StatusBook
 from runtime.store import ArtifactStore
 
+from tests.e2e.plugin_process import PluginProcess, build_native
+
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tests" / "e2e"))
-from plugin_process import PluginProcess, build_native  # noqa: E402
 
 IMAGE = "localhost/rekindle/counter:1"
 CONTAINER = "server"

@@ -13,19 +13,12 @@ import re
 import time
 import urllib.request
 
-import pytest
-
-from plugin_process import PluginProcess, build_native
+from tests.e2e.plugin_process import PluginProcess
 
 COUNTER = "localhost/rekindle/counter:1"
 SERVER = ["/usr/local/bin/counter-server", "8080"]
 # Large enough that CRIU and the bulk fill take a few seconds after CRIU starts.
 WARM = {"WARMUP_MIB": "2048", "WARMUP_PASSES": "1"}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _native():
-    build_native()
 
 
 def _get(ip: str, timeout: float = 60.0) -> str:
