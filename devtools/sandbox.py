@@ -418,9 +418,11 @@ class Sandbox:
         if meta is None or pid is None:
             raise SandboxError(f"sandbox {self.paths.dir} is not running")
         self._stop(pid)
-        if while_down is not None:
-            while_down()
-        self._start()
+        try:
+            if while_down is not None:
+                while_down()
+        finally:  # containerd comes back whatever happened meanwhile
+            self._start()
         new = self._read_meta()
         if new is not None:  # keep the pods' netns for a later down
             new.netns = sorted(set(meta.netns) | set(new.netns))

@@ -21,13 +21,15 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
 
 from runtime import checkpoint as checkpoint_flow
 from runtime import housekeeping, store_gc
 from runtime import control
 from runtime import restore as restore_flow
 from runtime.compat import NodeFacts
+from runtime.containerd.cri_lookup import CRIError
 from runtime.cuda import Checkpointer
 from runtime.gpu_target import node_cuda
 from runtime.keys import load_key
@@ -55,6 +57,7 @@ if TYPE_CHECKING:  # imported where used: the Kubernetes client only with --even
     from .httpd import HttpEndpoint
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def install_init(settings: Settings) -> None:
@@ -115,7 +118,9 @@ class NodeEngine:
                 skip = ("the pod names no container and this plugin has no containerd API to list its other "
                         "containers; no checkpoint taken")
             else:
-                skip = guards.other_containers(work.intent, work.container_id, self.running(work.pod_id))
+                running = self.running
+                skip = guards.other_containers(work.intent, work.container_id,
+                                               self._patiently(lambda: running(work.pod_id), "the pod's containers"))
         if skip:
             raise Skipped(skip)
 
@@ -149,6 +154,19 @@ class NodeEngine:
 
         return restore_flow.restore(req, self.store, self.key, self.facts, control=work.control, cuda=self.cuda,
                                     generations=self.generations, progress=progress)
+
+    def _patiently(self, ask: Callable[[], T], what: str) -> T:
+        """``ask()``, asked again for up to ``image_id_wait`` seconds while containerd does not
+        answer (it may be restarting: a checkpoint must not fail or go wrong for that)."""
+        deadline = time.monotonic() + self.image_id_wait
+        while True:
+            try:
+                return ask()
+            except CRIError as exc:
+                if time.monotonic() >= deadline:
+                    raise
+                log.info("containerd did not answer for %s (%s); asking again", what, exc)
+                time.sleep(self.image_id_every)
 
     def _image_id(self, image: str) -> str:
         """The id containerd resolves ``image`` to ("" when there is no image or no answer)."""

@@ -46,7 +46,11 @@ class PluginProcess:
                                      env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env})
         log.close()
         if wait:
-            self.wait_log("synchronized:", count=self.log().count("synchronized:") + 1)
+            try:
+                self.wait_log("synchronized:", count=self.log().count("synchronized:") + 1)
+            except BaseException:
+                self.kill()  # a plugin left running would join the next test's containerd
+                raise
 
     def log(self) -> str:
         try:
