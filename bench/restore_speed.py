@@ -295,6 +295,9 @@ class Bench:
                 self.stop(cri, p)
             plugin.stop()
             shutil.copy(plugin.log_path, args.out_dir / f"plugin-{args.case}.log")
+            # CRIU's own logs (timestamped, -v4): where its dump and restore time goes
+            for log_file in (work / "plugin" / "state" / "logs").glob("*/*.log"):
+                shutil.copy(log_file, args.out_dir / f"{log_file.parent.name}-{log_file.name}")
             cri.close()
             shutil.rmtree(work / "plugin" / "store", ignore_errors=True)
         return status

@@ -133,7 +133,7 @@ class NodeEngine:
             exit_after=work.intent.after_checkpoint is AfterCheckpoint.EXIT,
             log_dir=os.path.join(self.settings.state_dir, "logs"),
             max_layer_bytes=min(work.intent.max_layer_bytes, self.settings.max_layer_bytes),
-            capture_timeout=self.settings.capture_timeout)
+            capture_timeout=self.settings.capture_timeout, bulk_min_run=self.settings.bulk_min_run)
         return checkpoint_flow.checkpoint(req, self.store, self.key, control=work.control, cuda=self.cuda,
                                           progress=work.progress)
 
@@ -152,8 +152,9 @@ class NodeEngine:
             if work.progress is not None:  # live progress in the status record
                 work.progress(phase, done, total)
 
+        staged = (lambda art: prefetcher.take(work.pod_uid, art)) if prefetcher is not None else None
         return restore_flow.restore(req, self.store, self.key, self.facts, control=work.control, cuda=self.cuda,
-                                    generations=self.generations, progress=progress)
+                                    generations=self.generations, progress=progress, staged=staged)
 
     def _patiently(self, ask: Callable[[], T], what: str) -> T:
         """``ask()``, asked again for up to ``image_id_wait`` seconds while containerd does not
@@ -271,7 +272,8 @@ def run_plugin(settings: Settings, max_parallel: int = 2) -> int:
         jobs = Jobs(engine, status, max_parallel=max_parallel,
                     probes=ProbeSlots(settings.probes_per_pod, settings.probes_per_node))
         jobs.bind_loop(loop)
-        engine.prefetcher = Prefetcher(store, key) if settings.prefetch else None
+        engine.prefetcher = (Prefetcher(store, key, staging_dir=os.path.join(settings.state_dir, "logs"))
+                             if settings.prefetch else None)
         plugin = RekindlePlugin(settings, store=store, key=key, status=status, jobs=jobs,
                                 specs=specs, facts=facts, image_ref=ImageIds(image_ref) if image_ref else None,
                                 generations=engine.generations,

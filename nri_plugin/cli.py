@@ -75,7 +75,7 @@ def _settings(args: argparse.Namespace) -> Settings:
     fields = {k: getattr(args, k) for k in ("state_dir", "store", "hmac_key_file", "containerd_state",
                                               "containerd_socket") if hasattr(args, k)}
     for k in ("name", "idx", "socket_path", "init_binary", "restore_timeout", "restore_path", "create_key",
-              "probes_per_pod", "probes_per_node", "prefetch", "max_layer_bytes", "capture_timeout", "metrics_port", "metrics_address", "events",
+              "probes_per_pod", "probes_per_node", "prefetch", "max_layer_bytes", "bulk_min_run", "capture_timeout", "metrics_port", "metrics_address", "events",
               "kubeconfig", "node_name", "containerd_config"):
         if hasattr(args, k):
             fields[k] = getattr(args, k)
@@ -144,6 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-layer-bytes", type=_size, default=8 << 30,
                    help="cap on a checkpoint's writable layer (and on one a restore applies); "
                         "rekindle.dev/max-layer-size may lower it per pod (default: 8Gi)")
+    p.add_argument("--bulk-min-run", type=_size, default=os.environ.get("REKINDLE_BULK_MIN_RUN", "2Mi"),
+                   help="at a checkpoint, private anonymous page runs at least this long move beside "
+                        "CRIU and are filled on many threads at a restore ($REKINDLE_BULK_MIN_RUN, else 2Mi)")
     p.add_argument("--capture-timeout", type=_positive, default=600,
                    help="seconds a checkpoint may spend capturing the writable layer (default: %(default)s)")
     p.add_argument("--no-prefetch", dest="prefetch", action="store_false",

@@ -1,32 +1,63 @@
-"""Prefetch scheduling: a pod annotated to restore gets its artifact read ahead, bounded.
+"""Prefetch scheduling: a pod annotated to restore gets its artifact staged and read ahead, bounded.
 
 ``Prefetcher.start(pod)`` is called from RunPodSandbox (it only queues: a handler never waits on
-the store); at most ``max_running`` prefetches read at once, each on ``threads`` threads, in the
-prefetcher's own pool. ``cancel(pod_uid)`` (StopPodSandbox/RemovePodSandbox, or the restore
-itself starting) stops one early. Errors are logged and forgotten: a prefetch is an optimisation.
+the store); at most ``max_running`` prefetches run at once, in the prefetcher's own pool. Each
+first stages the artifact (its small files copied into a private node-local directory while
+hashed, exactly what the restore's ``stage`` phase does), then reads the bulk pages into the page
+cache on ``threads`` threads. The restore, once its container starts, ``take``s the staged copy
+if it is of the very version it opened (name and manifest bytes), and so skips that phase.
+``cancel(pod_uid)`` (StopPodSandbox/RemovePodSandbox) stops a prefetch early and removes what
+was staged and not taken. Errors are logged and forgotten: a prefetch is an optimisation.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import shutil
+import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
-from runtime import names, prefetch
+from runtime import layout, names, prefetch
+from runtime.artifact import Artifact
 from runtime.errors import RekindleError
+from runtime.housekeeping import STAGED_PREFIX  # swept like a restore's copies once its owner is dead
+from runtime.owner import write_owner
 from runtime.store import ArtifactStore
 
 log = logging.getLogger(__name__)
 
 RESTORE = "rekindle.dev/restore"
+TAKE_WAIT = 300.0  # a staging under way is waited for: the restore would repeat the same reads
+
+
+@dataclass
+class _Staged:
+    version: str
+    manifest_id: str
+    work: str  # its ``private`` subdirectory holds the verified copies
+
+
+@dataclass
+class _Pod:
+    cancel: threading.Event = field(default_factory=threading.Event)
+    go: threading.Event = field(default_factory=threading.Event)
+    running: bool = True
+    claimed: bool = False  # the restore came: a staging not begun yet is not begun
+    staging: bool = False
+    staged_ready: threading.Event = field(default_factory=threading.Event)
+    staged: _Staged | None = None
 
 
 class Prefetcher:
-    def __init__(self, store: ArtifactStore, key: bytes, *, max_running: int = 2, threads: int = 16) -> None:
+    def __init__(self, store: ArtifactStore, key: bytes, *, max_running: int = 2, threads: int = 16,
+                 staging_dir: str | None = None) -> None:
         self.store, self.key, self.threads = store, key, threads
+        self.staging_dir = staging_dir  # None: read ahead only, no staging
         self._pool = ThreadPoolExecutor(max_workers=max_running, thread_name_prefix="rekindle-prefetcher")
-        self._cancel: dict[str, threading.Event] = {}
-        self._go: dict[str, threading.Event] = {}
+        self._pods: dict[str, _Pod] = {}
         self._lock = threading.Lock()
 
     def start(self, pod_uid: str, namespace: str, annotations: dict[str, str]) -> bool:
@@ -34,51 +65,123 @@ class Prefetcher:
         if not (name and names.is_artifact_name(name) and names.is_dns_label(namespace)):
             return False
         with self._lock:
-            if pod_uid in self._cancel:
+            if pod_uid in self._pods:
                 return False
-            cancel = self._cancel[pod_uid] = threading.Event()
-            go = self._go[pod_uid] = threading.Event()
-            go.set()
-        self._pool.submit(self._run, pod_uid, namespace, name, cancel, go)
+            pod = self._pods[pod_uid] = _Pod()
+            pod.go.set()
+        self._pool.submit(self._run, pod_uid, pod, namespace, name)
         return True
 
     def pause(self, pod_uid: str, paused: bool) -> None:
         """Hold the pod's prefetch reads (while its restore runs CRIU) or let them go on."""
         with self._lock:
-            go = self._go.get(pod_uid)
-        if go is not None:
-            (go.clear if paused else go.set)()
+            pod = self._pods.get(pod_uid)
+        if pod is not None:
+            (pod.go.clear if paused else pod.go.set)()
 
     def on_phase(self, pod_uid: str, phase: str) -> None:
         """The restore's phase hook: CRIU's own reads go first."""
         self.pause(pod_uid, phase == "criu_restore")
 
     def cancel(self, pod_uid: str) -> None:
+        """The pod goes: stop reading, and remove a staged copy nobody took (on the pool: this
+        runs in NRI handlers)."""
         with self._lock:
-            event = self._cancel.get(pod_uid)
-        if event is not None:
-            event.set()
+            pod = self._pods.pop(pod_uid, None)
+            if pod is None:
+                return
+            pod.cancel.set()
+            pod.go.set()
+            pod.claimed = True
+            staged, pod.staged = pod.staged, None
+        if staged is not None:
+            self._pool.submit(shutil.rmtree, staged.work, True)
 
-    def _run(self, pod_uid: str, namespace: str, name: str, cancel: threading.Event,
-             go: threading.Event) -> None:
+    def take(self, pod_uid: str, artifact: Artifact, wait: float = TAKE_WAIT) -> str | None:
+        """The work dir of this pod's staged copy of exactly ``artifact``'s version (the caller
+        owns it from now on: its ``private`` holds the verified copies), or None: restage."""
+        with self._lock:
+            pod = self._pods.get(pod_uid)
+            if pod is None:
+                return None
+            pod.claimed = True
+            if not pod.staging:
+                return None  # still queued, or not staging: the restore stages itself
+            ready = pod.staged_ready
+        if not ready.wait(wait):
+            log.warning("%s: staged copy not ready after %.0fs; staging again", artifact.label, wait)
+            return None
+        with self._lock:
+            staged, pod.staged = pod.staged, None
+        if staged is None:
+            return None
+        if not artifact.manifest_id or (staged.version, staged.manifest_id) != (artifact.version, artifact.manifest_id):
+            log.info("%s: the staged copy is of another version (%s); staging again", artifact.label, staged.version)
+            shutil.rmtree(staged.work, ignore_errors=True)
+            return None
+        return staged.work
+
+    def _stage(self, pod: _Pod, artifact: Artifact) -> None:
+        if self.staging_dir is None:
+            return
+        with self._lock:
+            if pod.claimed or pod.cancel.is_set():
+                return
+            pod.staging = True
+        staged = None
         try:
-            if cancel.is_set():
+            os.makedirs(self.staging_dir, exist_ok=True)
+            work = tempfile.mkdtemp(prefix=f"{STAGED_PREFIX}{artifact.manifest.namespace}-{artifact.manifest.name}-",
+                                    dir=self.staging_dir)
+            write_owner(work)  # removed by the sweep if this process dies with it
+            try:
+                artifact.materialize(os.path.join(work, "private"), skip=layout.is_bulk)
+                staged = _Staged(artifact.version, artifact.manifest_id, work)
+            except BaseException:
+                shutil.rmtree(work, ignore_errors=True)
+                raise
+        finally:
+            with self._lock:
+                gone = pod.cancel.is_set()  # the pod went meanwhile: nobody will take it
+                pod.staged = None if gone else staged
+                pod.staged_ready.set()
+        if staged is not None and gone:
+            shutil.rmtree(staged.work, ignore_errors=True)
+        elif staged is not None:
+            log.info("staged %s for its restore", artifact.label)
+
+    def _run(self, pod_uid: str, pod: _Pod, namespace: str, name: str) -> None:
+        try:
+            if pod.cancel.is_set():
                 return
             with self.store.open(namespace, name, self.key) as artifact:
-                prefetch.warm(artifact, cancel, self.threads, go=go)
+                try:
+                    self._stage(pod, artifact)
+                except (OSError, RekindleError) as exc:
+                    log.info("staging %s/%s ahead skipped: %s", namespace, name, exc)
+                prefetch.warm(artifact, pod.cancel, self.threads, go=pod.go)
         except RekindleError as exc:
             log.info("prefetch of %s/%s skipped: %s", namespace, name, exc)
         except Exception:  # noqa: BLE001 - an optimisation never takes the plugin down
             log.exception("prefetch of %s/%s failed", namespace, name)
         finally:
             with self._lock:
-                self._cancel.pop(pod_uid, None)
-                self._go.pop(pod_uid, None)
+                pod.running = False
+                pod.staged_ready.set()  # a take() waiting on a staging that never finished
+
+    def running(self) -> int:
+        """Prefetches queued or under way."""
+        with self._lock:
+            return sum(p.running for p in self._pods.values())
 
     def shutdown(self) -> None:
         with self._lock:
-            for event in self._cancel.values():
-                event.set()
-            for event in self._go.values():
-                event.set()
+            pods = list(self._pods.values())
+            self._pods.clear()
+        for pod in pods:
+            pod.cancel.set()
+            pod.go.set()
+            pod.staged_ready.set()
+            if pod.staged is not None:
+                shutil.rmtree(pod.staged.work, ignore_errors=True)
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -34,10 +34,14 @@ class Artifact:
     manifest (signature and location checked) and a shared lock. Use as a context manager, or
     call :meth:`close`."""
 
-    def __init__(self, label: str, version: str, dir_fd: int, lock_fd: int, manifest: Manifest) -> None:
+    def __init__(self, label: str, version: str, dir_fd: int, lock_fd: int, manifest: Manifest,
+                 manifest_id: str = "") -> None:
         self.label = label
         self.version = version
         self.manifest = manifest
+        # sha256 of the signed manifest bytes: two opens read the same version only if
+        # both the version name and this match (a name alone can be re-made by a store writer)
+        self.manifest_id = manifest_id
         self._dir_fd = dir_fd
         self._lock_fd = lock_fd
         self._entries = {f.path: f for f in manifest.files}

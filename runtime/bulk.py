@@ -46,7 +46,7 @@ from runtime.digests import WORKERS, combine_pieces, new_hash, piece_ranges
 log = logging.getLogger(__name__)
 
 MIN_RUN = 2 << 20  # smaller runs stay with CRIU: not worth a range of their own
-CHUNK = 8 << 20  # per-thread buffer
+CHUNK = 1 << 20  # per-thread buffer: hashed and written while still in the core's cache
 
 
 class FillError(RekindleError):
@@ -98,6 +98,31 @@ def _runs(pagemap: img.Pagemap, vmas: list[Any], min_run: int) -> tuple[list[Bul
             ranges.append(BulkRange(vaddr, length, off))
             moved.update(entries)
     return ranges, moved
+
+
+def _kept_by_kind(pagemap: img.Pagemap, vmas: list[Any], moved: set[int], min_run: int) -> dict[str, int]:
+    """Bytes left with CRIU, by why: what a benchmark needs to see where CRIU's time goes."""
+    starts = [v.start for v in vmas]
+    kinds: dict[str, int] = {}
+    for idx, e in enumerate(pagemap.entries):
+        if idx in moved or not img.has_data(e):
+            continue
+        length = img.nr_pages(e) * img.PAGE
+        i = bisect.bisect_right(starts, e.vaddr) - 1
+        if i < 0 or e.vaddr + length > vmas[i].end:
+            kind = "straddling"
+        elif img.is_private_anon_writable(vmas[i]):
+            kind = f"anonymous runs < {min_run >> 10} KiB"
+        elif vmas[i].status & img.VMA_ANON_SHARED:
+            kind = "shared anonymous"
+        elif vmas[i].status & (img.VMA_FILE_PRIVATE | img.VMA_FILE_SHARED):
+            kind = "file-backed"
+        elif not vmas[i].prot & img.PROT_WRITE:
+            kind = "read-only anonymous"
+        else:
+            kind = "special"
+        kinds[kind] = kinds.get(kind, 0) + length
+    return kinds
 
 
 def _copy_kept(pagemap: img.Pagemap, src: str, moved: set[int]) -> int:
@@ -168,6 +193,10 @@ def split(artifact_dir: str, huge: Mapping[int, Sequence[tuple[int, int]]] | Non
         pagemap = img.read_pagemap(images, pid)
         vmas = sorted(img.read_mm(images, pid).entry.vmas, key=lambda v: v.start)
         ranges, moved = _runs(pagemap, vmas, min_run)
+        kept = _kept_by_kind(pagemap, vmas, moved, min_run)
+        if kept:
+            log.info("pid %d: left with CRIU: %s", pid, ", ".join(
+                f"{v / 2**20:.1f} MiB {k}" for k, v in sorted(kept.items(), key=lambda kv: -kv[1])))
         if not ranges:
             continue
         os.makedirs(os.path.join(artifact_dir, BULK_DIR), mode=0o700, exist_ok=True)

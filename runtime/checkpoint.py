@@ -75,6 +75,7 @@ class CheckpointRequest:
     exit_after: bool
     log_dir: str
     split: bool = True  # move bulk pages beside CRIU (runtime.bulk)
+    bulk_min_run: int = bulk.MIN_RUN  # shorter page runs stay with CRIU
     max_layer_bytes: int = overlay.DEFAULT_MAX_LAYER_BYTES  # cap on the captured layer (and /dev/shm)
     capture_timeout: float = 600.0  # seconds for the capture, while the tree is stopped
 
@@ -174,7 +175,7 @@ def checkpoint(req: CheckpointRequest, store: ArtifactStore, key: bytes, *,
         files: tuple[layout.BulkFile, ...] = ()
         if req.split:
             with t.phase("split"):
-                files, _stats = bulk.split(staging.path, huge)
+                files, _stats = bulk.split(staging.path, huge, min_run=req.bulk_min_run)
         plan = layout.RestorePlan(
             stdio=tuple(dump.stdio), shell_job=dump.shell_job,
             mounts=tuple(dump.mount_plan), shm=bool(dump.shm_source), bulk=files,

@@ -41,7 +41,7 @@ def rotate_logs(log_dir: str | os.PathLike[str], keep: int = KEEP_LOGS, max_age:
     now = time.time()
     entries.sort(key=lambda x: x[0], reverse=True)
     removed = []
-    idle = [(mtime, entry) for mtime, entry in entries if now - mtime >= busy]
+    idle = [(mtime, entry) for mtime, entry in entries if now - mtime >= busy and not _waiting(entry.path)]
     for i, (mtime, entry) in enumerate(idle):
         if i >= keep or now - mtime > max_age:
             shutil.rmtree(entry.path, ignore_errors=True)
@@ -49,6 +49,17 @@ def rotate_logs(log_dir: str | os.PathLike[str], keep: int = KEEP_LOGS, max_age:
     if removed:
         log.info("rotated %d old work/log dirs out of %s", len(removed), root)
     return removed
+
+
+STAGED_PREFIX = "restore-staged-"  # copies staged ahead of a restore (nri_plugin.prefetch)
+
+
+def _waiting(path: str) -> bool:
+    """A copy staged ahead whose owner lives: its restore may still come and take it."""
+    if not os.path.basename(path).startswith(STAGED_PREFIX):
+        return False
+    owner = read_owner_of(path)
+    return owner is not None and not owner.provably_dead()
 
 
 def sweep_restore_copies(log_dir: str | os.PathLike[str]) -> list[str]:

@@ -5,7 +5,8 @@ started (sandbox set-up, image pull, create, start). Reading the artifact meanwh
 threads makes the restore's own reads page-cache hits. Nothing read here is used: the restore
 still copies and hashes what it uses (``runtime.store``), so a prefetch needs no trust, only
 bounds: it reads only when the artifact fits in a share of the memory available, stops when
-cancelled, and reads through the same version fd the store hands out.
+cancelled, and reads through the same version fd the store hands out. What is cached already
+is not read again (``runtime.pagecache``): those copies would only take cores from the restore.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from runtime.artifact import Artifact
+from runtime.pagecache import is_cached
 
 log = logging.getLogger(__name__)
 
@@ -28,9 +30,10 @@ MEMORY_SHARE = 0.5  # prefetch only what fits in half of MemAvailable
 
 @dataclass(frozen=True)
 class PrefetchResult:
-    bytes: int
+    bytes: int  # read from the store's disk (or found cached, below) and now in the page cache
     seconds: float
     skipped: str = ""  # why nothing was read
+    cached: int = 0  # of ``bytes``, those that were cached already (not read again)
 
 
 def mem_available() -> int:
@@ -64,24 +67,28 @@ def warm(artifact: Artifact, cancel: threading.Event, threads: int = 16,
             jobs += [(fd, off, min(CHUNK, f.size - off)) for off in range(0, f.size, CHUNK)]
         local = threading.local()
 
-        def read(job: tuple[int, int, int]) -> int:
+        def read(job: tuple[int, int, int]) -> tuple[int, int]:
+            """(bytes now cached, of which cached before)"""
             while go is not None and not go.wait(0.1):
                 if cancel.is_set():
-                    return 0
+                    return 0, 0
             if cancel.is_set():
-                return 0
+                return 0, 0
+            fd, off, length = job
+            if is_cached(fd, off, length):
+                return length, length
             buf = getattr(local, "buf", None)
             if buf is None:
                 buf = local.buf = memoryview(mmap.mmap(-1, CHUNK))
-            fd, off, length = job
-            return os.preadv(fd, [buf[:length]], off)
+            return os.preadv(fd, [buf[:length]], off), 0
 
         with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="rekindle-prefetch") as pool:
-            done = sum(pool.map(read, jobs))
+            got = list(pool.map(read, jobs))
     finally:
         for fd in fds:
             os.close(fd)
-    result = PrefetchResult(done, time.monotonic() - t0, "cancelled" if cancel.is_set() else "")
-    log.info("prefetched %s: %.1f MiB in %.2fs%s", artifact.label, done / 2**20, result.seconds,
-             f" ({result.skipped})" if result.skipped else "")
+    done, cached = sum(g[0] for g in got), sum(g[1] for g in got)
+    result = PrefetchResult(done, time.monotonic() - t0, "cancelled" if cancel.is_set() else "", cached)
+    log.info("prefetched %s: %.1f MiB in %.2fs (%.1f MiB of it cached already)%s", artifact.label,
+             done / 2**20, result.seconds, cached / 2**20, f" ({result.skipped})" if result.skipped else "")
     return result

@@ -8,7 +8,9 @@ The target container runs ``rekindle-init --mode restore`` as PID 1 and waits. S
      capabilities, privileged, seccomp, no_new_privs, LSM, user namespace, masked and read-only
      paths, device cgroup, sysctls) — CRIU restores what the source had;
   3. stage: every file but the bulk pages is copied into a private node-local directory while
-     hashed; only those copies are used afterwards (CRIU reads its images from there);
+     hashed; only those copies are used afterwards (CRIU reads its images from there). The
+     prefetch may have done this from RunPodSandbox on: its copies are taken when they are of
+     the very version opened in step 1 (version name and manifest bytes);
   4. rootfs_apply: the writable-layer diff (and /dev/shm) into the target;
   5. criu_restore: CRIU inside the target's namespaces and cgroups with the target's LSM labels,
      TCP connections kept or closed as the dump decided (``RestorePlan.tcp_established``), left
@@ -95,9 +97,21 @@ def _shm_dir(target: ContainerInfo) -> str | None:
     return None
 
 
-def _stage(artifact: Artifact, private: str, path: RestorePath) -> layout.RestorePlan:
-    """Copy (and verify) what this restore reads into ``private``; parse the plan from there."""
-    artifact.materialize(private, skip=layout.is_bulk)
+def _stage(artifact: Artifact, private: str, path: RestorePath, ahead: str | None = None) -> layout.RestorePlan:
+    """Copy (and verify) what this restore reads into ``private``; parse the plan from there.
+    ``ahead``: a work dir whose ``private`` already holds verified copies of exactly this
+    version (staged from RunPodSandbox on): it is moved in instead."""
+    taken = False
+    if ahead is not None:
+        try:
+            os.rename(os.path.join(ahead, "private"), private)
+            taken = True
+            log.info("%s: staged ahead (from the pod's sandbox start on)", artifact.label)
+        except OSError as exc:
+            log.info("%s: the copy staged ahead cannot be used (%s); staging again", artifact.label, exc)
+        shutil.rmtree(ahead, ignore_errors=True)
+    if not taken:
+        artifact.materialize(private, skip=layout.is_bulk)
     try:
         with open(os.path.join(private, layout.RESTORE_PLAN), "rb") as f:
             plan = layout.RestorePlan.from_json(f.read())
@@ -129,7 +143,10 @@ def _open_bulk(held: contextlib.ExitStack, artifact: Artifact, plan: layout.Rest
 def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFacts, *,
             control: control_mod.ControlDir | None = None, cuda: Checkpointer | None = None,
             check_image: bool = True, generations: GenerationBook | None = None,
-            progress: Progress | None = None) -> dict[str, float]:
+            progress: Progress | None = None,
+            staged: Callable[[Artifact], str | None] | None = None) -> dict[str, float]:
+    """Restore ``req``; ``staged(artifact)`` may hand over a work dir with this version's
+    verified copies, staged ahead (``nri_plugin.prefetch``)."""
     t = Timings()
     if progress is not None:
         t.on_phase = lambda phase: progress(phase, 0, 0)
@@ -160,7 +177,7 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
                 if reasons:
                     raise ArtifactRejected(artifact.label, "; ".join(reasons))
             with t.phase("stage"):
-                plan = _stage(artifact, private, req.path)
+                plan = _stage(artifact, private, req.path, staged(artifact) if staged is not None else None)
                 fill_bulk = bool(plan.bulk) and req.path is RestorePath.BULK
                 fds = _open_bulk(held, artifact, plan) if fill_bulk else []
             if generations is not None:

@@ -42,6 +42,7 @@ import contextlib
 import dataclasses
 import errno
 import fcntl
+import hashlib
 import logging
 import os
 import re
@@ -312,7 +313,8 @@ class ArtifactStore:
             if manifest.generation != generation_of(version):
                 raise ArtifactRejected(label, f"manifest generation {manifest.generation} does not "
                                        f"match its version {version}")
-            return Artifact(label, version, dir_fd, lock_fd, manifest)
+            return Artifact(label, version, dir_fd, lock_fd, manifest,
+                            manifest_id=hashlib.sha256(data).hexdigest())
         except BaseException as exc:
             for fd in (lock_fd, dir_fd):
                 if fd >= 0:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from pathlib import Path
 
 from nri_plugin.prefetch import Prefetcher
+from runtime.housekeeping import rotate_logs
+from runtime.pagecache import is_cached
 from runtime.prefetch import warm
 from runtime.store import ArtifactStore
 from tests.unit.test_store import KEY, publish
@@ -41,7 +44,7 @@ def test_prefetcher_starts_only_for_valid_restore_annotations(tmp_path: Path) ->
         assert not p.start("uid-3", "Team_A", {"rekindle.dev/restore": "qwen-7b"})
         assert p.start("uid-4", "team-a", {"rekindle.dev/restore": "qwen-7b"})
         assert p.start("uid-5", "team-a", {"rekindle.dev/restore": "missing"})  # logged, harmless
-        wait_for(lambda: not p._cancel, 5, "every prefetch to end")
+        wait_for(lambda: p.running() == 0, 5, "every prefetch to end")
     finally:
         p.shutdown()
 
@@ -59,3 +62,92 @@ def test_warm_waits_while_paused(tmp_path: Path) -> None:
         go.set()
         t.join(10)
     assert done and done[0].bytes == 9 << 20
+
+
+FILES = {"bulk/pages-1.bulk": b"p" * (3 << 20), "criu/core-1.img": b"core", "restore-plan.json": b"{}"}
+
+
+def _staged_prefetcher(tmp_path: Path) -> tuple[ArtifactStore, Prefetcher, Path]:
+    store = ArtifactStore(str(tmp_path / "store"))
+    publish(store, files=FILES)
+    logs = tmp_path / "logs"
+    return store, Prefetcher(store, KEY, threads=1, staging_dir=str(logs)), logs
+
+
+def test_staged_copy_is_taken_by_the_restore_of_the_same_version(tmp_path: Path) -> None:
+    store, p, logs = _staged_prefetcher(tmp_path)
+    try:
+        assert p.start("uid-1", "team-a", {"rekindle.dev/restore": "qwen-7b"})
+        wait_for(lambda: p.running() == 0, 10, "the prefetch to end")
+        with store.open("team-a", "qwen-7b", KEY) as art:
+            work = p.take("uid-1", art)
+        assert work is not None
+        private = Path(work) / "private"
+        assert (private / "criu" / "core-1.img").read_bytes() == b"core"
+        assert (private / "restore-plan.json").read_bytes() == b"{}"
+        assert not (private / "bulk").exists()  # the fill reads the bulk pages itself, verified
+        assert os.stat(private).st_mode & 0o077 == 0
+        with store.open("team-a", "qwen-7b", KEY) as art:
+            assert p.take("uid-1", art) is None  # taken once
+    finally:
+        p.shutdown()
+
+
+def test_staged_copy_of_a_replaced_version_is_not_taken(tmp_path: Path) -> None:
+    store, p, logs = _staged_prefetcher(tmp_path)
+    try:
+        assert p.start("uid-1", "team-a", {"rekindle.dev/restore": "qwen-7b"})
+        wait_for(lambda: p.running() == 0, 10, "the prefetch to end")
+        publish(store, files={**FILES, "criu/core-1.img": b"other"}, generation=2)  # republished
+        with store.open("team-a", "qwen-7b", KEY) as art:
+            assert p.take("uid-1", art) is None
+        assert not list(logs.glob("restore-staged-*/private"))  # the stale copy is gone
+    finally:
+        p.shutdown()
+
+
+def test_staging_waits_its_turn_and_a_pod_gone_leaves_nothing(tmp_path: Path) -> None:
+    store, p, logs = _staged_prefetcher(tmp_path)
+    try:
+        assert p.start("uid-1", "team-a", {"rekindle.dev/restore": "qwen-7b"})
+        wait_for(lambda: p.running() == 0, 10, "the prefetch to end")
+        assert list(logs.glob("restore-staged-*/private"))
+        assert rotate_logs(logs, keep=0, max_age=0, busy=0) == []  # its restore may still come
+        p.cancel("uid-1")  # StopPodSandbox
+        wait_for(lambda: not list(logs.glob("restore-staged-*")), 10, "the staged copy to be removed")
+        with store.open("team-a", "qwen-7b", KEY) as art:
+            assert p.take("uid-1", art) is None
+    finally:
+        p.shutdown()
+
+
+def test_a_restore_that_comes_first_stages_itself(tmp_path: Path) -> None:
+    store, p, logs = _staged_prefetcher(tmp_path)
+    gate = threading.Event()
+    p._pool.submit(gate.wait, 10)  # the prefetcher's pool is busy with other pods
+    p._pool.submit(gate.wait, 10)
+    try:
+        assert p.start("uid-1", "team-a", {"rekindle.dev/restore": "qwen-7b"})
+        with store.open("team-a", "qwen-7b", KEY) as art:
+            assert p.take("uid-1", art) is None  # queued: not waited for
+        gate.set()
+        wait_for(lambda: p.running() == 0, 10, "the prefetch to end")
+        assert not list(logs.glob("restore-staged-*"))  # claimed before it began: never staged
+    finally:
+        p.shutdown()
+
+
+def test_warm_does_not_read_what_is_cached(tmp_path: Path) -> None:
+    store = ArtifactStore(str(tmp_path))
+    publish(store, files={"bulk/pages-1.bulk": os.urandom(4 << 20)})
+    with store.open("team-a", "qwen-7b", KEY) as art:
+        fd = art.open_file("bulk/pages-1.bulk")
+        try:
+            os.pread(fd, 4 << 20, 0)
+            cached = is_cached(fd, 0, 4 << 20)
+        finally:
+            os.close(fd)
+        got = warm(art, threading.Event(), threads=1, budget=1 << 30)
+    assert got.bytes == 4 << 20
+    if tuple(int(x) for x in os.uname().release.split(".")[:2]) >= (6, 5):  # cachestat
+        assert cached and got.cached == 4 << 20
