@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 
 RESTORE = "rekindle.dev/restore"
 TAKE_WAIT = 300.0  # a staging under way is waited for: the restore would repeat the same reads
+BEGIN_WAIT = 2.0  # a prefetch queued on an idle pool is about to begin: worth waiting for
 
 
 @dataclass
@@ -47,6 +48,7 @@ class _Pod:
     running: bool = True
     claimed: bool = False  # the restore came: a staging not begun yet is not begun
     staging: bool = False
+    began: threading.Event = field(default_factory=threading.Event)  # staging began, or never will
     staged_ready: threading.Event = field(default_factory=threading.Event)
     staged: _Staged | None = None
 
@@ -56,6 +58,8 @@ class Prefetcher:
                  staging_dir: str | None = None) -> None:
         self.store, self.key, self.threads = store, key, threads
         self.staging_dir = staging_dir  # None: read ahead only, no staging
+        self.max_running = max_running
+        self._active = 0  # prefetches begun and not ended
         self._pool = ThreadPoolExecutor(max_workers=max_running, thread_name_prefix="rekindle-prefetcher")
         self._pods: dict[str, _Pod] = {}
         self._lock = threading.Lock()
@@ -104,6 +108,10 @@ class Prefetcher:
             pod = self._pods.get(pod_uid)
             if pod is None:
                 return None
+            idle = self._active < self.max_running
+        if idle:  # its prefetch is about to begin (not queued behind other pods')
+            pod.began.wait(BEGIN_WAIT)
+        with self._lock:
             pod.claimed = True
             if not pod.staging:
                 return None  # still queued, or not staging: the restore stages itself
@@ -123,11 +131,14 @@ class Prefetcher:
 
     def _stage(self, pod: _Pod, artifact: Artifact) -> None:
         if self.staging_dir is None:
+            pod.began.set()
             return
         with self._lock:
-            if pod.claimed or pod.cancel.is_set():
-                return
-            pod.staging = True
+            skip = pod.claimed or pod.cancel.is_set()
+            pod.staging = not skip
+        pod.began.set()
+        if skip:
+            return
         staged = None
         try:
             os.makedirs(self.staging_dir, exist_ok=True)
@@ -151,6 +162,8 @@ class Prefetcher:
             log.info("staged %s for its restore", artifact.label)
 
     def _run(self, pod_uid: str, pod: _Pod, namespace: str, name: str) -> None:
+        with self._lock:
+            self._active += 1
         try:
             if pod.cancel.is_set():
                 return
@@ -166,8 +179,10 @@ class Prefetcher:
             log.exception("prefetch of %s/%s failed", namespace, name)
         finally:
             with self._lock:
+                self._active -= 1
                 pod.running = False
-                pod.staged_ready.set()  # a take() waiting on a staging that never finished
+            pod.began.set()  # a take() waiting for a staging that never began
+            pod.staged_ready.set()  # or for one that never finished
 
     def running(self) -> int:
         """Prefetches queued or under way."""
@@ -181,6 +196,7 @@ class Prefetcher:
         for pod in pods:
             pod.cancel.set()
             pod.go.set()
+            pod.began.set()
             pod.staged_ready.set()
             if pod.staged is not None:
                 shutil.rmtree(pod.staged.work, ignore_errors=True)

@@ -103,6 +103,7 @@ def test_counter_server_continues_in_another_pod(sandbox, pod, plugin):
     assert got["deleted"] == "yes", got
     for phase in ("stage", "rootfs_apply", "criu_restore", "fill"):
         assert phase in st["timings"]
+    assert "default/counter-a: staged ahead" in plugin.log()  # by the prefetch, from RunPodSandbox on
     # The warm-up memory came back through the bulk fill (64 MiB beside CRIU), byte for byte.
     assert get(b_ip, "/verify") == warm and "verify=ok" in warm
     # /dev/shm (the pod's shm, an external mount) came along.

@@ -124,12 +124,16 @@ def test_staging_waits_its_turn_and_a_pod_gone_leaves_nothing(tmp_path: Path) ->
 def test_a_restore_that_comes_first_stages_itself(tmp_path: Path) -> None:
     store, p, logs = _staged_prefetcher(tmp_path)
     gate = threading.Event()
-    p._pool.submit(gate.wait, 10)  # the prefetcher's pool is busy with other pods
-    p._pool.submit(gate.wait, 10)
+    for _ in range(p.max_running):  # the prefetcher's pool is busy with other pods' prefetches
+        p._pool.submit(gate.wait, 10)
+    p._active = p.max_running
     try:
         assert p.start("uid-1", "team-a", {"rekindle.dev/restore": "qwen-7b"})
         with store.open("team-a", "qwen-7b", KEY) as art:
-            assert p.take("uid-1", art) is None  # queued: not waited for
+            t0 = time.monotonic()
+            assert p.take("uid-1", art) is None  # queued behind other pods: not waited for
+            assert time.monotonic() - t0 < 1.0
+        p._active = 0
         gate.set()
         wait_for(lambda: p.running() == 0, 10, "the prefetch to end")
         assert not list(logs.glob("restore-staged-*"))  # claimed before it began: never staged
@@ -151,3 +155,14 @@ def test_warm_does_not_read_what_is_cached(tmp_path: Path) -> None:
     assert got.bytes == 4 << 20
     if tuple(int(x) for x in os.uname().release.split(".")[:2]) >= (6, 5):  # cachestat
         assert cached and got.cached == 4 << 20
+
+
+def test_a_restore_right_after_the_sandbox_waits_for_the_staging_to_begin(tmp_path: Path) -> None:
+    store, p, logs = _staged_prefetcher(tmp_path)
+    try:
+        assert p.start("uid-1", "team-a", {"rekindle.dev/restore": "qwen-7b"})
+        with store.open("team-a", "qwen-7b", KEY) as art:
+            work = p.take("uid-1", art)  # at once: the prefetch had no time to begin
+        assert work is not None and (Path(work) / "private" / "criu" / "core-1.img").read_bytes() == b"core"
+    finally:
+        p.shutdown()
