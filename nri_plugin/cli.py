@@ -144,9 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-layer-bytes", type=_size, default=8 << 30,
                    help="cap on a checkpoint's writable layer (and on one a restore applies); "
                         "rekindle.dev/max-layer-size may lower it per pod (default: 8Gi)")
-    p.add_argument("--bulk-min-run", type=_size, default=os.environ.get("REKINDLE_BULK_MIN_RUN", "2Mi"),
+    p.add_argument("--bulk-min-run", type=_size, default=os.environ.get("REKINDLE_BULK_MIN_RUN", "4Ki"),
                    help="at a checkpoint, private anonymous page runs at least this long move beside "
-                        "CRIU and are filled on many threads at a restore ($REKINDLE_BULK_MIN_RUN, else 2Mi)")
+                        "CRIU and are filled on many threads at a restore ($REKINDLE_BULK_MIN_RUN, else "
+                        "4Ki: all of them)")
     p.add_argument("--capture-timeout", type=_positive, default=600,
                    help="seconds a checkpoint may spend capturing the writable layer (default: %(default)s)")
     p.add_argument("--no-prefetch", dest="prefetch", action="store_false",
