@@ -74,8 +74,13 @@ class FillStats:
 
 # --- split ---------------------------------------------------------------------------------------
 
-def _runs(pagemap: img.Pagemap, vmas: list[Any], min_run: int) -> tuple[list[BulkRange], set[int]]:
-    """Bulk ranges of one process and the indexes of the pagemap entries they replace."""
+MAX_RANGES = 200_000  # per artifact: the restore plan lists each (about 45 bytes) and is capped
+
+
+def _runs(pagemap: img.Pagemap, vmas: list[Any], min_run: int,
+          cap: int = MAX_RANGES) -> tuple[list[BulkRange], set[int]]:
+    """Bulk ranges of one process and the indexes of the pagemap entries they replace: at most
+    ``cap`` ranges, the longest (shorter runs stay with CRIU)."""
     starts = [v.start for v in vmas]
     runs: list[tuple[int, int, int, list[int], int]] = []  # vaddr, length, offset, entries, vma
     offset = 0
@@ -95,11 +100,14 @@ def _runs(pagemap: img.Pagemap, vmas: list[Any], min_run: int) -> tuple[list[Bul
         else:
             runs.append((e.vaddr, length, offset, [], -1))  # a barrier: nothing merges across it
         offset += length
+    chosen = [r for r in runs if r[4] >= 0 and r[1] >= min_run]
+    if len(chosen) > cap:
+        chosen = sorted(chosen, key=lambda r: -r[1])[:cap]
+        chosen.sort(key=lambda r: r[2])
     ranges, moved = [], set()
-    for vaddr, length, off, entries, vma in runs:
-        if vma >= 0 and length >= min_run:
-            ranges.append(BulkRange(vaddr, length, off))
-            moved.update(entries)
+    for vaddr, length, off, entries, _vma in chosen:
+        ranges.append(BulkRange(vaddr, length, off))
+        moved.update(entries)
     return ranges, moved
 
 
@@ -189,13 +197,12 @@ def split(artifact_dir: str, huge: Mapping[int, Sequence[tuple[int, int]]] | Non
     t0 = time.monotonic()
     images = os.path.join(artifact_dir, CRIU_DIR)
     files, moved_total, kept_total = [], 0, 0
-    for entry in img.read_pstree(images):
-        pid = entry.pid
-        if not os.path.exists(os.path.join(images, f"pagemap-{pid}.img")):
-            continue  # a zombie, or a thread-group member without its own mm
+    pids = [e.pid for e in img.read_pstree(images)
+            if os.path.exists(os.path.join(images, f"pagemap-{e.pid}.img"))]  # not zombies
+    for pid in pids:
         pagemap = img.read_pagemap(images, pid)
         vmas = sorted(img.read_mm(images, pid).entry.vmas, key=lambda v: v.start)
-        ranges, moved = _runs(pagemap, vmas, min_run)
+        ranges, moved = _runs(pagemap, vmas, min_run, cap=MAX_RANGES // max(1, len(pids)))
         kept = _kept_by_kind(pagemap, vmas, moved, min_run)
         if kept:
             log.info("pid %d: left with CRIU: %s", pid, ", ".join(

@@ -19,6 +19,7 @@ directory before use; the bulk files are hashed as they are written into the sto
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import typing
 from dataclasses import dataclass
@@ -104,14 +105,36 @@ class RestorePlan:
     bulk: tuple[BulkFile, ...] = ()
     tcp_established: bool = False
 
+    # A process's bulk ranges are one flat list [vaddr, length, offset, vaddr, ...] on disk: an LLM
+    # worker has thousands (every heap run), and as objects they took 0.2 s to parse per restore.
+
     def to_json(self) -> bytes:
-        return strict_json.canonical_json(strict_json.to_obj(self))
+        obj = strict_json.to_obj(self)
+        for entry, b in zip(obj["bulk"], self.bulk):
+            entry["ranges"] = [n for r in b.ranges for n in (r.vaddr, r.length, r.offset)]
+        return strict_json.canonical_json(obj)
 
     @classmethod
     def from_json(cls, data: bytes) -> RestorePlan:
         """Parse (ValueError/TypeError on anything off; the caller names the artifact)."""
         obj = strict_json.loads(data, max_bytes=MAX_PLAN_BYTES)
+        flat: list[list[int] | None] = []
+        if isinstance(obj, dict) and isinstance(obj.get("bulk"), list):
+            for i, entry in enumerate(obj["bulk"]):
+                ranges = entry.get("ranges") if isinstance(entry, dict) else None
+                if isinstance(ranges, list) and ranges and not isinstance(ranges[0], dict):
+                    if len(ranges) % 3 or not all(type(n) is int for n in ranges):
+                        raise ValueError(f"restore plan.bulk[{i}].ranges: want [vaddr, length, offset, ...] integers")
+                    flat.append(ranges)
+                    entry["ranges"] = []
+                else:
+                    flat.append(None)  # the object form (older artifacts) goes the generic way
         plan = typing.cast(RestorePlan, strict_json.from_obj(cls, obj, "restore plan"))
+        if any(f is not None for f in flat):
+            plan = dataclasses.replace(plan, bulk=tuple(
+                b if f is None else dataclasses.replace(b, ranges=tuple(
+                    BulkRange(f[j], f[j + 1], f[j + 2]) for j in range(0, len(f), 3)))
+                for b, f in zip(plan.bulk, flat)))
         for m in plan.mounts:
             if not os.path.isabs(m.destination) or m.type not in ("bind", "cgroup", "cgroup2"):
                 raise ValueError(f"restore plan: bad mount {m}")
