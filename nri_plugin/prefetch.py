@@ -31,6 +31,10 @@ log = logging.getLogger(__name__)
 
 RESTORE = "rekindle.dev/restore"
 TAKE_WAIT = 300.0  # a staging under way is waited for: the restore would repeat the same reads
+# Staged copies wait on the node's disk until their container starts; pods that never start
+# (an image that never pulls) must not fill it: past these, a restore stages for itself.
+MAX_STAGED = 4
+MAX_STAGED_BYTES = 4 << 30
 BEGIN_WAIT = 2.0  # a prefetch queued on an idle pool is about to begin: worth waiting for
 
 
@@ -39,6 +43,7 @@ class _Staged:
     version: str
     manifest_id: str
     work: str  # its ``private`` subdirectory holds the verified copies
+    bytes: int = 0
 
 
 @dataclass
@@ -47,7 +52,8 @@ class _Pod:
     go: threading.Event = field(default_factory=threading.Event)
     running: bool = True
     claimed: bool = False  # the restore came: a staging not begun yet is not begun
-    staging: bool = False
+    staging: bool = False  # a copy is being staged, or waits to be taken
+    staged_bytes: int = 0
     began: threading.Event = field(default_factory=threading.Event)  # staging began, or never will
     staged_ready: threading.Event = field(default_factory=threading.Event)
     staged: _Staged | None = None
@@ -55,10 +61,12 @@ class _Pod:
 
 class Prefetcher:
     def __init__(self, store: ArtifactStore, key: bytes, *, max_running: int = 2, threads: int = 16,
-                 staging_dir: str | None = None) -> None:
+                 staging_dir: str | None = None, max_staged: int = MAX_STAGED,
+                 max_staged_bytes: int = MAX_STAGED_BYTES) -> None:
         self.store, self.key, self.threads = store, key, threads
         self.staging_dir = staging_dir  # None: read ahead only, no staging
         self.max_running = max_running
+        self.max_staged, self.max_staged_bytes = max_staged, max_staged_bytes
         self._active = 0  # prefetches begun and not ended
         self._pool = ThreadPoolExecutor(max_workers=max_running, thread_name_prefix="rekindle-prefetcher")
         self._pods: dict[str, _Pod] = {}
@@ -121,6 +129,7 @@ class Prefetcher:
             return None
         with self._lock:
             staged, pod.staged = pod.staged, None
+            pod.staging, pod.staged_bytes = False, 0  # no longer counts against the bounds
         if staged is None:
             return None
         if not artifact.manifest_id or (staged.version, staged.manifest_id) != (artifact.version, artifact.manifest_id):
@@ -133,10 +142,18 @@ class Prefetcher:
         if self.staging_dir is None:
             pod.began.set()
             return
+        size = sum(f.size for f in artifact.manifest.files if not layout.is_bulk(f.path))
         with self._lock:
-            skip = pod.claimed or pod.cancel.is_set()
+            held = [p for p in self._pods.values() if p.staging and p is not pod]
+            full = (len(held) >= self.max_staged
+                    or sum(p.staged_bytes for p in held) + size > self.max_staged_bytes)
+            skip = pod.claimed or pod.cancel.is_set() or full
             pod.staging = not skip
+            pod.staged_bytes = 0 if skip else size
         pod.began.set()
+        if full and not pod.claimed:
+            log.info("%s: not staged ahead (%d copies, %d bytes wait already)", artifact.label,
+                     len(held), sum(p.staged_bytes for p in held))
         if skip:
             return
         staged = None
@@ -155,6 +172,8 @@ class Prefetcher:
             with self._lock:
                 gone = pod.cancel.is_set()  # the pod went meanwhile: nobody will take it
                 pod.staged = None if gone else staged
+                if pod.staged is None:
+                    pod.staging, pod.staged_bytes = False, 0  # failed, or gone: holds nothing
                 pod.staged_ready.set()
         if staged is not None and gone:
             shutil.rmtree(staged.work, ignore_errors=True)

@@ -166,3 +166,32 @@ def test_a_restore_right_after_the_sandbox_waits_for_the_staging_to_begin(tmp_pa
         assert work is not None and (Path(work) / "private" / "criu" / "core-1.img").read_bytes() == b"core"
     finally:
         p.shutdown()
+
+
+def test_staged_copies_waiting_on_the_node_are_bounded(tmp_path: Path) -> None:
+    store = ArtifactStore(str(tmp_path / "store"))
+    publish(store, files=FILES)
+    logs = tmp_path / "logs"
+    p = Prefetcher(store, KEY, threads=1, staging_dir=str(logs), max_staged=2)
+    try:
+        for uid in ("uid-1", "uid-2", "uid-3"):  # pods whose containers never start
+            assert p.start(uid, "team-a", {"rekindle.dev/restore": "qwen-7b"})
+            wait_for(lambda: p.running() == 0, 10, "the prefetch to end")
+        assert len(list(logs.glob("restore-staged-*/private"))) == 2
+        with store.open("team-a", "qwen-7b", KEY) as art:
+            assert p.take("uid-3", art) is None  # over the bound: its restore stages itself
+            assert p.take("uid-1", art) is not None
+        assert p.start("uid-4", "team-a", {"rekindle.dev/restore": "qwen-7b"})  # room again
+        wait_for(lambda: p.running() == 0, 10, "the prefetch to end")
+        with store.open("team-a", "qwen-7b", KEY) as art:
+            assert p.take("uid-4", art) is not None
+    finally:
+        p.shutdown()
+    small = Prefetcher(store, KEY, threads=1, staging_dir=str(tmp_path / "logs2"), max_staged_bytes=5)
+    try:
+        assert small.start("uid-1", "team-a", {"rekindle.dev/restore": "qwen-7b"})
+        wait_for(lambda: small.running() == 0, 10, "the prefetch to end")
+        with store.open("team-a", "qwen-7b", KEY) as art:
+            assert small.take("uid-1", art) is None  # larger than the byte bound: not staged
+    finally:
+        small.shutdown()
