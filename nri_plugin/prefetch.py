@@ -107,7 +107,10 @@ class Prefetcher:
             pod.claimed = True
             staged, pod.staged = pod.staged, None
         if staged is not None:
-            self._pool.submit(shutil.rmtree, staged.work, True)
+            try:
+                self._pool.submit(shutil.rmtree, staged.work, True)
+            except RuntimeError:  # shut down: the sweep at the next start removes it (owner dead)
+                pass
 
     def take(self, pod_uid: str, artifact: Artifact, wait: float = TAKE_WAIT) -> str | None:
         """The work dir of this pod's staged copy of exactly ``artifact``'s version (the caller
