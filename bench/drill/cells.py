@@ -22,7 +22,7 @@ from typing import Any
 from bench.drill import observe
 from bench.drill.faults import Fault, heal, inject
 from bench.drill.rig import CONTAINER, PodRun, Rig, Workload, count_of, fields, http, same_start
-from runtime import control, housekeeping
+from runtime import control, housekeeping, store_gc
 from runtime.status import Phase
 
 CHECKPOINT_PHASES = ("inspect", "criu_dump", "rootfs_capture", "shm_capture", "split", "publish")
@@ -56,7 +56,7 @@ class Cell:
     def ok(self) -> bool:
         return not self.error and all(c.ok for c in self.checks)
 
-    def check(self, name: str, ok: bool, detail: object = "") -> bool:
+    def check(self, name: str, ok: object, detail: object = "") -> bool:
         self.checks.append(Check(name, bool(ok), str(detail)))
         return bool(ok)
 
@@ -132,14 +132,14 @@ def _sweep_checks(cell: Cell, rig: Rig, name: str, published: bool, namespace: s
     else:
         cell.check("store: nothing under the name", not listed,
                    f"{name}: absent" if not listed else f"{name}: {[(x.version, x.problem) for x in listed]}")
-    before = rig.store.leftovers(namespace)
-    swept = rig.store.sweep(namespace)
-    after = rig.store.leftovers(namespace)
+    before = store_gc.leftovers(rig.store, namespace)
+    swept = store_gc.sweep(rig.store, namespace)
+    after = store_gc.leftovers(rig.store, namespace)
     graced: list[str] = []
     if after and all(x.kind == "unreferenced-version" and x.age < 600 for x in after):
         # Versions no name points to are kept 10 minutes (a publish may be about to link one).
-        graced = [x.entry for x in rig.store.sweep(namespace, grace=0.0)]
-        after = rig.store.leftovers(namespace)
+        graced = [x.entry for x in store_gc.sweep(rig.store, namespace, grace=0.0)]
+        after = store_gc.leftovers(rig.store, namespace)
     detail = (f"before: {[f'{x.kind}:{x.entry}' for x in before] or 'none'}; swept: "
               f"{[x.entry for x in swept] or 'none'}"
               + (f"; after the 10-min grace (run with grace 0): {graced}" if graced else ""))
@@ -203,8 +203,8 @@ def checkpoint_cell(rig: Rig, wl: Workload, phase: str, fault: Fault) -> Cell:
             # hold in the phase that failed (a phase logs its end line on failure too).
             cell.landed = (rig.tail.phases() or ["inspect"])[-1]
         heal(fault, rig)
-        cell.outcome = {Phase.PUBLISHED: "published", Phase.CHECKPOINT_FAILED: "checkpoint failed"}.get(
-            st.phase if st else None, f"stuck ({st.phase.value if st else 'no status'})")
+        outcomes: dict[Phase | None, str] = {Phase.PUBLISHED: "published", Phase.CHECKPOINT_FAILED: "checkpoint failed"}
+        cell.outcome = outcomes.get(st.phase if st else None, f"stuck ({st.phase.value if st else 'no status'})")
         cell.reason = st.reason if st else ""
         if fault is Fault.KILL and "resuming checkpoint watch" in rig.tail.text():
             cell.outcome += ", re-run after the restart"
@@ -285,7 +285,8 @@ def restore_cell(rig: Rig, wl: Workload, base: str, ref: dict[str, str], row: st
         st = rig.wait_status(dst, {Phase.RESTORED, Phase.COLD_START}, SETTLE_TIMEOUT)
         # A restore job still running in a live plugin ends with one of these lines; wait for it,
         # so that nothing it does afterwards can escape the checks.
-        text_after = lambda: rig.tail.text()[inj.at - rig.tail.start:]  # noqa: E731
+        def text_after() -> str:
+            return rig.tail.text()[inj.at - rig.tail.start:]
         job_runs = fault is not Fault.KILL or f"{who}: starting restore after plugin restart" in text_after()
         if job_runs:
             ended = observe.wait_until(lambda: f"{who}: restored from {base}" in rig.tail.text()
@@ -293,8 +294,8 @@ def restore_cell(rig: Rig, wl: Workload, base: str, ref: dict[str, str], row: st
             cell.check("plugin: the restore job ended", ended, "its end line is in the log" if ended else "no end line")
         heal(fault, rig)
         st = rig.status.read("default", dst.name, CONTAINER) or st
-        cell.outcome = {Phase.RESTORED: "restored", Phase.COLD_START: "cold start"}.get(
-            st.phase if st else None, f"stuck ({st.phase.value if st else 'no status'})")
+        outcomes: dict[Phase | None, str] = {Phase.RESTORED: "restored", Phase.COLD_START: "cold start"}
+        cell.outcome = outcomes.get(st.phase if st else None, f"stuck ({st.phase.value if st else 'no status'})")
         cell.reason = st.reason if st else ""
         body = rig.wait_serving(dst) or ""
         ctl = rig.control(dst)

@@ -20,7 +20,7 @@ END = "<!-- fault-drill:end -->"
 def _cell_text(c: dict[str, Any]) -> str:
     if c.get("error"):
         return f"ERROR: {c['error'].splitlines()[0][:80]}"
-    text = c["outcome"]
+    text = str(c["outcome"])
     if c["landed"] and c["landed"] != c["phase"] and not (c["phase"] == "open/inspect"
                                                            and c["landed"] in ("open", "inspect")):
         text += f" (landed in {c['landed']})"

@@ -72,7 +72,8 @@ class PodRun:
 
 def http(ip: str, path: str = "/", timeout: float = 3.0) -> str:
     with urllib.request.urlopen(f"http://{ip}:{PORT}{path}", timeout=timeout) as r:
-        return r.read().decode()
+        body: bytes = r.read()
+    return body.decode()
 
 
 def count_of(body: str) -> int:
