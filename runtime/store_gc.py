@@ -16,6 +16,7 @@ import os
 import shutil
 import stat
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from runtime.errors import ArtifactRejected, RekindleError, StoreError
@@ -30,8 +31,9 @@ STALE_AFTER = 24 * 3600.0  # another node's staging dir older than this is aband
 GRACE = 600.0  # an unreferenced version younger than this may be about to be linked
 
 
-
 @dataclass(frozen=True, slots=True)
+
+
 class Leftover:
     """A non-artifact entry of the store (``artifacts list --all``)."""
 
@@ -43,42 +45,47 @@ class Leftover:
     age: float
 
 
-
-def leftovers(store: ArtifactStore, namespace: str | None = None) -> list[Leftover]:
-    """Staging dirs, trash, pointer temp links and versions no name points to."""
-    out: list[Leftover] = []
-    now = time.time()
+def _namespace_dirs(store: ArtifactStore, namespace: str | None) -> Iterator[tuple[str, int]]:
+    """(namespace, its dir fd) for ``namespace`` or every namespace of the store; each fd is
+    closed when the caller moves on (or stops); a namespace that cannot be opened is skipped."""
     for ns in [validate_namespace(namespace)] if namespace else store.namespaces():
         try:
             ns_fd = store._ns_fd(ns, ns)
         except RekindleError:
             continue
         try:
-            live = set()
-            for name in os.listdir(ns_fd):
-                if not name.startswith("."):
-                    with contextlib.suppress(RekindleError, OSError):
-                        live.add(store.current_version(ns_fd, name))
-            for entry in sorted(os.listdir(ns_fd)):
-                kind = _leftover_kind(entry, live)
-                if kind is None:
-                    continue
-                st = os.stat(entry, dir_fd=ns_fd, follow_symlinks=False)
-                owner, size = None, 0
-                if stat.S_ISDIR(st.st_mode):
-                    with contextlib.suppress(OSError):
-                        fd = os.open(entry, DIR_FLAGS, dir_fd=ns_fd)
-                        try:
-                            owner = read_owner(fd) if kind == "staging" else None
-                            size = tree_bytes(fd)
-                        finally:
-                            os.close(fd)
-                created = owner.created if owner else st.st_mtime
-                out.append(Leftover(ns, entry, kind, size, owner, max(0.0, now - created)))
+            yield ns, ns_fd
         finally:
             os.close(ns_fd)
-    return out
 
+
+def leftovers(store: ArtifactStore, namespace: str | None = None) -> list[Leftover]:
+    """Staging dirs, trash, pointer temp links and versions no name points to."""
+    out: list[Leftover] = []
+    now = time.time()
+    for ns, ns_fd in _namespace_dirs(store, namespace):
+        live = set()
+        for name in os.listdir(ns_fd):
+            if not name.startswith("."):
+                with contextlib.suppress(RekindleError, OSError):
+                    live.add(store.current_version(ns_fd, name))
+        for entry in sorted(os.listdir(ns_fd)):
+            kind = _leftover_kind(entry, live)
+            if kind is None:
+                continue
+            st = os.stat(entry, dir_fd=ns_fd, follow_symlinks=False)
+            owner, size = None, 0
+            if stat.S_ISDIR(st.st_mode):
+                with contextlib.suppress(OSError):
+                    fd = os.open(entry, DIR_FLAGS, dir_fd=ns_fd)
+                    try:
+                        owner = read_owner(fd) if kind == "staging" else None
+                        size = tree_bytes(fd)
+                    finally:
+                        os.close(fd)
+            created = owner.created if owner else st.st_mtime
+            out.append(Leftover(ns, entry, kind, size, owner, max(0.0, now - created)))
+    return out
 
 
 def sweep(store: ArtifactStore, namespace: str | None = None, stale_after: float = STALE_AFTER,
@@ -105,6 +112,7 @@ def sweep(store: ArtifactStore, namespace: str | None = None, stale_after: float
             os.close(ns_fd)
     return removed
 
+
 def _abandoned(item: Leftover, stale_after: float, grace: float) -> bool:
     if item.kind == "staging":
         if item.owner is not None and item.owner.provably_dead():
@@ -114,45 +122,37 @@ def _abandoned(item: Leftover, stale_after: float, grace: float) -> bool:
         return True  # renamed away by a remover; its lock check guards readers
     return item.age > grace
 
+
 def prune(store: ArtifactStore, namespace: str | None = None, older_than: float | None = None,
           keep_last: int | None = None) -> list[str]:
     """Delete artifacts whose current version is older than ``older_than`` seconds, and
     versions beyond the newest ``keep_last`` of a name; never one a restore is reading."""
     done: list[str] = []
     now_us = time.time_ns() // 1000
-    for ns in [validate_namespace(namespace)] if namespace else store.namespaces():
-        try:
-            ns_fd = store._ns_fd(ns, ns)
-        except RekindleError:
-            continue
-        try:
-            by_name: dict[str, list[tuple[int, str]]] = {}
-            for entry in os.listdir(ns_fd):
-                m = VERSION_RE.fullmatch(entry)
-                if m:
-                    by_name.setdefault(m.group("name"), []).append((int(m.group("gen")), entry))
-            for name, versions in sorted(by_name.items()):
-                try:
-                    current = store.current_version(ns_fd, name) if is_valid_name(name) else None
-                except ArtifactRejected:
-                    current = None
-                if older_than is not None and current is not None:
-                    if now_us - generation_of(current) > older_than * 1e6:
-                        try:
-                            store.delete(ns, name)
-                            done.append(f"{ns}/{name}")
-                        except StoreError as exc:
-                            log.info("prune: %s", exc)
-                        continue
-                if keep_last is not None:
-                    for _gen, version in sorted(versions, reverse=True)[max(keep_last, 1):]:
-                        if version != current and store.remove_version(ns_fd, version):
-                            done.append(f"{ns}/{version}")
-        finally:
-            os.close(ns_fd)
+    for ns, ns_fd in _namespace_dirs(store, namespace):
+        by_name: dict[str, list[tuple[int, str]]] = {}
+        for entry in os.listdir(ns_fd):
+            m = VERSION_RE.fullmatch(entry)
+            if m:
+                by_name.setdefault(m.group("name"), []).append((int(m.group("gen")), entry))
+        for name, versions in sorted(by_name.items()):
+            try:
+                current = store.current_version(ns_fd, name) if is_valid_name(name) else None
+            except ArtifactRejected:
+                current = None
+            if older_than is not None and current is not None:
+                if now_us - generation_of(current) > older_than * 1e6:
+                    try:
+                        store.delete(ns, name)
+                        done.append(f"{ns}/{name}")
+                    except StoreError as exc:
+                        log.info("prune: %s", exc)
+                    continue
+            if keep_last is not None:
+                for _gen, version in sorted(versions, reverse=True)[max(keep_last, 1):]:
+                    if version != current and store.remove_version(ns_fd, version):
+                        done.append(f"{ns}/{version}")
     return done
-
-
 
 
 def _leftover_kind(entry: str, live: set[str | None]) -> str | None:
