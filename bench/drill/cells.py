@@ -220,13 +220,18 @@ def checkpoint_cell(rig: Rig, wl: Workload, phase: str, fault: Fault) -> Cell:
     except Exception as exc:  # noqa: BLE001 - the cell records it; the drill goes on
         cell.error = f"{type(exc).__name__}: {exc}"
     finally:
-        heal(fault, rig)
-        for run in runs:
-            rig.stop_pod(run.pod)
-        if fault is Fault.DISK_FULL:
-            rig.disk.fit(None)
-        cell.seconds = round(time.monotonic() - t0, 1)
+        _end_cell(cell, rig, fault, runs, t0)
     return cell
+
+
+def _end_cell(cell: Cell, rig: Rig, fault: Fault, runs: list[PodRun], t0: float) -> None:
+    """Whatever happened in the cell: undo the fault, stop its pods, time it."""
+    heal(fault, rig)
+    for run in runs:
+        rig.stop_pod(run.pod)
+    if fault is Fault.DISK_FULL:
+        rig.disk.fit(None)
+    cell.seconds = round(time.monotonic() - t0, 1)
 
 
 def _source_checks(cell: Cell, rig: Rig, src: PodRun, marker: str) -> dict[str, str]:
@@ -324,10 +329,5 @@ def restore_cell(rig: Rig, wl: Workload, base: str, ref: dict[str, str], row: st
     except Exception as exc:  # noqa: BLE001 - the cell records it; the drill goes on
         cell.error = f"{type(exc).__name__}: {exc}"
     finally:
-        heal(fault, rig)
-        for run in runs:
-            rig.stop_pod(run.pod)
-        if fault is Fault.DISK_FULL:
-            rig.disk.fit(None)
-        cell.seconds = round(time.monotonic() - t0, 1)
+        _end_cell(cell, rig, fault, runs, t0)
     return cell
