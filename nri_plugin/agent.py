@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
 from runtime import checkpoint as checkpoint_flow
-from runtime import housekeeping, store_gc
+from runtime import bulk, housekeeping, store_gc
 from runtime import control
 from runtime import restore as restore_flow
 from runtime.compat import NodeFacts
@@ -143,18 +143,12 @@ class NodeEngine:
             namespace=work.namespace, name=work.artifact, image=work.image, image_ref=self._image_id(work.image),
             log_dir=os.path.join(self.settings.state_dir, "logs"),
             path=restore_flow.RestorePath(self.settings.restore_path),
-            max_layer_bytes=self.settings.max_layer_bytes)
+            max_layer_bytes=self.settings.max_layer_bytes,
+            threads=self.settings.fill_threads or bulk.WORKERS)
         prefetcher = self.prefetcher
-
-        def progress(phase: str, done: int, total: int) -> None:
-            if prefetcher is not None and done == total == 0:  # a phase starts
-                prefetcher.on_phase(work.pod_uid, phase)
-            if work.progress is not None:  # live progress in the status record
-                work.progress(phase, done, total)
-
         staged = (lambda art: prefetcher.take(work.pod_uid, art)) if prefetcher is not None else None
         return restore_flow.restore(req, self.store, self.key, self.facts, control=work.control, cuda=self.cuda,
-                                    generations=self.generations, progress=progress, staged=staged)
+                                    generations=self.generations, progress=work.progress, staged=staged)
 
     def _patiently(self, ask: Callable[[], T], what: str) -> T:
         """``ask()``, asked again for up to ``image_id_wait`` seconds while containerd does not

@@ -49,7 +49,6 @@ class _Staged:
 @dataclass
 class _Pod:
     cancel: threading.Event = field(default_factory=threading.Event)
-    go: threading.Event = field(default_factory=threading.Event)
     running: bool = True
     claimed: bool = False  # the restore came: a staging not begun yet is not begun
     staging: bool = False  # a copy is being staged, or waits to be taken
@@ -60,7 +59,7 @@ class _Pod:
 
 
 class Prefetcher:
-    def __init__(self, store: ArtifactStore, key: bytes, *, max_running: int = 2, threads: int = 16,
+    def __init__(self, store: ArtifactStore, key: bytes, *, max_running: int = 2, threads: int = prefetch.THREADS,
                  staging_dir: str | None = None, max_staged: int = MAX_STAGED,
                  max_staged_bytes: int = MAX_STAGED_BYTES) -> None:
         self.store, self.key, self.threads = store, key, threads
@@ -80,20 +79,8 @@ class Prefetcher:
             if pod_uid in self._pods:
                 return False
             pod = self._pods[pod_uid] = _Pod()
-            pod.go.set()
         self._pool.submit(self._run, pod_uid, pod, namespace, name)
         return True
-
-    def pause(self, pod_uid: str, paused: bool) -> None:
-        """Hold the pod's prefetch reads (while its restore runs CRIU) or let them go on."""
-        with self._lock:
-            pod = self._pods.get(pod_uid)
-        if pod is not None:
-            (pod.go.clear if paused else pod.go.set)()
-
-    def on_phase(self, pod_uid: str, phase: str) -> None:
-        """The restore's phase hook: CRIU's own reads go first."""
-        self.pause(pod_uid, phase == "criu_restore")
 
     def cancel(self, pod_uid: str) -> None:
         """The pod goes: stop reading, and remove a staged copy nobody took (on the pool: this
@@ -103,7 +90,6 @@ class Prefetcher:
             if pod is None:
                 return
             pod.cancel.set()
-            pod.go.set()
             pod.claimed = True
             staged, pod.staged = pod.staged, None
         if staged is not None:
@@ -194,7 +180,7 @@ class Prefetcher:
                     self._stage(pod, artifact)
                 except (OSError, RekindleError) as exc:
                     log.info("staging %s/%s ahead skipped: %s", namespace, name, exc)
-                prefetch.warm(artifact, pod.cancel, self.threads, go=pod.go)
+                prefetch.warm(artifact, pod.cancel, self.threads)
         except RekindleError as exc:
             log.info("prefetch of %s/%s skipped: %s", namespace, name, exc)
         except Exception:  # noqa: BLE001 - an optimisation never takes the plugin down
@@ -217,7 +203,6 @@ class Prefetcher:
             self._pods.clear()
         for pod in pods:
             pod.cancel.set()
-            pod.go.set()
             pod.began.set()
             pod.staged_ready.set()
             if pod.staged is not None:

@@ -7,6 +7,11 @@ still copies and hashes what it uses (``runtime.store``), so a prefetch needs no
 bounds: it reads only when the artifact fits in a share of the memory available, stops when
 cancelled, and reads through the same version fd the store hands out. What is cached already
 is not read again (``runtime.pagecache``): those copies would only take cores from the restore.
+
+The reads keep the disk's queue short: the pod's own start (runc, the shim, the init, CRIU) reads
+small files from the same disk meanwhile, and each of its reads waits behind whatever is queued.
+On a virtio disk of 1.7-2 GB/s, 16 threads of 8 MiB reads made a 4 KiB read wait 60-74 ms
+(median) for the same throughput that 4 threads of 2 MiB reach with 2-4 ms.
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ from runtime.pagecache import is_cached
 
 log = logging.getLogger(__name__)
 
-CHUNK = 8 << 20
+CHUNK = 2 << 20
+THREADS = 4  # with CHUNK: 8 MiB in flight, enough to keep a disk busy (see above)
 MEMORY_SHARE = 0.5  # prefetch only what fits in half of MemAvailable
 
 
@@ -47,11 +53,10 @@ def mem_available() -> int:
     return 0
 
 
-def warm(artifact: Artifact, cancel: threading.Event, threads: int = 16,
-         budget: int | None = None, go: threading.Event | None = None) -> PrefetchResult:
+def warm(artifact: Artifact, cancel: threading.Event, threads: int = THREADS,
+         budget: int | None = None) -> PrefetchResult:
     """Read every listed file once on ``threads`` threads: the small ones first (the restore
-    copies them first), then the bulk pages. While ``go`` is clear the reads wait (the restore
-    is in CRIU, whose own reads must not queue behind ours on a disk)."""
+    copies them first), then the bulk pages in file order (the order the fill takes them)."""
     t0 = time.monotonic()
     files = sorted(artifact.manifest.files, key=lambda f: f.size)
     total = sum(f.size for f in files)
@@ -69,9 +74,6 @@ def warm(artifact: Artifact, cancel: threading.Event, threads: int = 16,
 
         def read(job: tuple[int, int, int]) -> tuple[int, int]:
             """(bytes now cached, of which cached before)"""
-            while go is not None and not go.wait(0.1):
-                if cancel.is_set():
-                    return 0, 0
             if cancel.is_set():
                 return 0, 0
             fd, off, length = job

@@ -7,9 +7,12 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from nri_plugin.prefetch import Prefetcher
 from runtime.housekeeping import rotate_logs
 from runtime.pagecache import is_cached
+from runtime import prefetch
 from runtime.prefetch import warm
 from runtime.store import ArtifactStore
 from tests.unit.test_store import KEY, publish
@@ -49,19 +52,35 @@ def test_prefetcher_starts_only_for_valid_restore_annotations(tmp_path: Path) ->
         p.shutdown()
 
 
-def test_warm_waits_while_paused(tmp_path: Path) -> None:
+def test_warm_keeps_the_disk_queue_short(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Never more than ``threads`` reads of at most CHUNK at once: a pod starting beside the
+    prefetch reads from the same disk, behind whatever is queued."""
     store = ArtifactStore(str(tmp_path))
-    publish(store, files={"bulk/pages-1.bulk": b"p" * (9 << 20)})
-    go, done = threading.Event(), []
+    publish(store, files={"bulk/pages-1.bulk": b"p" * (9 * prefetch.CHUNK), "plan": b"x"})
+    lock, now, most, sizes, offsets = threading.Lock(), [0], [0], [], []
+    real = os.preadv
+
+    def preadv(fd: int, bufs: list[memoryview], off: int) -> int:
+        with lock:
+            now[0] += 1
+            most[0] = max(most[0], now[0])
+            sizes.append(sum(len(b) for b in bufs))
+            offsets.append(off)
+        time.sleep(0.01)  # long enough for the other threads to pile up, if they could
+        try:
+            return real(fd, bufs, off)
+        finally:
+            with lock:
+                now[0] -= 1
+
+    monkeypatch.setattr(prefetch, "is_cached", lambda *_: False)  # as if the page cache were cold
+    monkeypatch.setattr(prefetch.os, "preadv", preadv)
     with store.open("team-a", "qwen-7b", KEY) as art:
-        t = threading.Thread(target=lambda: done.append(warm(art, threading.Event(), threads=1,
-                                                             budget=1 << 30, go=go)))
-        t.start()
-        time.sleep(0.3)
-        assert not done  # paused: the restore is in CRIU
-        go.set()
-        t.join(10)
-    assert done and done[0].bytes == 9 << 20
+        got = warm(art, threading.Event(), threads=3, budget=1 << 30)
+    assert got.bytes == 9 * prefetch.CHUNK + 1
+    assert most[0] <= 3 and max(sizes) <= prefetch.CHUNK
+    bulk = sorted(o for o, n in zip(offsets, sizes) if n == prefetch.CHUNK)
+    assert bulk == [i * prefetch.CHUNK for i in range(9)]  # each chunk once
 
 
 FILES = {"bulk/pages-1.bulk": b"p" * (3 << 20), "criu/core-1.img": b"core", "restore-plan.json": b"{}"}
