@@ -15,7 +15,10 @@ driver holds its whole device memory as one private anonymous mapping. So:
   fill; no other VMA changes, so the restored process has the advice the source had.
 - :func:`fill` (restore side, CRIU ran with ``--leave-stopped``): N threads read each bulk file
   piece by piece into private buffers, hash exactly those bytes, and write them into the
-  stopped process with process_vm_writev. The caller resumes the process only when
+  stopped process with process_vm_writev. A piece not in the page cache is first asked of the
+  disk whole (``POSIX_FADV_WILLNEED``): the threads share one open file, whose readahead state
+  their interleaved 1 MiB reads keep resetting; the advice keeps large requests queued however
+  the threads interleave (``bench.disk_queue`` measures both). The caller resumes the process only when
   :func:`fill` returned, i.e. every file's digest matched the signed manifest; on any error it
   kills the stopped tree, which then never ran.
 """
@@ -41,7 +44,8 @@ from runtime import criu_image as img
 from runtime.errors import RekindleError
 from runtime.layout import BULK_DIR, CRIU_DIR, BulkFile, BulkRange, bulk_file, bulk_pagemap
 from runtime.artifact import Artifact
-from runtime.digests import WORKERS, combine_pieces, new_hash, piece_ranges
+from runtime.digests import combine_pieces, new_hash, piece_ranges
+from runtime.pagecache import is_cached
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +54,9 @@ log = logging.getLogger(__name__)
 # restore on the H200, and the fill writes them on many threads instead.
 MIN_RUN = img.PAGE
 CHUNK = 1 << 20  # per-thread buffer: hashed and written while still in the core's cache
+# The fill is bound by memory bandwidth (zeroing, copying and hashing every page): one thread per
+# core, up to a machine of 32.
+WORKERS = min(32, os.cpu_count() or 1)
 
 
 class FillError(RekindleError):
@@ -285,6 +292,8 @@ class _Filler:
         fd, pid, segs = self.fds[p.file], self.pids[p.file], self.segments[p.file]
         digest = new_hash()
         pos, end, written = p.offset, p.offset + p.length, 0
+        if not is_cached(fd, pos, p.length):
+            os.posix_fadvise(fd, pos, p.length, os.POSIX_FADV_WILLNEED)
         while pos < end:
             want = min(CHUNK, end - pos)
             got = 0

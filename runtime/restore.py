@@ -60,7 +60,6 @@ from runtime.namespaces import host_pid_of
 from runtime.rollback import GenerationBook
 from runtime.security import LsmSupport, SecurityProfile, check_privilege, lsm_options
 from runtime.artifact import Artifact
-from runtime.digests import WORKERS
 from runtime.owner import write_owner
 from runtime.store import ArtifactStore
 from runtime.timings import Timings
@@ -83,7 +82,7 @@ class RestoreRequest:
     image_ref: str
     log_dir: str
     path: RestorePath = RestorePath.BULK
-    threads: int = WORKERS
+    threads: int = bulk.WORKERS  # fill threads
     max_layer_bytes: int = overlay.DEFAULT_MAX_LAYER_BYTES  # what a layer may write, at most
 
 
