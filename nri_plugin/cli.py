@@ -75,7 +75,7 @@ def _settings(args: argparse.Namespace) -> Settings:
     fields = {k: getattr(args, k) for k in ("state_dir", "store", "hmac_key_file", "containerd_state",
                                               "containerd_socket") if hasattr(args, k)}
     for k in ("name", "idx", "socket_path", "init_binary", "restore_timeout", "restore_path", "create_key",
-              "probes_per_pod", "probes_per_node", "prefetch", "max_layer_bytes", "bulk_min_run", "capture_timeout", "metrics_port", "metrics_address", "events",
+              "probes_per_pod", "probes_per_node", "prefetch", "max_layer_bytes", "bulk_min_run", "fill_threads", "capture_timeout", "metrics_port", "metrics_address", "events",
               "kubeconfig", "node_name", "containerd_config"):
         if hasattr(args, k):
             fields[k] = getattr(args, k)
@@ -148,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="at a checkpoint, private anonymous page runs at least this long move beside "
                         "CRIU and are filled on many threads at a restore ($REKINDLE_BULK_MIN_RUN, else "
                         "4Ki: all of them)")
+    p.add_argument("--fill-threads", type=_decimal, default=os.environ.get("REKINDLE_FILL_THREADS", "0"),
+                   help="threads that fill a restore's bulk pages ($REKINDLE_FILL_THREADS, else 0: one "
+                        "per core, up to 32)")
     p.add_argument("--capture-timeout", type=_positive, default=600,
                    help="seconds a checkpoint may spend capturing the writable layer (default: %(default)s)")
     p.add_argument("--no-prefetch", dest="prefetch", action="store_false",

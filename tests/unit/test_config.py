@@ -57,12 +57,13 @@ def test_restore_timeout_from_the_environment_goes_through_the_same_check(monkey
     ({"restore_timeout": 0}, "--restore-timeout"),
     ({"restore_timeout": 86401}, "--restore-timeout"),
     ({"restore_path": "fast"}, "--restore-path"),
+    ({"fill_threads": 1025}, "--fill-threads"),
     ({"probes_per_node": 1025}, "--max-probes"),
     ({"metrics_port": 65536}, "--metrics-port"),
     ({"events": True}, "--events"),
     ({"kubeconfig": "/etc/kube.conf"}, "--kubeconfig"),
     ({"init_binary": "/nonexistent/rekindle-init"}, "no rekindle-init"),
-], ids=["name", "state-dir", "store", "containerd-state", "timeout-0", "timeout-over-a-day", "restore-path",
+], ids=["name", "state-dir", "store", "containerd-state", "timeout-0", "timeout-over-a-day", "restore-path", "fill-threads",
         "probes-over-1024", "port", "events-without-node", "kubeconfig-without-events", "no-init"])
 def test_each_bad_setting_is_named(fields, problem):
     settings = Settings(**{"init_binary": "/bin/true", **fields})
