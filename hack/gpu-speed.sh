@@ -5,9 +5,11 @@
 # 1. node set-up from the bundle (hack/gpu-node-setup.sh: containerd, runc, CRIU, CNI, wheels,
 #    the sandbox up);
 # 2. with TESTS=1, tests/gpu (CUDA checkpoint API and the containerd end-to-end cases);
-# 3. each case of $CASES (default synthetic-16gib) with $RUNS (bench/restore_speed.py --runs).
-# What lands in $OUT: setup.log, node.txt, gpu-tests.log, restore-speed-<case>.json,
-# speed-<case>.log, logs.tar.xz (plugin, worker and CRIU logs).
+# 3. with DISK_QUEUE=1, bench/disk_queue.py (how the restore's read shapes share the disk);
+# 4. each case of $CASES (default synthetic-16gib) with $RUNS (bench/restore_speed.py --runs).
+# What lands in $OUT (few files: a call brings back eight at most): restore-speed-<case>.json,
+# disk-queue.json, and logs.tar.xz (node.txt, setup.log, gpu-tests.log, speed-<case>.log, and the
+# plugin, worker and CRIU logs).
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -17,25 +19,32 @@ mkdir -p "$out" "$scratch"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 t0=$(date +%s)
 { uname -a; nproc; free -g; df -h / /dev/shm /var/tmp; nvidia-smi; cat /sys/kernel/mm/transparent_hugepage/enabled; } \
-  > "$out/node.txt" 2>&1
-hack/gpu-node-setup.sh > "$out/setup.log" 2>&1 || { echo "setup failed"; tail -40 "$out/setup.log"; exit 1; }
+  > "$scratch/node.txt" 2>&1
+hack/gpu-node-setup.sh > "$scratch/setup.log" 2>&1 || { echo "setup failed"; tail -40 "$scratch/setup.log"; exit 1; }
 # shellcheck disable=SC1091
 . "${REKINDLE_BUNDLE_DIR:-/opt/rekindle-bundle}/env.sh"
 echo "setup done at $(( $(date +%s) - t0 ))s"
 rc=0
 if [ "${TESTS:-0}" = 1 ]; then
   REKINDLE_E2E_KEEP=1 REKINDLE_GPU_E2E_OUT=$scratch timeout "${TESTS_TIMEOUT:-300}" \
-    python3 -m pytest tests/gpu -x -v -rs -p no:cacheprovider > "$out/gpu-tests.log" 2>&1 || rc=1
-  grep -E "passed|failed|skipped|error" "$out/gpu-tests.log" | tail -5
+    python3 -m pytest tests/gpu -x -v -rs -p no:cacheprovider > "$scratch/gpu-tests.log" 2>&1 || rc=1
+  grep -E "passed|failed|skipped|error" "$scratch/gpu-tests.log" | tail -5
   echo "gpu tests done at $(( $(date +%s) - t0 ))s (rc=$rc)"
+fi
+if [ "${DISK_QUEUE:-0}" = 1 ]; then
+  python3 -m bench.disk_queue --file /var/tmp/rekindle-disk-queue.bin --json "$out/disk-queue.json" \
+    > "$scratch/disk-queue.log" 2>&1 || rc=1
+  tail -9 "$scratch/disk-queue.log"
+  rm -rf /var/tmp/rekindle-disk-queue.bin*
+  echo "disk queue done at $(( $(date +%s) - t0 ))s"
 fi
 for case in ${CASES:-synthetic-16gib}; do
   timeout "${CASE_TIMEOUT:-540}" python3 -m bench.restore_speed --case "$case" \
     ${RUNS:+--runs "$RUNS"} --out-dir "$scratch/$case" --json "$out/restore-speed-$case.json" \
-    > "$out/speed-$case.log" 2>&1 || rc=1
-  grep -vE "^[0-9-]+ [0-9:,]+ " "$out/speed-$case.log" | tail -40
+    > "$scratch/speed-$case.log" 2>&1 || rc=1
+  grep -vE "^[0-9-]+ [0-9:,]+ " "$scratch/speed-$case.log" | tail -40
   echo "$case done at $(( $(date +%s) - t0 ))s"
 done
-find /var/lib/rekindle-sandbox/containerd.log "$scratch" -name '*.log' -size -20M 2>/dev/null \
+find /var/lib/rekindle-sandbox/containerd.log "$scratch" \( -name '*.log' -o -name '*.txt' \) -size -20M 2>/dev/null \
   | tar -cJf "$out/logs.tar.xz" -T - 2>/dev/null
 exit $rc
