@@ -38,25 +38,26 @@ def phase_bytes(artifact: Path) -> dict[str, int]:
             "artifact": sum(size.values())}
 
 
-def _read(job: tuple[Path, int, int]) -> int:
-    path, off, length = job
-    buf = memoryview(mmap.mmap(-1, CHUNK))
+def _read(job: tuple[Path, int, int, int]) -> int:
+    path, off, length, chunk = job
+    buf = memoryview(mmap.mmap(-1, chunk))
     done = 0
     with open(path, "rb", buffering=0) as f:
         while done < length:
-            n = os.preadv(f.fileno(), [buf[:min(CHUNK, length - done)]], off + done)
+            n = os.preadv(f.fileno(), [buf[:min(chunk, length - done)]], off + done)
             if n <= 0:
                 break
             done += n
     return done
 
 
-def read_gbps(paths: Iterable[Path], threads: int, limit: int = 8 << 30) -> float:
-    """GB/s reading (up to ``limit`` bytes of) the files on ``threads`` threads."""
+def read_gbps(paths: Iterable[Path], threads: int, limit: int = 8 << 30, chunk: int = CHUNK) -> float:
+    """GB/s reading (up to ``limit`` bytes of) the files on ``threads`` threads, each reading
+    256 MiB of a file at a time in ``chunk`` reads."""
     jobs, total = [], 0
     for p in sorted(paths, key=lambda q: -q.stat().st_size):
         size = min(p.stat().st_size, limit - total)
-        jobs += [(p, off, min(256 << 20, size - off)) for off in range(0, size, 256 << 20)]
+        jobs += [(p, off, min(256 << 20, size - off), chunk) for off in range(0, size, 256 << 20)]
         total += size
         if total >= limit:
             break
