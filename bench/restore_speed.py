@@ -12,7 +12,7 @@ counts), reading it from the page cache, copying into
 fresh memory, and pinned host-to-device copies. Then restores into new pods, one after the other
 on the same artifact: ``--runs`` (default ``bulk:page-cache,bulk:disk,stock:page-cache``), where
 ``disk`` drops the page cache first and ``page-cache`` reads the artifact in first, and
-``bulk@16`` fills on 16 threads (default: one per core, up to 32). Each restore
+``bulk@16`` fills on 16 threads (default: one per core, up to 16). Each restore
 is timed from container create to the plugin's ``restored`` and to the first answer, which must be
 the source's (tokens, or GPU checksums). The stock path restarts the plugin with
 ``REKINDLE_RESTORE_PATH=stock`` (CRIU restores every page).

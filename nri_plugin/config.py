@@ -45,7 +45,7 @@ class Settings:
     prefetch: bool = True           # read a restore's artifact ahead from RunPodSandbox on
     max_layer_bytes: int = 8 << 30  # cap on a captured writable layer (and on one applied)
     bulk_min_run: int = 4096        # page runs at least this long move beside CRIU at a checkpoint
-    fill_threads: int = 0           # threads filling bulk pages at a restore; 0: one per core, up to 32
+    fill_threads: int = 0           # threads filling bulk pages at a restore; 0: one per core, up to 16
     capture_timeout: int = 600      # seconds a checkpoint may spend capturing the writable layer
     probes_per_pod: int = 1         # ready-probes of one pod at once (its checkpoint sources)
     probes_per_node: int = 16       # ready-probes of the whole node at once
@@ -85,7 +85,7 @@ class Settings:
         if not 1 <= self.restore_timeout <= 86400:
             problems.append(f"--restore-timeout must be 1..86400 seconds, got {self.restore_timeout}")
         if not 0 <= self.fill_threads <= 1024:
-            problems.append(f"--fill-threads must be 0..1024 (0: one per core, up to 32), got {self.fill_threads}")
+            problems.append(f"--fill-threads must be 0..1024 (0: one per core, up to 16), got {self.fill_threads}")
         if self.restore_path not in ("bulk", "stock"):
             problems.append(f"--restore-path must be bulk or stock, got {self.restore_path!r}")
         for label, value in (("--max-probes-per-pod", self.probes_per_pod), ("--max-probes", self.probes_per_node)):
