@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-KEYS = ("case", "path", "cache", "cold_start_s", "restore_s", "first_answer_s", "phases", "bytes", "sol_s",
+KEYS = ("case", "path", "cache", "fill_threads", "cold_start_s", "restore_s", "first_answer_s", "phases", "bytes", "sol_s",
         "identical")
 PHASES = (("stage", "stage (copy + hash)", "#dd8452"), ("rootfs_apply", "rootfs", "#937860"),
           ("criu_restore", "CRIU restore", "#4c72b0"), ("fill", "bulk fill (hash + write)", "#55a868"),
