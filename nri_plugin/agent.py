@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
 from runtime import checkpoint as checkpoint_flow
-from runtime import bulk, housekeeping, store_gc
+from runtime import housekeeping, store_gc
 from runtime import control
 from runtime import restore as restore_flow
 from runtime.compat import NodeFacts
@@ -144,7 +144,7 @@ class NodeEngine:
             log_dir=os.path.join(self.settings.state_dir, "logs"),
             path=restore_flow.RestorePath(self.settings.restore_path),
             max_layer_bytes=self.settings.max_layer_bytes,
-            threads=self.settings.fill_threads or bulk.WORKERS)
+            threads=self.settings.fill_threads)
         prefetcher = self.prefetcher
         staged = (lambda art: prefetcher.take(work.pod_uid, art)) if prefetcher is not None else None
         return restore_flow.restore(req, self.store, self.key, self.facts, control=work.control, cuda=self.cuda,

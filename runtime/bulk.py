@@ -44,7 +44,7 @@ from runtime import criu_image as img
 from runtime.errors import RekindleError
 from runtime.layout import BULK_DIR, CRIU_DIR, BulkFile, BulkRange, bulk_file, bulk_pagemap
 from runtime.artifact import Artifact
-from runtime.digests import combine_pieces, new_hash, piece_ranges
+from runtime.digests import WORKERS, combine_pieces, new_hash, piece_ranges
 from runtime.pagecache import is_cached
 
 log = logging.getLogger(__name__)
@@ -54,10 +54,6 @@ log = logging.getLogger(__name__)
 # restore on the H200, and the fill writes them on many threads instead.
 MIN_RUN = img.PAGE
 CHUNK = 1 << 20  # per-thread buffer: hashed and written while still in the core's cache
-# The fill is bound by memory bandwidth (zeroing, copying and hashing every page): one thread per
-# core, up to 16. More did worse: on the two-H200 machine (32 vCPUs), 49 GiB filled at 9.5-10.3
-# GB/s on 32 threads against 14.3 on 16, and the CUDA restore after it took 8.1-8.2 s against 7.0.
-WORKERS = min(16, os.cpu_count() or 1)
 
 
 class FillError(RekindleError):
@@ -294,7 +290,10 @@ class _Filler:
         digest = new_hash()
         pos, end, written = p.offset, p.offset + p.length, 0
         if not is_cached(fd, pos, p.length):
-            os.posix_fadvise(fd, pos, p.length, os.POSIX_FADV_WILLNEED)
+            try:
+                os.posix_fadvise(fd, pos, p.length, os.POSIX_FADV_WILLNEED)
+            except OSError:  # a hint: the reads below still read it
+                pass
         while pos < end:
             want = min(CHUNK, end - pos)
             got = 0
