@@ -4,7 +4,7 @@ Usage (root; drops the page cache between shapes):
 ``python -m bench.disk_queue --file PATH [--gib 4] [--json OUT]``
 
 A restore from a cold page cache reads its artifact while the pod's own start (runc, the shim,
-the init, CRIU) reads small files from the same disk. Each shape below reads ``--size`` bytes of
+the init, CRIU) reads small files from the same disk. Each shape below reads ``--gib`` GiB of
 ``PATH`` cold, while a probe thread reads 4 KiB from cold small files every 20 ms and times each:
 
 - ``prefetch`` shapes: N threads, one chunk each at a time, in file order (runtime.prefetch);
@@ -12,7 +12,7 @@ the init, CRIU) reads small files from the same disk. Each shape below reads ``-
 - ``fill`` shapes: the fill's pattern (runtime.bulk), N threads each reading its own 64 MiB piece
   in 1 MiB reads through one shared fd, with and without ``POSIX_FADV_WILLNEED`` per piece.
 
-Prints GB/s, the probe's median and p90 latency,, and the ratios to the baseline; the speed of
+Prints GB/s, the probe's median and p90 latency, and the ratios to the baseline; the speed of
 light is the disk's best throughput in the same run with the probe's idle latency.
 """
 
@@ -31,10 +31,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bench.llm_restore import drop_caches
+from runtime import bulk, prefetch
+from runtime.digests import PIECE  # the fill works piece by piece
 
 GB = 1e9
-PIECE = 64 << 20
-FILL_READ = 1 << 20
+FILL_READ = bulk.CHUNK
 SMALL = 64 << 10
 
 
@@ -146,7 +147,7 @@ def _prepare(path: Path, size: int, smalls_dir: Path) -> list[Path]:
 SHAPES = [
     Shape("idle", 0, 0),
     Shape("prefetch", 16, 8 << 20),  # baseline: the previous prefetch
-    Shape("prefetch", 4, 2 << 20),   # the prefetch now
+    Shape("prefetch", prefetch.THREADS, prefetch.CHUNK),  # the prefetch now
     Shape("prefetch", 8, 2 << 20),
     Shape("prefetch", 1, 8 << 20),
     Shape("fill", 16, FILL_READ),
