@@ -48,6 +48,7 @@ from runtime.containers import ContainerInfo, ns_pids, process_tree, resolve_con
 from runtime.cuda import Checkpointer
 from runtime.errors import CheckpointRefused, CriuError, CudaStuck, ImageUnknown, RekindleError
 from runtime.gpu_target import source_gpus
+from runtime.owner import write_owner
 from runtime.manifest import CriuInfo, CudaInfo, Manifest, MountInfo, NodeInfo, ProcessInfo, Source
 from runtime.procfs import anon_mappings
 from runtime.criu_executor import DumpResult, dump_workload
@@ -106,7 +107,8 @@ def checkpoint(req: CheckpointRequest, store: ArtifactStore, key: bytes, *,
     log.info("checkpoint %s/%s: container %s, workload %s (%d processes)",
              req.namespace, req.name, req.container_id[:12], root, len(tree))
     work_dir = os.path.join(req.log_dir, f"checkpoint-{req.namespace}-{req.name}-{int(time.time())}")
-    os.makedirs(work_dir, exist_ok=True)
+    os.makedirs(work_dir, mode=0o700, exist_ok=True)
+    write_owner(work_dir)  # the sweep removes the private staging of a checkpoint that died
 
     cuda_host: list[int] = []
     cuda_info: CudaInfo | None = None
@@ -120,7 +122,9 @@ def checkpoint(req: CheckpointRequest, store: ArtifactStore, key: bytes, *,
         log.info("checkpoint %s/%s: pid %d (%s): %s", req.namespace, req.name, note.pid, note.comm, note.summary)
     if report.blocking:
         raise CheckpointRefused(report.reasons())
-    with store.stage(req.namespace, req.name) as staging:
+    # CRIU dumps and the capture writes into a private node-local dir: the store is written
+    # only by the publish, through directory fds (runtime.store.Staging).
+    with store.stage(req.namespace, req.name, private_root=work_dir) as staging:
         images = os.path.join(staging.path, layout.CRIU_DIR)
         if cuda is not None and cuda_host:
             gpus = source_gpus(cuda, info.spec)

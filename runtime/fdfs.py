@@ -8,6 +8,7 @@ readers in one process hold two locks) and honoured over NFS.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import fcntl
 import os
@@ -30,9 +31,11 @@ def fsync_dir(path: str | int) -> None:
         os.close(fd)
 
 
-def write_file(path: str, data: bytes, dir_fd: int | None = None) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
-                 dir_fd=dir_fd)
+def write_file(path: str, data: bytes, dir_fd: int | None = None, *, exclusive: bool = False) -> None:
+    """Write ``data`` and fsync. ``exclusive``: the file must not exist yet (``O_EXCL``), so a
+    name someone else planted (a hard link to another file included) is never written through."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_EXCL if exclusive else os.O_TRUNC)
+    fd = os.open(path, flags, 0o600, dir_fd=dir_fd)
     try:
         view = memoryview(data)
         while view:
@@ -157,3 +160,26 @@ def walk_files_path(path: str) -> Iterator[str]:
         yield from walk_files(fd)
     finally:
         os.close(fd)
+
+
+# renameat2(2) flags; glibc has the call since 2.28, Python has no wrapper for it.
+RENAME_NOREPLACE = 1
+_renameat2 = None
+
+
+def rename_noreplace(src_dir_fd: int, src: str, dst_dir_fd: int, dst: str) -> None:
+    """Rename ``src`` below ``src_dir_fd`` to ``dst`` below ``dst_dir_fd``, failing (``EEXIST``)
+    rather than replacing whatever sits at ``dst``. Neither name is followed if it is a symlink."""
+    global _renameat2
+    if _renameat2 is None:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+        fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+        fn.restype = ctypes.c_int
+        _renameat2 = fn
+    if _renameat2(src_dir_fd, os.fsencode(src), dst_dir_fd, os.fsencode(dst), RENAME_NOREPLACE) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), dst)
+
+
+def same_inode(a: os.stat_result, b: os.stat_result) -> bool:
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)

@@ -76,6 +76,12 @@ def write_owner(dir_path: str) -> None:
     write_file(os.path.join(dir_path, OWNER), json.dumps(dataclasses.asdict(Owner.me())).encode())
 
 
+def write_owner_at(dir_fd: int) -> None:
+    """The same, into a directory held by fd that others can write (a store's staging dir): the
+    record is a new file, never written through a name someone planted."""
+    write_file(OWNER, json.dumps(dataclasses.asdict(Owner.me())).encode(), dir_fd=dir_fd, exclusive=True)
+
+
 def read_owner_of(dir_path: str) -> Owner | None:
     """The owner recorded in ``dir_path``, None when there is none or it is unreadable."""
     try:

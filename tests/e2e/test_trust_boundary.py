@@ -208,3 +208,127 @@ T = TypeVar("T")
 def wait_until_served(fn: Callable[[], T], timeout: float, what: str) -> T:
     """``wait_for`` with a server that may not listen yet (OSError: not yet)."""
     return wait_for(fn, timeout, what, interval=0.1, ignore=(OSError,))
+
+
+# --- the checkpoint side: a store writer racing the staging dir ----------------------------------
+
+_IN_CREATE, _IN_MOVED_TO = 0x100, 0x80
+# What a checkpoint writes into its staging dir, and where CRIU writes: each planted as a symlink
+# to a host file outside the store.
+_PLANTED = ["restore-plan.json", "rootfs-diff.tar", "rootfs-deletions.json", ".owner.json",
+            "manifest.json", "manifest.json.sig",
+            *(f"criu/{img}" for img in ("inventory.img", "pstree.img", "stats-dump")),
+            *(f"criu/{kind}-{pid}.img" for kind in ("pagemap", "pages", "mm", "core") for pid in range(1, 8)),
+            *(f"criu/pages-{pid}.img.tmp" for pid in range(1, 8)),
+            *(f"bulk/{kind}-{pid}.{ext}" for kind, ext in (("pagemap", "img"), ("pages", "bulk"))
+              for pid in range(1, 8))]
+
+
+class StoreWriter:
+    """Another tenant or node writing the store: the moment a staging dir appears in the artifact's
+    namespace dir (inotify), it plants symlinks to host files at every name the checkpoint writes,
+    points ``criu/`` at a host directory, or swaps the whole staging dir for a symlink to one."""
+
+    def __init__(self, ns_dir: Path, host: Path, mode: str) -> None:
+        import ctypes
+        import threading
+        self.ns_dir, self.host, self.mode = ns_dir, host, mode
+        self.planted: list[str] = []
+        self._libc = ctypes.CDLL(None, use_errno=True)
+        ns_dir.mkdir(parents=True, exist_ok=True)
+        self._fd = self._libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+        assert self._fd >= 0 and self._libc.inotify_add_watch(
+            self._fd, os.fsencode(ns_dir), _IN_CREATE | _IN_MOVED_TO) >= 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def victim(self, rel: str) -> Path:
+        return self.host / ("victim-" + rel.replace("/", "_"))
+
+    def _run(self) -> None:
+        import select
+        seen: set[str] = set()
+        while not self._stop.is_set():
+            select.select([self._fd], [], [], 0.05)
+            try:
+                os.read(self._fd, 65536)
+            except BlockingIOError:
+                pass
+            for entry in os.scandir(self.ns_dir):
+                if entry.name.startswith(".staging-") and entry.name not in seen:
+                    seen.add(entry.name)
+                    self._plant(self.ns_dir / entry.name)
+
+    def _plant(self, staging: Path) -> None:
+        try:
+            if self.mode == "swap":
+                os.rename(staging, staging.with_name(staging.name + "-moved"))
+                os.symlink(self.host / "swapped", staging)
+                self.planted.append("swap")
+                return
+            if self.mode == "criu-symlink":
+                os.symlink(self.host / "criu-out", staging / "criu")
+                self.planted.append("criu")
+            for rel in _PLANTED:
+                if self.mode == "criu-symlink" and rel.startswith("criu/"):
+                    continue  # planted through its own link, they would land in the host dir
+                path = staging / rel
+                try:
+                    path.parent.mkdir(exist_ok=True)
+                    os.symlink(self.victim(rel), path)
+                    self.planted.append(rel)
+                except OSError:
+                    pass  # the checkpoint made it first, or the dir is gone
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        os.close(self._fd)
+
+
+@pytest.mark.parametrize("mode", ["symlinks", "criu-symlink", "swap"])
+def test_a_store_writer_racing_the_checkpoint_never_gets_a_host_file_written(sandbox, pod, plugin, tmp_path, mode):
+    from runtime.keys import read_key
+    from runtime.status import Phase, StatusBook
+    from runtime.store import ArtifactStore
+
+    host = tmp_path / "host"  # host files outside the store, as /root/.ssh/authorized_keys would be
+    for sub in ("swapped", "criu-out"):
+        (host / sub).mkdir(parents=True)
+    ns_dir = Path(plugin.store) / "default"
+    writer = StoreWriter(ns_dir, host, mode)
+    for rel in _PLANTED:
+        writer.victim(rel).write_text("victim\n")
+    before = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in host.iterdir() if p.is_file()}
+
+    name, pod_name = f"racing-{mode}", f"src-racing-{mode}"
+    a = pod(pod_name, annotations={"rekindle.dev/checkpoint": name})
+    sandbox.run_container(a, "server", COUNTER, command=["/bin/busybox", "sh", "-c",
+                          "unset REKINDLE_CONTROL_DIR; exec /usr/local/bin/counter-server 8080"],
+                          env={"WARMUP_MIB": "64"})
+    ip = sandbox.cri.pod_ip(a.id)
+    wait_until_served(lambda: get(ip, "/healthz", 1.0), 30, "the source to serve")
+    get(ip)
+    try:
+        (plugin.control_dir(a.uid, "server") / "ready-for-checkpoint").write_text("ready\n")
+        st = StatusBook(plugin.state_dir).wait("default", a.name, "server",
+                                               {Phase.PUBLISHED, Phase.CHECKPOINT_FAILED}, 120)
+    finally:
+        writer.close()
+    assert st is not None, plugin.log()[-3000:]
+
+    after = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in host.iterdir() if p.is_file()}
+    assert after == before, f"host files written through the store ({writer.planted}): " + ", ".join(
+        sorted(k for k in after if after.get(k) != before.get(k)))
+    for sub in ("swapped", "criu-out"):
+        assert os.listdir(host / sub) == [], f"the checkpoint wrote into {sub}: {os.listdir(host / sub)}"
+    # Either a correct artifact, or a clean failure with the source still serving.
+    assert count(ip) >= 1 and "verify=ok" in get(ip, "/verify")
+    if st.phase is Phase.PUBLISHED:
+        with ArtifactStore(str(plugin.store)).open("default", name, read_key(plugin.state_dir / "hmac.key")) as art:
+            art.verify_files()
+    else:
+        assert writer.planted, "the checkpoint failed with nothing planted: " + st.reason
