@@ -63,17 +63,22 @@ def _waiting(path: str) -> bool:
 
 
 def sweep_restore_copies(log_dir: str | os.PathLike[str]) -> list[str]:
-    """Remove ``restore-*/private`` where the restore's owner is provably dead; the names of the
-    work dirs swept (their logs stay for ``rotate_logs``)."""
+    """Remove the private files of interrupted work whose owner is provably dead: a restore's
+    copies (``restore-*/private``) and a checkpoint's private staging (``checkpoint-*/staging-*``,
+    a whole dump); the names of the work dirs swept (their logs stay for ``rotate_logs``)."""
     swept = []
-    for work in sorted(Path(log_dir).glob("restore-*")):
-        private = work / "private"
-        if not private.is_dir() or private.is_symlink():
+    root = Path(log_dir)
+    works = [(w, [w / "private"]) for w in sorted(root.glob("restore-*"))]
+    works += [(w, sorted(w.glob("staging-*"))) for w in sorted(root.glob("checkpoint-*"))]
+    for work, privates in works:
+        privates = [p for p in privates if p.is_dir() and not p.is_symlink()]
+        if not privates:
             continue
         owner = read_owner_of(str(work))
         if owner is None or not owner.provably_dead():
             continue  # running, or made before owners were recorded (rotate_logs takes those)
-        shutil.rmtree(private, ignore_errors=True)
+        for private in privates:
+            shutil.rmtree(private, ignore_errors=True)
         swept.append(work.name)
     if swept:
         log.info("removed the private copies of %d interrupted restore(s) under %s", len(swept), log_dir)

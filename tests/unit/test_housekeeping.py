@@ -70,3 +70,18 @@ def test_private_copies_of_a_dead_restore_are_swept_and_a_live_ones_kept(tmp_pat
     assert not (rebooted / "private").exists()
     for kept in (live, other_node, unowned):
         assert (kept / "private").is_dir(), kept.name
+
+
+def test_private_staging_of_a_dead_checkpoint_is_swept_and_a_live_ones_kept(tmp_path: Path) -> None:
+    me = Owner.me()
+    dead = tmp_path / "checkpoint-default-a-1"
+    (dead / "staging-default-a-x1" / "criu").mkdir(parents=True)
+    (dead / "staging-default-a-x1" / "criu" / "pages-1.img").write_bytes(b"p" * 4096)
+    (dead / "dump.log").write_text("log")
+    (dead / OWNER).write_text(json.dumps(dataclasses.asdict(dataclasses.replace(me, start_time=me.start_time + 1))))
+    live = tmp_path / "checkpoint-default-a-2"
+    (live / "staging-default-a-x2").mkdir(parents=True)
+    write_owner(str(live))
+    assert sweep_restore_copies(tmp_path) == [dead.name]
+    assert not (dead / "staging-default-a-x1").exists() and (dead / "dump.log").exists()
+    assert (live / "staging-default-a-x2").is_dir()
