@@ -179,7 +179,7 @@ def checkpoint_cell(rig: Rig, wl: Workload, phase: str, fault: Fault) -> Cell:
     cell = Cell("checkpoint", phase, fault.value)
     t0 = time.monotonic()
     name = f"c-{slug(phase)}-{fault.value}"
-    marker = f"/.staging-{name}-"
+    marker = f"/staging-default-{name}-"  # the checkpoint's private staging: CRIU's images dir
     mounts_before = observe.mount_table()
     if fault is Fault.DISK_FULL:
         rig.disk.fit(rig.artifact_bytes or (wl.warmup_mib + wl.blob_mib + wl.shm_mib + 16) << 20)
