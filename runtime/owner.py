@@ -10,6 +10,7 @@ import socket
 import time
 from dataclasses import dataclass
 
+from runtime import strict_json
 from runtime.fdfs import DIR_FLAGS, FILE_FLAGS, write_file
 
 OWNER = ".owner.json"
@@ -64,7 +65,7 @@ def read_owner(dir_fd: int) -> Owner | None:
     finally:
         os.close(fd)
     try:
-        d = json.loads(raw)
+        d = strict_json.loads(raw, max_bytes=4096)  # planted: json.loads recursed on "[[[..."
         return Owner(str(d["node"]), str(d["boot_id"]), int(d["pid"]), int(d["start_time"]),
                      float(d["created"]))
     except (ValueError, KeyError, TypeError):
