@@ -57,8 +57,8 @@ from types import TracebackType
 from runtime import layout, names
 from runtime.artifact import Artifact, Vanished
 from runtime.digests import hash_fd
-from runtime.fdfs import (DIR_FLAGS, FILE_FLAGS, exclusive, ofd_lock, open_regular, read_capped, rename_noreplace,
-                          same_inode, walk_files_path, why, write_file)
+from runtime.fdfs import (DIR_FLAGS, FILE_FLAGS, exclusive, ofd_lock, open_regular, read_capped, remove_tree,
+                          rename_noreplace, same_inode, walk_files_path, why, write_file)
 from runtime.errors import ArtifactNotFound, ArtifactRejected, RekindleError, StoreError
 from runtime.manifest import MAX_MANIFEST_BYTES as MAX_MANIFEST
 from runtime.manifest import FileEntry, Manifest, sign, verify
@@ -145,7 +145,7 @@ class Staging:
         try:
             st = os.stat(self.entry, dir_fd=ns_fd, follow_symlinks=False)
             if same_inode(st, self._entry_stat):
-                shutil.rmtree(self.entry, dir_fd=ns_fd)
+                remove_tree(ns_fd, self.entry)
         except Exception as exc:  # noqa: BLE001 - whatever was planted there, the sweep takes it later
             log.warning("staging %s/%s: cannot remove %s from the store (%s); left for the sweep",
                         self.namespace, self.name, self.entry, exc)
@@ -229,6 +229,14 @@ class Staging:
             with contextlib.suppress(OSError):
                 os.unlink(tmp, dir_fd=ns_fd)
             raise
+
+
+def _remove_quietly(ns_fd: int, name: str) -> None:
+    """Remove a tree the store no longer names; what cannot go now is left for the sweep."""
+    try:
+        remove_tree(ns_fd, name)
+    except (OSError, RekindleError) as exc:
+        log.warning("cannot remove %s from the store yet (%s); left for the sweep", name, exc)
 
 
 def _check_private(root: str) -> None:
@@ -505,7 +513,8 @@ class ArtifactStore:
 
     # ------------------------------------------------------------------ removing
     def remove_version(self, ns_fd: int, version: str, wait: float = 0.0) -> bool:
-        """Remove a version dir unless a reader holds it (then leave it for a later sweep)."""
+        """Remove a version (or trash) dir unless a reader holds it (then leave it for a later
+        sweep): renamed to trash under the exclusive lock, then removed without recursion."""
         try:
             dir_fd = os.open(version, DIR_FLAGS, dir_fd=ns_fd)
         except FileNotFoundError:
@@ -520,16 +529,18 @@ class ArtifactStore:
             if lock is None:
                 log.info("version %s is being read; leaving it for a later sweep", version)
                 return False
-            trash = f"{TRASH_PREFIX}{version.lstrip('.')}-{secrets.token_hex(4)}"
+            trash = (version if version.startswith(TRASH_PREFIX)
+                     else f"{TRASH_PREFIX}{version.lstrip('.')}-{secrets.token_hex(4)}")
             try:
-                os.rename(version, trash, src_dir_fd=ns_fd, dst_dir_fd=ns_fd)
+                if trash != version:
+                    os.rename(version, trash, src_dir_fd=ns_fd, dst_dir_fd=ns_fd)
             finally:
                 if lock >= 0:
                     os.close(lock)
-            shutil.rmtree(trash, dir_fd=ns_fd, ignore_errors=True)
-            return True
         finally:
             os.close(dir_fd)
+        _remove_quietly(ns_fd, trash)
+        return True
 
     def delete(self, namespace: str, name: str, wait: float = 0.0) -> None:
         """Remove ``namespace/name``: the name first (atomically), then its version. Refuses
@@ -566,7 +577,7 @@ class ArtifactStore:
                 if stat.S_ISDIR(st.st_mode):
                     trash = f"{TRASH_PREFIX}{name}-{secrets.token_hex(8)}"
                     os.rename(name, trash, src_dir_fd=ns_fd, dst_dir_fd=ns_fd)
-                    shutil.rmtree(trash, dir_fd=ns_fd, ignore_errors=True)
+                    _remove_quietly(ns_fd, trash)
                 else:
                     os.unlink(name, dir_fd=ns_fd)
             os.fsync(ns_fd)

@@ -15,17 +15,15 @@ within bounds (``runtime.fdfs``: depth and entries); a leftover past them is rep
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import os
-import secrets
 import stat
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from runtime.errors import ArtifactRejected, RekindleError, StoreError, TreeTooLarge
-from runtime.fdfs import DIR_FLAGS, exclusive, remove_tree, tree_bytes
+from runtime.fdfs import DIR_FLAGS, remove_tree, tree_bytes
 from runtime.owner import Owner, read_owner
 from runtime.store import (LINK_PREFIX, STAGING_PREFIX, TRASH_PREFIX, VERSION_PREFIX, VERSION_RE, ArtifactStore,
                            generation_of, is_valid_name, validate_namespace)
@@ -127,7 +125,7 @@ def sweep(store: ArtifactStore, namespace: str | None = None, stale_after: float
             if item.kind == "link":
                 os.unlink(item.entry, dir_fd=ns_fd)
             elif item.kind in ("unreferenced-version", "trash"):
-                if not _remove_version(ns_fd, item.entry):
+                if not store.remove_version(ns_fd, item.entry):
                     continue
             else:
                 remove_tree(ns_fd, item.entry)
@@ -138,37 +136,6 @@ def sweep(store: ArtifactStore, namespace: str | None = None, stale_after: float
         finally:
             os.close(ns_fd)
     return removed
-
-
-def _remove_version(ns_fd: int, entry: str) -> bool:
-    """Remove a version (or trash) dir unless a reader holds its lock: renamed to trash under
-    the exclusive lock, then removed without recursion (:func:`remove_tree`)."""
-    try:
-        dir_fd = os.open(entry, DIR_FLAGS, dir_fd=ns_fd)
-    except FileNotFoundError:
-        return True
-    except OSError as exc:
-        if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
-            raise
-        os.unlink(entry, dir_fd=ns_fd)
-        return True
-    try:
-        lock = exclusive(dir_fd)
-        if lock is None:
-            log.info("version %s is being read; leaving it for a later sweep", entry)
-            return False
-        trash = (entry if entry.startswith(TRASH_PREFIX)
-                 else f"{TRASH_PREFIX}{entry.lstrip('.')}-{secrets.token_hex(4)}")
-        try:
-            if trash != entry:
-                os.rename(entry, trash, src_dir_fd=ns_fd, dst_dir_fd=ns_fd)
-        finally:
-            if lock >= 0:
-                os.close(lock)
-    finally:
-        os.close(dir_fd)
-    remove_tree(ns_fd, trash)
-    return True
 
 
 def _abandoned(item: Leftover, stale_after: float, grace: float) -> bool:

@@ -585,3 +585,22 @@ def test_publish_never_writes_through_a_name_planted_in_the_store(tmp_path: Path
         publish(store)
     assert victim.read_text() == "victim\n"
     assert os.listdir(tmp_path / "store" / "team-a") == []
+
+
+def test_deleting_an_artifact_with_a_deep_tree_planted_in_its_version_does_not_recurse(tmp_path: Path) -> None:
+    """Another writer nests 1500 directories inside a published version: delete (and the
+    removal of the version a re-publish replaces) removes it without RecursionError."""
+    store = ArtifactStore(str(tmp_path))
+    for _ in range(2):
+        version = publish(store)
+        fd = os.open(version, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            for _ in range(1500):
+                os.mkdir("d", dir_fd=fd)
+                sub = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+                os.close(fd)
+                fd = sub
+        finally:
+            os.close(fd)
+    store.delete("team-a", "qwen-7b")
+    assert os.listdir(tmp_path / "team-a") == []
