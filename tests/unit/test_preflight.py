@@ -326,27 +326,33 @@ def test_real_userfaultfd_and_character_device_are_refused(child) -> None:
 FORGED = """
     # A rank whose only live mark is NCCL's proxy socket, and sockets whose names hold a newline
     # and then a line of /proc/net/unix naming that socket's inode with a harmless name. The
-    # process binds them until one such line comes after the real one (the table's order is its
-    # hash order), which is where a parser that keeps the last line per inode is fooled.
-    sk = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sk.bind(b"\\0/tmp/nccl-socket-0-%x" % os.getpid())
-    sk.listen()
-    ino = os.fstat(sk.fileno()).st_ino
-    forged = "0000000000000000: 00000002 00000000 00010000 0001 01 %5d @harmless" % ino
-    def last_name():
+    # table's order is its hash order; a parser that keeps the last line per inode is fooled once
+    # a forged line comes after the real one, so the names are varied until one does.
+    def last_name(ino):
         name = None
         for line in open("/proc/self/net/unix").read().splitlines()[1:]:
             f = line.split(None, 7)
             if len(f) >= 7 and f[6] == str(ino):
                 name = f[7] if len(f) > 7 else ""
         return name
-    forgers = []
-    while last_name() != "@harmless":
-        if len(forgers) == 256:
-            print("no forged line came after the real one", flush=True); sys.exit(1)
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        s.bind(b"\\0x%d\\n" % len(forgers) + forged.encode())
-        forgers.append(s)
+    for attempt in range(64):
+        sk = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sk.bind(b"\\0/tmp/nccl-socket-0-%x" % (os.getpid() << 8 | attempt))
+        sk.listen()
+        ino = os.fstat(sk.fileno()).st_ino
+        forged = "0000000000000000: 00000002 00000000 00010000 0001 01 %5d @harmless" % ino
+        forgers = []
+        while last_name(ino) != "@harmless" and len(forgers) < 64:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            s.bind(b"\\0x%d-%d\\n" % (attempt, len(forgers)) + forged.encode())
+            forgers.append(s)
+        if last_name(ino) == "@harmless":
+            break
+        sk.close()
+        for s in forgers:
+            s.close()
+    else:
+        print("no forged line came after the real one", flush=True); sys.exit(1)
     ready()
 """
 
@@ -364,7 +370,7 @@ def test_real_forged_net_unix_line_does_not_hide_the_proxy_socket(child) -> None
     ino = _ino_of_nccl_socket(pid)
     assert procfs.unix_sockets(pid)[ino].path == "@harmless"  # what a line-by-line reading believes
     (f,) = preflight.inspect([pid]).blocking
-    assert f.kind is Kind.NCCL_COMMUNICATOR and f"@/tmp/nccl-socket-0-{pid:x}" in f.evidence, f
+    assert f.kind is Kind.NCCL_COMMUNICATOR and f"socket @/tmp/nccl-socket-0-{pid:x}" in f.evidence, f
 
 
 def test_real_forged_net_unix_line_is_caught_without_netlink(child, monkeypatch: pytest.MonkeyPatch) -> None:
