@@ -329,21 +329,22 @@ class CudaCheckpointer:
 
     def release(self, pids: Iterable[int]) -> list[int]:
         """Bring processes left locked or checkpointed (an agent that died mid-checkpoint) back
-        to running; returns the pids that needed it."""
+        to running; returns the pids that needed it. Other states are left as they are."""
         with self._seq:
-            return [p for p in list(pids) if self._settle(p) is not ProcessState.RUNNING]
+            return [p for p in list(pids)
+                    if self._settle(p, strict=False) in (ProcessState.CHECKPOINTED, ProcessState.LOCKED)]
 
-    def _settle(self, pid: int, lock_pending: bool = False) -> ProcessState:
+    def _settle(self, pid: int, *, strict: bool = True, lock_pending: bool = False) -> ProcessState:
         """Back to running by what the driver says of ``pid`` (checkpointed: restore, then
-        unlock; locked: unlock); returns the state it found. Raises when that cannot be done:
-        a state in between, or running while a lock of ours may still land (``lock_pending``)."""
+        unlock; locked: unlock); returns the state it found. ``strict``: raise for any other
+        state than running, or for running while a lock of ours may still land (``lock_pending``)."""
         state = ProcessState(self._on(pid, GET_STATE, lambda d, q: d.get_state(q)))
         if state is ProcessState.CHECKPOINTED:
             self._on(pid, RESTORE, lambda d, q: d.restore(q, []))
-        elif state is ProcessState.RUNNING and not lock_pending:
-            return state
         elif state is not ProcessState.LOCKED:
-            raise CudaError(GET_STATE, 401, f"CUDA_ERROR_ILLEGAL_STATE (the process is {state})", pid)
+            if strict and (lock_pending or state is not ProcessState.RUNNING):
+                raise CudaError(GET_STATE, 401, f"CUDA_ERROR_ILLEGAL_STATE (the process is {state})", pid)
+            return state
         self._on(pid, UNLOCK, lambda d, q: d.unlock(q))
         return state
 
