@@ -23,6 +23,7 @@ Contract:
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import re
 import socket
@@ -31,6 +32,8 @@ import threading
 from dataclasses import dataclass, field
 
 from runtime import procfs
+
+log = logging.getLogger(__name__)
 
 PROC = procfs.PROC
 NETLINK_SOCK_DIAG = 4
@@ -175,8 +178,8 @@ def unix_sockets(pid: int, proc: str = PROC) -> UnixTable:
     if os.path.realpath(proc) == PROC:
         try:
             return UnixTable(_netlink(pid))
-        except OSError:
-            pass  # fall back to the text, read with care
+        except OSError as exc:  # fall back to the text, read with care
+            log.debug("sock_diag for pid %d: %s; reading net/unix", pid, exc)
     try:
         with open(f"{proc}/{pid}/net/unix", "rb") as f:
             raw = f.read(64 << 20)
