@@ -62,12 +62,12 @@ T = TypeVar("T")
 PROC_DRIVER_VERSION = "/proc/driver/nvidia/version"
 NOT_INITIALIZED = 3  # CUDA_ERROR_NOT_INITIALIZED: the driver's answer for a process without CUDA
 TIMEOUT_CODE = 909  # CUDA_ERROR_TIMEOUT, for a call the agent stopped waiting for
-# One driver call's deadline. The longest measured is a checkpoint or restore of one process's
-# device memory: 25-28 s for a TP=2 pair on H200 (bench/results/h200x2); a full 141 GiB GPU at
-# the same rate stays well inside.
-CALL_TIMEOUT = 600.0
 LOCK, CHECKPOINT, RESTORE, UNLOCK, GET_STATE = (f"cuCheckpointProcess{n}" for n in (
     "Lock", "Checkpoint", "Restore", "Unlock", "GetState"))
+# One driver call's deadline. The longest calls copy a process's device memory: 25-28 s for
+# 49 GiB on H200 (bench/results/h200x2/restore-speed.json), about 2 GiB/s, so ~75 s for a full
+# 141 GiB GPU.
+CALL_TIMEOUT = 600.0
 LOCK_GRACE = 10.0  # on top of a lock's own timeout, which the driver keeps
 MAX_HUNG = 4  # driver calls left hanging before the checkpointer gives up on the driver
 
@@ -206,7 +206,7 @@ def is_thread_group_leader(pid: int) -> bool:
 
 
 class CudaCheckpointer:
-    """All CUDA checkpoint calls of one agent, serialised on one dedicated worker thread."""
+    """All CUDA checkpoint calls of one agent, serialised on one worker thread at a time."""
 
     def __init__(self, library: str | None = None, *,
                  driver_factory: Callable[[], Driver] | None = None,
