@@ -229,7 +229,7 @@ def test_calls_after_a_hang_run_on_a_fresh_worker_until_too_many_hang() -> None:
                 gate.wait(30)
             return 0
 
-    ck = CudaCheckpointer(driver_factory=lambda: Driver(), call_timeout=0.2)  # type: ignore[arg-type, return-value]
+    ck = CudaCheckpointer(driver_factory=lambda: Driver(), call_timeout=1.0)  # type: ignore[arg-type, return-value]
     try:
         for i in range(cuda.MAX_HUNG):
             if i:
