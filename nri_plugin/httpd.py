@@ -213,6 +213,9 @@ class HttpEndpoint:
             self.refused += 1
             writer.transport.abort()
             return
+        # drain() returns only once the reply is all in the kernel: closing with abort()
+        # afterwards loses nothing, and a client that does not read hits the timeout.
+        writer.transport.set_write_buffer_limits(high=0)
         try:
             await self._serve_requests(conn, reader, writer)
         except (TimeoutError, ConnectionError):

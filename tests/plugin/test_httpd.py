@@ -273,3 +273,34 @@ def test_bind_error_is_an_oserror():
             HttpEndpoint("127.0.0.1", port, Metrics().registry, Health()).start()
     finally:
         ep.stop()
+
+
+def test_a_large_metrics_reply_arrives_whole_before_the_connection_closes():
+    """Replies are flushed to the kernel before the server closes: a /metrics page much larger
+    than asyncio's write buffer arrives complete to a client that reads slowly."""
+    registry = CollectorRegistry()
+
+    class Big:
+        def collect(self):
+            g = GaugeMetricFamily("big", "many series", labels=["i"])
+            for i in range(20000):
+                g.add_metric([str(i)], i)
+            yield g
+    registry.register(Big())
+    ep = HttpEndpoint("127.0.0.1", 0, registry, Health())
+    ep.start()
+    s = connect(ep.port)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.sendall(b"GET /metrics HTTP/1.1\r\nConnection: close\r\n\r\n")
+        got = b""
+        s.settimeout(5)
+        while chunk := s.recv(1024):
+            got += chunk
+        head, _, body = got.partition(b"\r\n\r\n")
+        length = int([h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length:")][0].split(b":")[1])
+        assert length > 200_000 and len(body) == length
+        assert body.rstrip().endswith(b'big{i="19999"} 19999.0')
+    finally:
+        s.close()
+        ep.stop()
