@@ -126,6 +126,7 @@ class HttpEndpoint:
         self._stopping: asyncio.Event | None = None
         self._thread: threading.Thread | None = None
         self._collectors: concurrent.futures.ThreadPoolExecutor | None = None
+        self._failed: OSError | None = None
 
     @property
     def open_connections(self) -> int:
@@ -149,6 +150,8 @@ class HttpEndpoint:
         self._thread = threading.Thread(target=self._run, args=(sock, started), name="rekindle-http", daemon=True)
         self._thread.start()
         started.wait()
+        if self._failed is not None:
+            raise self._failed
         log.info("metrics and health on http://%s:%d (/metrics, /readyz, /healthz)", self.address or "0.0.0.0",
                  self.port)
         return self.port
@@ -166,7 +169,13 @@ class HttpEndpoint:
 
     # ------------------------------------------------------------------ the loop's thread
     def _run(self, sock: socket.socket, started: threading.Event) -> None:
-        asyncio.run(self._serve(sock, started))
+        try:
+            asyncio.run(self._serve(sock, started))
+        except OSError as exc:  # before serving: start() raises it
+            self._failed = exc
+            sock.close()
+        finally:
+            started.set()
 
     async def _serve(self, sock: socket.socket, started: threading.Event) -> None:
         self._loop = asyncio.get_running_loop()
