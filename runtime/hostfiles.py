@@ -232,7 +232,10 @@ def record(images_dir: str, plan: Sequence[MountPlanEntry], spec_mounts: Iterabl
         elif result[0] != wanted[(mount, path)][1]:
             problems.append(f"{where}: {result[0]} bytes on the host, {wanted[(mount, path)][1]} when dumped")
         else:
-            out.append(HostFile(mount=mount, path=path, size=result[0], digest=result[1]))
+            try:
+                out.append(HostFile(mount=mount, path=path, size=result[0], digest=result[1]))
+            except ValueError as exc:  # a path the manifest cannot carry
+                problems.append(f"{where}: {exc}")
     if problems:
         raise HostFilesError("files the tree uses from bind mounts cannot be recorded: " + "; ".join(problems))
     log.info("host files: %d from bind mounts, %s, hashed in %.3fs",
