@@ -46,8 +46,8 @@ def count(ip: str) -> int:
     return int(get(ip).split("count=")[1].split()[0])
 
 
-def checkpoint(sandbox, pod, plugin, name: str, pod_name: str, requests: int, shell: str = "",  # type: ignore[no-untyped-def]
-               env: dict[str, str] | None = None, mounts: tuple[Mount, ...] = ()):
+def checkpoint(sandbox, pod, plugin, name: str, pod_name: str, requests: int,  # type: ignore[no-untyped-def]
+               shell: str = "", env: dict[str, str] | None = None, mounts: tuple[Mount, ...] = ()):
     """A counter server checkpointed after ``requests`` requests; the test says when it is ready
     (the workload does not), so the checkpoint cannot precede the requests."""
     from runtime.status import Phase, StatusBook
