@@ -13,7 +13,8 @@ Steps, each timed (the timings go into the manifest and the container's status):
   5. rootfs_capture / shm_capture: the writable layer and /dev/shm, while the tree is still
      stopped, so files and memory are one instant;
   6. resume: SIGCONT, then CUDA restore + unlock (unless the source is to exit);
-  7. split: the large private anonymous page runs move beside CRIU's images (runtime.bulk);
+  7. host_files: digests of the files the tree uses from bind mounts (runtime.hostfiles);
+     split: the large private anonymous page runs move beside CRIU's images (runtime.bulk);
   8. publish: manifest (identity, node, CRIU, CUDA, security fingerprint, digests), signed,
      published as a new version of the name;
   9. tell the source (``snapshot-complete``) and stop it if asked.
@@ -40,6 +41,7 @@ from dataclasses import dataclass
 
 from runtime import bulk
 from runtime import control as control_mod
+from runtime import hostfiles
 from runtime import layout
 from runtime import overlay
 from runtime import preflight
@@ -176,6 +178,8 @@ def checkpoint(req: CheckpointRequest, store: ArtifactStore, key: bytes, *,
         if unrepaired:
             raise CriuError("dump", "TCP connections of the source were left in repair mode: "
                             + "; ".join(unrepaired), dump.log_path)
+        with t.phase("host_files"):  # after the resume: the source does not wait on it
+            host_files = hostfiles.record(images, dump.mount_plan, info.spec_mounts)
         files: tuple[layout.BulkFile, ...] = ()
         if req.split:
             with t.phase("split"):
@@ -199,6 +203,7 @@ def checkpoint(req: CheckpointRequest, store: ArtifactStore, key: bytes, *,
             process=ProcessInfo(root_pid=dump.root_ns_pid, args=tuple(control_mod.original_args(info.spec))),
             mounts=tuple(MountInfo(m.key, m.destination, m.type) for m in dump.mount_plan),
             files=(),
+            host_files=host_files,
             timings=dict(t),
         )
         with t.phase("publish"):

@@ -9,6 +9,10 @@
   other content in its place, points the name at another signed version, or rewrites a listed
   file through a hard link. The restore either comes back with exactly the version it opened or
   fails with the tampered file named, and then nothing of it ever ran.
+- Host files are the checkpoint's: a source maps a "library" and holds a file open from a
+  host directory bound in (as the NVIDIA toolkit binds libcuda.so). A restore with the same
+  files there runs warm and reads them; after the library was rewritten with other bytes of the
+  same size (all CRIU checks), the restore starts cold and says which file differs.
 """
 
 from __future__ import annotations
@@ -42,7 +46,8 @@ def count(ip: str) -> int:
     return int(get(ip).split("count=")[1].split()[0])
 
 
-def checkpoint(sandbox, pod, plugin, name: str, pod_name: str, requests: int, shell: str = ""):  # type: ignore[no-untyped-def]
+def checkpoint(sandbox, pod, plugin, name: str, pod_name: str, requests: int,  # type: ignore[no-untyped-def]
+               shell: str = "", env: dict[str, str] | None = None, mounts: tuple[Mount, ...] = ()):
     """A counter server checkpointed after ``requests`` requests; the test says when it is ready
     (the workload does not), so the checkpoint cannot precede the requests."""
     from runtime.status import Phase, StatusBook
@@ -50,7 +55,7 @@ def checkpoint(sandbox, pod, plugin, name: str, pod_name: str, requests: int, sh
     a = pod(pod_name, annotations={"rekindle.dev/checkpoint": name, "rekindle.dev/overwrite": "true"})
     script = f"{shell}unset REKINDLE_CONTROL_DIR; exec /usr/local/bin/counter-server 8080"
     sandbox.run_container(a, "server", COUNTER, command=["/bin/busybox", "sh", "-c", script],
-                          env={"WARMUP_MIB": "64"})
+                          env={"WARMUP_MIB": "64", **(env or {})}, mounts=list(mounts))
     ip = sandbox.cri.pod_ip(a.id)
     wait_until_served(lambda: get(ip, "/healthz", 1.0), 30, "the source to serve")
     for _ in range(requests):
@@ -200,6 +205,69 @@ def _in_pidns(pid: str, inode: int) -> bool:
         return os.stat(f"/proc/{pid}/ns/pid").st_ino == inode
     except OSError:
         return False
+
+
+# --- host files from bind mounts ------------------------------------------------------------------
+
+LIB = b"version-A of a host library\n" + bytes(range(256)) * 64
+HELD = b"a file the workload holds open\n"
+
+
+def _host_files_source(sandbox, pod, plugin, tmp_path: Path, name: str):  # type: ignore[no-untyped-def]
+    """A source that maps /hostlib/libhost.so (then closes it) and holds /hostlib/held.txt open
+    on fd 3, both from a host directory bound in read-only; checkpointed."""
+    lib = tmp_path / "hostlib"
+    lib.mkdir()
+    (lib / "libhost.so").write_bytes(LIB)
+    (lib / "held.txt").write_bytes(HELD)
+    mount = Mount("/hostlib", str(lib), readonly=True)
+    a, ip, _ = checkpoint(sandbox, pod, plugin, name, f"src-{name}", 2, shell="exec 3</hostlib/held.txt; ",
+                          env={"MAP_FILE": "/hostlib/libhost.so", "WARMUP_MIB": "0"}, mounts=(mount,))
+    assert get(ip, "/mapped") == "mapped=version-A of a host library\n"
+    return lib, mount
+
+
+def test_a_restore_with_the_same_host_files_runs_warm_and_reads_them(sandbox, pod, plugin, tmp_path):
+    from runtime.digests import new_hash
+    from runtime.keys import read_key
+    from runtime.status import Phase, StatusBook
+    from runtime.store import ArtifactStore
+    _lib, mount = _host_files_source(sandbox, pod, plugin, tmp_path, "hostlib-same")
+    with ArtifactStore(str(plugin.store)).open("default", "hostlib-same",
+                                               read_key(plugin.state_dir / "hmac.key")) as art:
+        recorded = art.manifest.host_files
+    # Both, and nothing of the image (the server's own binary, mapped too, is the image's).
+    assert recorded is not None and [(h.mount, h.path, h.size, h.digest) for h in recorded] == [
+        ("/hostlib", "held.txt", len(HELD), new_hash(HELD).hexdigest()),
+        ("/hostlib", "libhost.so", len(LIB), new_hash(LIB).hexdigest())], recorded
+    b = pod("dst-hostlib-same", annotations={"rekindle.dev/restore": "hostlib-same"})
+    sandbox.run_container(b, "server", COUNTER, command=["/usr/local/bin/counter-server", "8080"], mounts=[mount])
+    st = StatusBook(plugin.state_dir).wait("default", b.name, "server", {Phase.RESTORED, Phase.COLD_START}, 90)
+    assert st is not None and st.phase is Phase.RESTORED, (st, plugin.log()[-3000:])
+    ip = sandbox.cri.pod_ip(b.id)
+    wait_until_served(lambda: get(ip, "/healthz", 1.0), 30, "the restored server")
+    assert count(ip) == 3  # the source's process, continued
+    assert get(ip, "/mapped") == "mapped=version-A of a host library\n"
+
+
+def test_a_restore_whose_host_library_changed_with_the_same_size_starts_cold(sandbox, pod, plugin, tmp_path):
+    """CRIU compares only sizes: without the digests this restore ran with other code mapped."""
+    from runtime.status import Phase, StatusBook
+    lib, mount = _host_files_source(sandbox, pod, plugin, tmp_path, "hostlib-changed")
+    changed = LIB.replace(b"version-A", b"version-B")
+    assert len(changed) == len(LIB)
+    (lib / "libhost.so").write_bytes(changed)  # the host's driver updated in place, say
+    b = pod("dst-hostlib-changed", annotations={"rekindle.dev/restore": "hostlib-changed"})
+    sandbox.run_container(b, "server", COUNTER, command=["/usr/local/bin/counter-server", "8080"], mounts=[mount])
+    st = StatusBook(plugin.state_dir).wait("default", b.name, "server", {Phase.RESTORED, Phase.COLD_START}, 90)
+    ip = sandbox.cri.pod_ip(b.id)
+    if st is not None and st.phase is Phase.RESTORED:
+        mapped = wait_until_served(lambda: get(ip, "/mapped", 1.0), 30, "the restored server")
+        pytest.fail(f"restored with the changed file mapped: GET /mapped -> {mapped!r}")
+    assert st is not None and st.phase is Phase.COLD_START, (st, plugin.log()[-3000:])
+    assert f"host file /hostlib/libhost.so ({lib}) differs from the checkpoint's" in st.reason, st.reason
+    wait_until_served(lambda: get(ip, "/healthz", 1.0), 30, "the cold server")
+    assert count(ip) == 1  # a fresh process, not a broken pod
 
 
 T = TypeVar("T")
