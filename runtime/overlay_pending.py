@@ -70,6 +70,12 @@ class Pending:
         if not problems:
             self._clear_marker()
         _drop(self.path)  # a rollback run again would meet the same problems
+        who = os.path.basename(self.path)[:12]
+        if problems:
+            log.error("%s: the restore's rootfs changes could not all be rolled back: %s", who,
+                      "; ".join(problems[:5]))
+        else:
+            log.info("%s: rolled back the restore's rootfs changes", who)
         return problems
 
     def _clear_marker(self) -> None:
@@ -119,14 +125,10 @@ def recover(undo_root: str, container_id: str, control: control_mod.ControlDir |
         log.warning("%s: the rootfs journals in %s belong to live process %d; left alone",
                     container_id[:12], pending.path, owner.pid)
         return None
+    log.info("%s: a restore cut short by the death of process %s left rootfs changes", container_id[:12],
+             owner.pid if owner is not None else "?")
     pending._begun = True
-    problems = pending.roll_back()
-    if problems:
-        log.error("%s: rollback of an interrupted restore incomplete: %s", container_id[:12],
-                  "; ".join(problems[:5]))
-    else:
-        log.info("%s: rolled back the rootfs changes of an interrupted restore", container_id[:12])
-    return problems
+    return pending.roll_back()
 
 
 def sweep(undo_root: str) -> list[str]:

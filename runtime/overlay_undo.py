@@ -168,7 +168,8 @@ class Undo:
 
 def copy_sparse(src: int, dst: int, size: int, what: str) -> None:
     """Copy the first ``size`` bytes of ``src`` to ``dst``, holes left as holes."""
-    for offset, length in data_extents(src, size, size) or [(0, size)]:
+    extents = data_extents(src, size, size)
+    for offset, length in [(0, size)] if extents is None else extents:
         copy_range(src, offset, dst, offset, length, what)
     os.ftruncate(dst, size)
 
