@@ -28,7 +28,8 @@ The target container runs ``rekindle-init --mode restore`` as PID 1 and waits. S
   8. ``restore-pid`` + ``restore-complete`` for the init.
 Progress: ``progress(phase, 0, 0)`` at each phase start, ``("fill", done, total)`` bytes during
 the fill (from the fill's threads), and ``("complete", n, n)`` at the end, n the artifact's bytes.
-Any failure raises: a restored tree that never ran is killed; the caller writes
+Any failure raises: a restored tree that never ran is killed, and once the rootfs was touched
+everything but the init is killed and the rootfs rolled back; the caller writes
 ``restore-failed`` and the init kills whatever is left in its pid namespace and starts cold.
 The private copies live in ``<log_dir>/restore-*/private`` beside an owner record (this process);
 they are removed at the end, or by ``housekeeping.sweep_restore_copies`` once that process is
@@ -260,13 +261,13 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
             size = sum(f.size for f in manifest.files)
             progress("complete", size, size)
         return dict(t)
-    except BaseException:
+    except BaseException as exc:
         if not final:
             if pending.begun and target is not None:  # nothing of a restored tree may write to it any more
                 _kill_leftovers(target.init_pid)
             problems = pending.roll_back()
             if problems:
-                raise RestoreRolledBackBadly(req.container_id, problems)
+                raise RestoreRolledBackBadly(str(exc) or type(exc).__name__, problems) from exc
         raise
     finally:
         shutil.rmtree(private, ignore_errors=True)
@@ -276,8 +277,8 @@ class RestoreRolledBackBadly(RekindleError):
     """A failed restore whose rootfs changes could not all be undone: the init will not start the
     original command on that rootfs (``rootfs-pending`` stays)."""
 
-    def __init__(self, container_id: str, problems: list[str]) -> None:
-        super().__init__(f"{container_id[:12]}: the rootfs changes could not all be rolled back "
+    def __init__(self, failure: str, problems: list[str]) -> None:
+        super().__init__(f"{failure}; and the rootfs changes could not all be rolled back "
                          f"({len(problems)} problems: {'; '.join(problems[:3])})")
 
 
