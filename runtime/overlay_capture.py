@@ -8,7 +8,7 @@ becomes a member with mode, owner, mtime (nanoseconds, in a PAX record) and xatt
 own left out); a regular file with more than one link is stored at its first name and later
 names with the same (st_dev, st_ino) become hardlink members; fifos become fifo members; device
 nodes and sockets are skipped with a logged reason; excluded paths are skipped with everything
-below them.
+below them, and so is a top-level ``.rekindle-undo-*`` (an older agent's undo backup).
 ``redirect`` and ``metacopy`` (data in a lower layer) raise OverlayError. The deadline is checked
 at every entry.
 """
@@ -29,6 +29,9 @@ from runtime.overlay_fs import DIR_FLAGS, OVERLAY_XATTRS, check_deadline
 from runtime.overlay_tar import PAX_XATTR, TarWriter
 
 log = logging.getLogger(__name__)
+# Where agents before the undo journal moved to outside the rootfs kept the originals of a restore
+# (``/.rekindle-undo-<hex>``); one killed mid-apply left it behind, never to be captured.
+OLD_UNDO_PREFIX = ".rekindle-undo-"
 
 
 @dataclass
@@ -111,6 +114,9 @@ def walk(dfd: int, prefix: str, cap: Walk) -> None:
         check_deadline(cap.deadline, rel)
         if _is_excluded(rel, cap.excluded):
             log.debug("capture: %s excluded", rel)
+            continue
+        if not prefix and name.startswith(OLD_UNDO_PREFIX):
+            log.info("capture: skipping %s (an undo backup an older agent left in the rootfs)", rel)
             continue
         st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
         if stat.S_ISCHR(st.st_mode) and st.st_rdev == 0:

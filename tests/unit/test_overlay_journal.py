@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from runtime import control, overlay_pending, overlay_undo
-from runtime.overlay import PAUSE_AT_MEMBER, apply
+from runtime.overlay import PAUSE_AT_MEMBER, apply, capture
 from tests.unit.test_overlay import image_tree, member, needs_root, overlay, snapshot, write_tar
 
 __all__ = ["overlay"]  # the fixture, used by name
@@ -158,3 +158,14 @@ def test_a_journal_whose_rootfs_is_gone_is_dropped_unread(tmp_path: Path) -> Non
     rootfs.mkdir()  # another directory at that path (another inode)
     assert overlay_pending.sweep(str(undo)) == ["c1"]
     assert os.listdir(undo) == []
+
+
+def test_an_undo_backup_an_older_agent_left_in_a_rootfs_is_never_captured(tmp_path: Path) -> None:
+    upper = tmp_path / "upper"
+    (upper / ".rekindle-undo-0123abcd").mkdir(parents=True)
+    (upper / ".rekindle-undo-0123abcd" / "0").write_bytes(b"root:x:0:0")
+    (upper / "app").mkdir()
+    (upper / "app" / ".rekindle-undo-kept").write_bytes(b"not at the root: the workload's own")
+    capture(str(upper), str(tmp_path / "d.tar"), str(tmp_path / "d.json"), exclude=[])
+    with tarfile.open(tmp_path / "d.tar") as t:
+        assert sorted(t.getnames()) == ["app", "app/.rekindle-undo-kept"]
