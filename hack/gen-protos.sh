@@ -47,6 +47,7 @@ imgs=$(find "$work" -maxdepth 3 -type d -path '*/criu-*/images' | head -n1)
 out=runtime/criu_proto
 mkdir -p "$out"
 "$PY" -m grpc_tools.protoc -I "$imgs" --python_out="$out" \
-    "$imgs/opts.proto" "$imgs/vma.proto" "$imgs/mm.proto" "$imgs/pagemap.proto" "$imgs/pstree.proto"
+    "$imgs/opts.proto" "$imgs/vma.proto" "$imgs/mm.proto" "$imgs/pagemap.proto" "$imgs/pstree.proto" \
+    "$imgs/fown.proto" "$imgs/regfile.proto"
 sed -i -E 's/^import ([a-z_]+_pb2) as /from . import \1 as /' "$out"/*_pb2.py
 echo "generated: $(ls nri_plugin/proto/*_pb2.py runtime/containerd/proto/*_pb2*.py "$out"/*_pb2.py | tr '\n' ' ')"
