@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
 from runtime import checkpoint as checkpoint_flow
-from runtime import housekeeping, store_gc
+from runtime import housekeeping, overlay_pending, store_gc
 from runtime import control
 from runtime import restore as restore_flow
 from runtime.compat import NodeFacts
@@ -144,11 +144,14 @@ class NodeEngine:
             log_dir=os.path.join(self.settings.state_dir, "logs"),
             path=restore_flow.RestorePath(self.settings.restore_path),
             max_layer_bytes=self.settings.max_layer_bytes,
-            threads=self.settings.fill_threads)
+            threads=self.settings.fill_threads, undo_dir=undo_dir(self.settings))
         prefetcher = self.prefetcher
         staged = (lambda art: prefetcher.take(work.pod_uid, art)) if prefetcher is not None else None
         return restore_flow.restore(req, self.store, self.key, self.facts, control=work.control, cuda=self.cuda,
                                     generations=self.generations, progress=work.progress, staged=staged)
+
+    def recover(self, work: Work) -> list[str] | None:
+        return restore_flow.recover_rootfs(undo_dir(self.settings), work.container_id, work.pid, work.control)
 
     def _patiently(self, ask: Callable[[], T], what: str) -> T:
         """``ask()``, asked again for up to ``image_id_wait`` seconds while containerd does not
@@ -304,6 +307,11 @@ def run_plugin(settings: Settings, max_parallel: int = 2) -> int:
 HOUSEKEEPING_EVERY = 600.0
 
 
+def undo_dir(settings: Settings) -> str:
+    """Where restores keep their rootfs undo journals (runtime.overlay_pending)."""
+    return os.path.join(settings.state_dir, "rootfs-undo")
+
+
 def _housekeep_once(settings: Settings, store: ArtifactStore, metrics: Metrics | None = None) -> list[str]:
     """One round; each step on its own (one that fails skips no other). The failed steps' names."""
     logs = os.path.join(settings.state_dir, "logs")
@@ -318,6 +326,7 @@ def _housekeep_once(settings: Settings, store: ArtifactStore, metrics: Metrics |
 
     steps = [housekeeping.Step("store_sweep", sweep_store),
              housekeeping.Step("restore_copies", lambda: housekeeping.sweep_restore_copies(logs)),
+             housekeeping.Step("rootfs_journals", lambda: overlay_pending.sweep(undo_dir(settings))),
              housekeeping.Step("logs", lambda: housekeeping.rotate_logs(logs)),
              housekeeping.Step("status", lambda: housekeeping.expire_status(settings.state_dir))]
     return housekeeping.run_steps(steps, metrics.housekeeping_failed if metrics is not None else None)
@@ -356,6 +365,6 @@ def restore_once(settings: Settings, container_id: str, namespace: str, name: st
     req = restore_flow.RestoreRequest(
         containerd_state=settings.containerd_state, container_id=container_id, namespace=namespace,
         name=name, image="", image_ref="", log_dir=os.path.join(settings.state_dir, "logs"),
-        path=restore_flow.RestorePath(settings.restore_path))
+        path=restore_flow.RestorePath(settings.restore_path), undo_dir=undo_dir(settings))
     return restore_flow.restore(req, store, key, facts, control=_control_of(settings, container_id),
                                 cuda=engine.cuda, check_image=False, generations=engine.generations)

@@ -11,7 +11,9 @@ Outcomes always reach the container through its control dir, exactly once:
   checkpoint: ``snapshot-complete`` or ``checkpoint-failed`` (also when the engine declines
               with ``Skipped``: the artifact exists, or the pod runs other containers);
   restore:    ``restore-pid`` + ``restore-complete``, or ``restore-failed`` (the init then starts
-              the original command — the cold start).
+              the original command — the cold start). A restore cut short by the agent's death
+              is failed by the next agent after ``Engine.recover`` rolled back its rootfs
+              changes (``rootfs-pending`` keeps the init from starting cold meanwhile).
 and to the status record: the phase, the reason, the timings (with ``total``: the engine call),
 the artifact's size, and while the engine runs its live progress (``nri_plugin.progress``).
 Each task runs with the container and artifact bound to the log context, and engine calls run
@@ -25,7 +27,7 @@ import contextvars
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -85,6 +87,9 @@ class Skipped(RekindleError):
 class Engine(Protocol):
     def checkpoint(self, work: Work) -> dict[str, float]: ...
     def restore(self, work: Work) -> dict[str, float]: ...
+    # A restore cut short by the agent's death: undo what it changed (None: nothing was pending;
+    # else the problems met, none when the container is as before the restore).
+    def recover(self, work: Work) -> list[str] | None: ...
     async def probe(self, netns: str, probe: ReadyProbe) -> bool: ...
 
 
@@ -95,6 +100,7 @@ class Jobs:
         self.status = status
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._running: set[str] = set()  # container ids whose engine call is under way
+        self._resuming: set[str] = set()  # container ids whose cut-short restore is being undone
         self._slots = asyncio.Semaphore(max_parallel)
         self._pool = ThreadPoolExecutor(max_parallel, thread_name_prefix="rekindle-engine")
         self._probes = probes or ProbeSlots()
@@ -103,10 +109,13 @@ class Jobs:
         if work.container_id in self._tasks:
             return
         run = self._checkpoint if work.intent.role is Role.CHECKPOINT else self._restore
+        self._start_task(work, run(work))
+
+    def _start_task(self, work: Work, coro: Coroutine[object, object, None]) -> None:
         ctx = contextvars.copy_context()
         ctx.run(logs.bind, namespace=work.namespace, pod=work.pod, container=work.container,
                 container_id=work.container_id, artifact=work.artifact)
-        task = asyncio.get_running_loop().create_task(run(work), name=f"rekindle-{work.container_id[:12]}",
+        task = asyncio.get_running_loop().create_task(coro, name=f"rekindle-{work.container_id[:12]}",
                                                       context=ctx)
         self._tasks[work.container_id] = task
         task.add_done_callback(functools.partial(self._forget, work.container_id))
@@ -131,16 +140,41 @@ class Jobs:
             return
         outcome = any(work.control.exists(n) for n in
                       (control.RESTORE_COMPLETE, control.RESTORE_FAILED, control.COLD_START))
-        if outcome:
+        if (outcome and not work.control.exists(control.ROOTFS_PENDING)) or work.container_id in self._resuming:
             return
-        if prev is not None and prev.phase is Phase.RESTORING:
-            reason = "the agent restarted during the restore"
-            work.control.write(control.RESTORE_FAILED, reason)
-            self._set(work, Phase.COLD_START, reason)
-            log.warning("%s: %s; cold start", work.who, reason)
+        if outcome or (prev is not None and prev.phase is Phase.RESTORING):
+            # Cut short: its rootfs changes are rolled back (in the pool: they may take long)
+            # before restore-failed lets the init start cold; a completed one keeps them.
+            self._resuming.add(work.container_id)
+            self._loop.call_soon_threadsafe(self._start_task, work, self._fail_cut_short(work))
             return
         log.info("%s: starting restore after plugin restart", work.who)
         self._call_soon(work)
+
+    async def _fail_cut_short(self, work: Work) -> None:
+        try:
+            ctx = contextvars.copy_context()
+            problems = await asyncio.get_running_loop().run_in_executor(
+                self._pool, ctx.run, self.engine.recover, work)
+        except Exception as exc:  # noqa: BLE001 - reported to the pod like any failure
+            log.error("%s: recovering the cut-short restore failed", work.who, exc_info=True)
+            problems = [str(exc) or type(exc).__name__]
+        finally:
+            self._resuming.discard(work.container_id)
+        if work.control.exists(control.RESTORE_COMPLETE):  # it had completed: its journal is dropped
+            prev = self.status.read(work.namespace, work.pod, work.container)
+            if prev is None or prev.phase is Phase.RESTORING:
+                self._set(work, Phase.RESTORED, "restored; the agent restarted before it recorded it")
+            return
+        if work.control.exists(control.RESTORE_FAILED) or work.control.exists(control.COLD_START):
+            return  # already failed
+        reason = "the agent restarted during the restore"
+        if problems:
+            reason += ("; its rootfs changes could not all be rolled back, so the container will not "
+                       "start cold on them: " + "; ".join(problems[:3]))
+        work.control.write(control.RESTORE_FAILED, reason + "\n")
+        self._set(work, Phase.COLD_START, reason)
+        log.warning("%s: %s; cold start", work.who, reason)
 
     def _call_soon(self, work: Work) -> None:
         # Synchronize runs in a worker thread; tasks belong to the loop.

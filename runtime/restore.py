@@ -12,7 +12,10 @@ The target container runs ``rekindle-init --mode restore`` as PID 1 and waits. S
      hashed; only those copies are used afterwards (CRIU reads its images from there). The
      prefetch may have done this from RunPodSandbox on: its copies are taken when they are of
      the very version opened in step 1 (version name and manifest bytes);
-  4. rootfs_apply: the writable-layer diff (and /dev/shm) into the target;
+  4. rootfs_apply: the writable-layer diff (and /dev/shm) into the target, journaled outside
+     it (``<undo_dir>/<container id>``, runtime.overlay_pending) until ``restore-complete``: a
+     later step that fails rolls it back, and so does the next agent (:func:`recover_rootfs`)
+     when this one dies; meanwhile ``rootfs-pending`` tells the init not to start cold on it;
   5. criu_restore: CRIU inside the target's namespaces and cgroups with the target's LSM labels,
      TCP connections kept or closed as the dump decided (``RestorePlan.tcp_established``), left
      stopped; the target's oom_score_adj, rlimits and mount flags are forced on the stopped
@@ -26,7 +29,8 @@ The target container runs ``rekindle-init --mode restore`` as PID 1 and waits. S
   8. ``restore-pid`` + ``restore-complete`` for the init.
 Progress: ``progress(phase, 0, 0)`` at each phase start, ``("fill", done, total)`` bytes during
 the fill (from the fill's threads), and ``("complete", n, n)`` at the end, n the artifact's bytes.
-Any failure raises: a restored tree that never ran is killed; the caller writes
+Any failure raises: a restored tree that never ran is killed, and once the rootfs was touched
+everything but the init is killed and the rootfs rolled back; the caller writes
 ``restore-failed`` and the init kills whatever is left in its pid namespace and starts cold.
 The private copies live in ``<log_dir>/restore-*/private`` beside an owner record (this process);
 they are removed at the end, or by ``housekeeping.sweep_restore_copies`` once that process is
@@ -44,6 +48,7 @@ import os
 import shutil
 import signal
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -52,13 +57,14 @@ from runtime import control as control_mod
 from runtime import hostfiles
 from runtime import layout
 from runtime import overlay
+from runtime import overlay_pending
 from runtime.compat import NodeFacts, check_compatibility
 from runtime.containers import ContainerInfo, resolve_container
 from runtime.cuda import Checkpointer, build_gpu_map
-from runtime.errors import ArtifactRejected
+from runtime.errors import ArtifactRejected, RekindleError
 from runtime.gpu_target import cuda_restore, ensure_device_nodes, target_facts
 from runtime.criu_executor import restore_into
-from runtime.namespaces import host_pid_of
+from runtime.namespaces import host_pid_of, used_pids
 from runtime.rollback import GenerationBook
 from runtime.security import LsmSupport, SecurityProfile, check_privilege, lsm_options
 from runtime.artifact import Artifact
@@ -69,6 +75,7 @@ from runtime.artifact import Artifact
 from runtime.digests import WORKERS
 from runtime.owner import write_owner
 from runtime.store import ArtifactStore
+from runtime.testpause import pause_for_test
 from runtime.timings import Timings
 
 log = logging.getLogger(__name__)
@@ -91,6 +98,9 @@ class RestoreRequest:
     path: RestorePath = RestorePath.BULK
     threads: int = 0  # fill threads; 0: WORKERS
     max_layer_bytes: int = overlay.DEFAULT_MAX_LAYER_BYTES  # what a layer may write, at most
+    # Node-local dir of the rootfs undo journals (runtime.overlay_pending), where the next agent
+    # finds them; "": in the restore's work dir (rolled back on failure, not after a kill).
+    undo_dir: str = ""
 
 
 Progress = Callable[[str, int, int], None]  # (phase, bytes done, bytes total)
@@ -160,6 +170,10 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
     work = tempfile.mkdtemp(prefix=f"restore-{req.namespace}-{req.name}-{req.container_id[:12]}-",
                             dir=req.log_dir)
     private = os.path.join(work, "private")  # verified copies; removed at the end (logs stay)
+    undo_root = req.undo_dir or os.path.join(work, "undo")
+    pending = overlay_pending.Pending(undo_root, req.container_id, control)
+    final = False  # restore-complete written: the restored rootfs stays
+    target: ContainerInfo | None = None
     try:
         # Who made them: if this process dies mid-restore, housekeeping removes them.
         write_owner(work)
@@ -192,18 +206,26 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
                 generations.record(req.namespace, req.name, manifest.generation)
 
             with t.phase("rootfs_apply"):
+                # Journaled outside the rootfs until the restore is final: any later failure, or
+                # the next agent after this one died, rolls it back (runtime.overlay_pending).
+                recover_rootfs(undo_root, req.container_id, 0, control)
+                pending.begin()
                 overlay.apply(target.rootfs, os.path.join(private, layout.ROOTFS_TAR),
-                              os.path.join(private, layout.ROOTFS_DELETIONS), max_bytes=req.max_layer_bytes)
+                              os.path.join(private, layout.ROOTFS_DELETIONS), max_bytes=req.max_layer_bytes,
+                              journal=pending.journal("rootfs"))
                 shm = _shm_dir(target)
                 if plan.shm and shm:
                     overlay.apply(shm, os.path.join(private, layout.SHM_TAR),
-                                  os.path.join(private, layout.SHM_DELETIONS), max_bytes=req.max_layer_bytes)
+                                  os.path.join(private, layout.SHM_DELETIONS), max_bytes=req.max_layer_bytes,
+                                  journal=pending.journal("shm"))
+            pause_for_test("applied")
 
             with t.phase("criu_restore"):
                 stdio = plan.stdio if len(plan.stdio) == 3 else None
                 result = restore_into(target, os.path.join(private, layout.CRIU_DIR), list(plan.mounts),
                                       source_stdio=stdio, work_dir=work,
                                       lsm=lsm_options(security, lsm), tcp_established=plan.tcp_established)
+            pause_for_test("criu")
             pidns = target.namespaces["pid"].inode
             host_pids: list[int] = []
             gpu_map = None
@@ -235,11 +257,60 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
             control.write_json(control_mod.TIMINGS, {"restore": dict(t)})
             control.write(control_mod.RESTORE_PID, f"{result.ns_pid}\n")
             control.write(control_mod.RESTORE_COMPLETE, req.name + "\n")
+        final = True
+        pending.commit()
         log.info("restored %s/%s into %s: %d processes, %s", req.namespace, req.name, req.container_id[:12],
                  len(result.tree), ", ".join(f"{k} {v:.2f}s" for k, v in t.items()))
         if progress is not None:
             size = sum(f.size for f in manifest.files)
             progress("complete", size, size)
         return dict(t)
+    except BaseException as exc:
+        if not final:
+            if pending.begun and target is not None:  # nothing of a restored tree may write to it any more
+                _kill_leftovers(target.init_pid)
+            problems = pending.roll_back()
+            if problems:
+                raise RestoreRolledBackBadly(str(exc) or type(exc).__name__, problems) from exc
+        raise
     finally:
         shutil.rmtree(private, ignore_errors=True)
+
+
+class RestoreRolledBackBadly(RekindleError):
+    """A failed restore whose rootfs changes could not all be undone: the init will not start the
+    original command on that rootfs (``rootfs-pending`` stays)."""
+
+    def __init__(self, failure: str, problems: list[str]) -> None:
+        super().__init__(f"{failure}; and the rootfs changes could not all be rolled back "
+                         f"({len(problems)} problems: {'; '.join(problems[:3])})")
+
+
+def recover_rootfs(undo_dir: str, container_id: str, init_pid: int,
+                   control: control_mod.ControlDir | None) -> list[str] | None:
+    """A restore of ``container_id`` by an agent that died: when it completed, its journals are
+    dropped; otherwise what it left running in the container is killed (all but its init, host
+    pid ``init_pid``; 0: none looked for) and its rootfs changes are rolled back. None: nothing was
+    pending; else the problems met (none: the rootfs is the image's again)."""
+    if control is not None and control.exists(control_mod.RESTORE_COMPLETE):
+        overlay_pending.Pending(undo_dir, container_id, control).commit()
+        return None
+    if init_pid > 0:
+        _kill_leftovers(init_pid)
+    return overlay_pending.recover(undo_dir, container_id, control)
+
+
+def _kill_leftovers(pid_in_ns: int, wait: float = 5.0) -> None:
+    """SIGKILL every process of ``pid_in_ns``'s pid namespace but its init (pid 1 there), and
+    wait (a little) until they are gone."""
+    try:
+        pidns = os.stat(f"/proc/{pid_in_ns}/ns/pid").st_ino
+    except OSError:
+        return
+    deadline = time.monotonic() + wait
+    while True:
+        left = [host for nspid, host in used_pids(pidns).items() if nspid != 1]
+        if not left or time.monotonic() > deadline:
+            return
+        bulk.kill_all(left)
+        time.sleep(0.01)
