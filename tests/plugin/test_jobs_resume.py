@@ -32,6 +32,8 @@ class GatedEngine:
     def recover(self, work: Work) -> list[str] | None:
         # What the next agent must do before failing the restore: undo its rootfs changes.
         self.recovered.append(work.control.exists(control.RESTORE_FAILED))
+        if self.problems is None:  # as the real one: a rollback done owes nothing more
+            (work.control.path / control.ROOTFS_PENDING).unlink(missing_ok=True)
         return self.problems
 
     async def probe(self, netns: str, probe: ReadyProbe) -> bool:
