@@ -209,6 +209,7 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
                         total = sum(artifact.entry(b.path).size for b in plan.bulk)
                         report = (lambda done: progress("fill", done, total)) if progress else None
                         bulk.fill(artifact, plan.bulk, fds, lambda pid: host_pid_of(pidns, pid),
+                                  images=os.path.join(private, layout.CRIU_DIR), tree=result.tree,
                                   threads=req.threads or WORKERS, progress=report)
                 if manifest.cuda is not None:
                     host_pids = [host_pid_of(pidns, p) for p in manifest.cuda.pids]
