@@ -9,18 +9,23 @@ driver holds its whole device memory as one private anonymous mapping. So:
   ``bulk/pages-<pid>.bulk`` (no copy), a new pages file gets the bytes of the entries CRIU keeps,
   and the pagemap loses the moved entries outright (an entry kept with flags 0 makes CRIU's
   restorer spin). An entry straddling two VMAs stays with CRIU. Shared mappings, file mappings
-  and read-only ones stay with CRIU (process_vm_writev cannot write read-only mappings). VMAs
+  and read-only ones stay with CRIU (process_vm_writev cannot write read-only mappings), and so
+  does whatever is written into the process after CRIU restored it and before the fill
+  (``criu_image.written_after_restore``: the VMAs a pending signal's frame can land in, each
+  thread's rseq area), which the fill would otherwise overwrite with the dumped bytes. The
+  digest of each SUM_CHUNK of the bulk file goes to ``bulk/pages-<pid>.sums``. VMAs
   named in ``huge`` (the CUDA driver's host staging copy) get MADV_HUGEPAGE in mm-<pid>.img:
   CRIU applies madvise after its own page reads, so the empty range is THP-eligible before the
   fill; no other VMA changes, so the restored process has the advice the source had.
-- :func:`fill` (restore side, CRIU ran with ``--leave-stopped``): N threads read each bulk file
-  piece by piece into private buffers, hash exactly those bytes, and write them into the
-  stopped process with process_vm_writev. A piece not in the page cache is first asked of the
+- :func:`fill` (restore side, CRIU ran with ``--leave-stopped``): first :func:`check_targets`
+  (every range in private anonymous writable memory of a process CRIU restored, no stack) and
+  :func:`assert_untouched` (no page of a range present yet); then N threads read each bulk file
+  1 MiB at a time into private buffers, hash exactly those bytes, compare the digest with the
+  signed one, and only then write them into the stopped process with process_vm_writev. A piece not in the page cache is first asked of the
   disk whole (``POSIX_FADV_WILLNEED``): the threads share one open file, whose readahead state
   their interleaved 1 MiB reads keep resetting; the advice keeps large requests queued however
   the threads interleave (``bench.disk_queue`` measures both). The caller resumes the process only when
-  :func:`fill` returned, i.e. every file's digest matched the signed manifest; on any error it
-  kills the stopped tree, which then never ran.
+  :func:`fill` returned; on any error it kills the stopped tree, which then never ran.
 """
 
 from __future__ import annotations

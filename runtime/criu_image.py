@@ -279,7 +279,19 @@ def written_after_restore(images_dir: str, entry: PstreeEntry, vmas: list[Any]) 
             lo = tc.rseq_entry.rseq_abi_pointer
             hi = lo + max(tc.rseq_entry.rseq_abi_size, 32)
             pages.append((lo // PAGE * PAGE, -(-hi // PAGE) * PAGE))
-    whole = [(int(v.start), int(v.end)) for v in vmas
-             if v.status & VMA_AREA_STACK or v.flags & MAP_GROWSDOWN
-             or any(v.start < hi and lo < v.end for lo, hi in windows)]
+    whole = {(int(v.start), int(v.end)) for v in vmas if v.status & VMA_AREA_STACK or v.flags & MAP_GROWSDOWN}
+    ordered = sorted(vmas, key=lambda v: v.start)
+    for lo, hi in windows:
+        # The VMA holding the window's top, then down through adjacent writable ones while the
+        # window reaches them (a gap or a guard page below would fault the frame's write).
+        top = hi
+        for v in reversed(ordered):
+            if v.start >= top:
+                continue
+            if v.end < top or not v.prot & PROT_WRITE:
+                break
+            whole.add((int(v.start), int(v.end)))
+            top = v.start
+            if top <= lo:
+                break
     return Written(tuple(sorted(whole)), tuple(sorted(pages)))

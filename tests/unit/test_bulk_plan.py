@@ -144,7 +144,7 @@ def test_split_keeps_stacks_and_rseq_areas_with_criu_and_writes_chunk_digests(tm
     mm.vmas.extend(vmas)
     _image(images / "mm-1.img", mm)
     _image(images / "core-1.img", _core(main_stack[1] - 0x100, rseq=heap[0] + P + 0x20))
-    _image(images / "core-2.img", _core(thread_stack[0] + 0x8000, sas=altstack))  # on its own stack
+    _image(images / "core-2.img", _core(thread_stack[0] + 0x8000, sas=(altstack[0], altstack[1] - altstack[0])))  # on its own stack
     # thread 3's sp at the very start of the VMA above: its frame lands in the one below
     _image(images / "core-3.img", _core(0x810000))
     entries = [pagemap_pb2.pagemap_entry(vaddr=lo, compat_nr_pages=4, nr_pages=4, flags=img.PE_PRESENT)
@@ -162,3 +162,16 @@ def test_split_keeps_stacks_and_rseq_areas_with_criu_and_writes_chunk_digests(tm
     assert (images / "pages-9.img").read_bytes() == data[P:2 * P] + data[4 * P:]
     sums = (tmp_path / bulk_sums(1)).read_bytes()
     assert sums == blake3.blake3(data).digest()  # one chunk
+
+
+def test_a_signal_frame_reaches_down_only_through_adjacent_writable_vmas(tmp_path: Path) -> None:
+    """A thread's stack pointer near the bottom of its stack: the frame may spill into the VMA
+    right below, but not past a guard page (it would fault there) or a gap."""
+    big, guard, stack = (0x100000, 0x4ff000), (0x4ff000, 0x500000), (0x500000, 0x600000)
+    vmas = [vma(*big), vma(*guard, prot=0), vma(*stack)]
+    _image(tmp_path / "core-1.img", _core(stack[0] + 0x100))
+    entry = img.PstreeEntry(1, 0, 1, 1, (1,))
+    assert img.written_after_restore(str(tmp_path), entry, vmas) == img.Written((stack,), ())
+    # no guard: the frame can land in the VMA below, and only as far as SIGFRAME_MAX reaches
+    vmas = [vma(0x100000, 0x4f0000), vma(0x4f0000, 0x500000), vma(*stack)]
+    assert img.written_after_restore(str(tmp_path), entry, vmas).vmas == ((0x4f0000, 0x500000), stack)
