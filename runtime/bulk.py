@@ -21,11 +21,12 @@ driver holds its whole device memory as one private anonymous mapping. So:
   (every range in private anonymous writable memory of a process CRIU restored, no stack) and
   :func:`assert_untouched` (no page of a range present yet); then N threads read each bulk file
   1 MiB at a time into private buffers, hash exactly those bytes, compare the digest with the
-  signed one, and only then write them into the stopped process with process_vm_writev. A piece not in the page cache is first asked of the
-  disk whole (``POSIX_FADV_WILLNEED``): the threads share one open file, whose readahead state
-  their interleaved 1 MiB reads keep resetting; the advice keeps large requests queued however
-  the threads interleave (``bench.disk_queue`` measures both). The caller resumes the process only when
-  :func:`fill` returned; on any error it kills the stopped tree, which then never ran.
+  signed one, and only then write them into the stopped process with process_vm_writev. A
+  piece not in the page cache is first asked of the disk whole (``POSIX_FADV_WILLNEED``): the
+  threads share one open file, whose readahead state their interleaved 1 MiB reads keep
+  resetting; the advice keeps large requests queued however the threads interleave
+  (``bench.disk_queue`` measures both). The caller resumes the process only when :func:`fill`
+  returned; on any error it kills the stopped tree, which then never ran.
 """
 
 from __future__ import annotations
@@ -498,7 +499,8 @@ class _Filler:
             digest = new_hash()
             digest.update(view[:want])
             if digest.digest() != sums[k:k + DIGEST_BYTES]:
-                raise FillError(f"{self.files[p.file].path}: the bytes at {pos} do not match their digest")
+                raise FillError(f"file {self.files[p.file].path}: content changed (the bytes at {pos} "
+                                "do not match their digest)")
             i = max(bisect.bisect_right(segs, (pos, 1 << 65, 0)) - 1, 0)
             while i < len(segs) and segs[i][0] < pos + want:
                 off, vaddr, length = segs[i]

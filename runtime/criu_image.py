@@ -5,9 +5,9 @@ magic, then the image's own), followed by entries, each a 4-byte little-endian l
 protobuf message. A pagemap image holds one ``pagemap_head`` (which ``pages-<id>.img`` holds its
 data) and then ``pagemap_entry`` records; the data of the present entries lies back to back in
 the pages file in entry order (offsets are implicit). ``mm-<pid>.img`` holds one ``mm_entry``
-with the process's VMAs; ``core-<tid>.img`` one ``core_entry`` per thread (its registers and
-sigaltstack and rseq area are what :func:`written_after_restore` needs). The message classes are generated from CRIU's own .proto files
-(``runtime.criu_proto``, see hack/gen-protos.sh).
+with the process's VMAs; ``core-<tid>.img`` one ``core_entry`` per thread (its registers,
+sigaltstack and rseq area are what :func:`written_after_restore` needs). The message classes
+are generated from CRIU's own .proto files (``runtime.criu_proto``, see hack/gen-protos.sh).
 
 Images are written by CRIU on this node or come out of a verified artifact; a malformed one
 still raises :class:`CriuError` naming the file, never an IndexError.

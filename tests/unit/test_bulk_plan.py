@@ -144,7 +144,8 @@ def test_split_keeps_stacks_and_rseq_areas_with_criu_and_writes_chunk_digests(tm
     mm.vmas.extend(vmas)
     _image(images / "mm-1.img", mm)
     _image(images / "core-1.img", _core(main_stack[1] - 0x100, rseq=heap[0] + P + 0x20))
-    _image(images / "core-2.img", _core(thread_stack[0] + 0x8000, sas=(altstack[0], altstack[1] - altstack[0])))  # on its own stack
+    # thread 2 on its own stack, with a sigaltstack
+    _image(images / "core-2.img", _core(thread_stack[0] + 0x8000, sas=(altstack[0], altstack[1] - altstack[0])))
     # thread 3's sp at the very start of the VMA above: its frame lands in the one below
     _image(images / "core-3.img", _core(0x810000))
     entries = [pagemap_pb2.pagemap_entry(vaddr=lo, compat_nr_pages=4, nr_pages=4, flags=img.PE_PRESENT)
@@ -155,7 +156,8 @@ def test_split_keeps_stacks_and_rseq_areas_with_criu_and_writes_chunk_digests(tm
 
     files, _stats = bulk.split(str(tmp_path))
     # the heap's entry is cut around the rseq page; every stack stays with CRIU
-    assert files == (BulkFile(1, bulk_file(1), 9, (BulkRange(heap[0], P, 0), BulkRange(heap[0] + 2 * P, 2 * P, 2 * P))),)
+    assert files == (BulkFile(1, bulk_file(1), 9,
+                              (BulkRange(heap[0], P, 0), BulkRange(heap[0] + 2 * P, 2 * P, 2 * P))),)
     kept = img.read_pagemap(str(images), 1)
     assert [(e.vaddr, img.nr_pages(e)) for e in kept.entries] == [
         (heap[0] + P, 1), (thread_stack[0], 4), (altstack[0], 4), (lowstack[0], 4), (0x810000, 4), (main_stack[0], 4)]
