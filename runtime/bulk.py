@@ -434,10 +434,11 @@ def check_targets(files: Sequence[BulkFile], images: str, tree: Iterable[int],
     return hosts
 
 
-def read_sums(artifact: Artifact, f: BulkFile, size: int) -> bytes:
-    """The chunk digests of ``f`` (``size`` bytes), checked against the manifest."""
+def read_sums(artifact: Artifact, f: BulkFile) -> bytes:
+    """The chunk digests of ``f``, checked against the manifest (read them when the bulk file
+    is opened: a later open may find the version gone)."""
     path = layout.bulk_sums(f.pid)
-    want = -(-size // SUM_CHUNK) * DIGEST_BYTES
+    want = -(-artifact.entry(f.path).size // SUM_CHUNK) * DIGEST_BYTES
     if artifact.entry(path).size != want:
         raise FillError(f"{artifact.label}: {path} is {artifact.entry(path).size} bytes, want {want}")
     fd = artifact.open_file(path)
@@ -519,32 +520,32 @@ class _Filler:
 
 
 def fill(artifact: Artifact, files: Sequence[BulkFile], fds: Sequence[int], pid_of: Callable[[int], int], *,
-         images: str, tree: Iterable[int], threads: int = WORKERS,
+         sums: Sequence[bytes], images: str, tree: Iterable[int], threads: int = WORKERS,
          progress: Callable[[int], None] | None = None) -> FillStats:
     """Write every bulk file (``fds[i]`` is ``files[i]``, opened by the caller through
-    ``artifact``) into its stopped process; FillError unless every range belongs to the
-    restored tree (:func:`check_targets`: ``images`` is CRIU's verified image directory,
-    ``tree`` the host pids CRIU restored) and every chunk matched its signed digest before it
-    was written; nothing is written over a page the restored process already has."""
+    ``artifact``; ``sums[i]`` its :func:`read_sums`) into its stopped process; FillError unless
+    every range belongs to the restored tree (:func:`check_targets`: ``images`` is CRIU's
+    verified image directory, ``tree`` the host pids CRIU restored) and every chunk matched its
+    signed digest before it was written; nothing is written over a page the process has."""
     t0 = time.monotonic()
     try:
         if digests.PIECE % SUM_CHUNK:
             raise FillError(f"fill pieces of {digests.PIECE} bytes do not hold whole {SUM_CHUNK}-byte chunks")
         pids = check_targets(files, images, tree, pid_of)
         pieces: list[_Piece] = []
-        sums = []
-        for i, (f, fd) in enumerate(zip(files, fds, strict=True)):
+        for i, (f, fd, chunks) in enumerate(zip(files, fds, sums, strict=True)):
             size = os.fstat(fd).st_size
             if size != artifact.entry(f.path).size:
                 raise FillError(f"{artifact.label}: {f.path} is {size} bytes, the manifest says "
                                 f"{artifact.entry(f.path).size}")
             if any(r.offset + r.length > size for r in f.ranges):
                 raise FillError(f"{artifact.label}: {f.path}: a range lies past the end of the file")
-            sums.append(read_sums(artifact, f, size))
+            if len(chunks) != -(-size // SUM_CHUNK) * DIGEST_BYTES:
+                raise FillError(f"{artifact.label}: {f.path}: {len(chunks)} bytes of chunk digests for {size} bytes")
             pieces.extend(_Piece(i, off, length) for off, length in piece_ranges(size) if length)
         for pid, f in zip(pids, files):
             assert_untouched(pid, f.ranges)
-        filler = _Filler(list(fds), pids, files, sums, progress)
+        filler = _Filler(list(fds), pids, files, list(sums), progress)
         with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="rekindle-fill") as pool:
             list(pool.map(filler.piece, pieces))
     except OSError as exc:

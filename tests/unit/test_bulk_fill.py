@@ -154,8 +154,8 @@ def _fill(store: ArtifactStore, plan: BulkFile, t: Target, *, pid_of: Callable[[
     with store.open("team-a", "qwen-7b", KEY) as art:
         fd = art.open_file(plan.path)
         try:
-            return bulk.fill(art, [plan], [fd], pid_of or (lambda _pid: t.pid), images=str(t.images),
-                             tree=[t.pid] if tree is None else tree, threads=threads)
+            return bulk.fill(art, [plan], [fd], pid_of or (lambda _pid: t.pid), sums=[bulk.read_sums(art, plan)],
+                             images=str(t.images), tree=[t.pid] if tree is None else tree, threads=threads)
         finally:
             os.close(fd)
 
@@ -219,7 +219,7 @@ def test_a_process_outside_the_restored_tree_is_refused(tmp_path: Path, start_ta
     assert _memory(other.pid, other.anon, SIZE) == bytes(SIZE)
     plan = BulkFile(2, bulk_file(2), 1, (BulkRange(t.anon, SIZE, 0),))  # no such pid in the dump
     with store.open("team-a", "qwen-7b", KEY) as art, pytest.raises(bulk.FillError, match="pid 2 is no live process"):
-        bulk.fill(art, [plan], [-1], lambda _pid: t.pid, images=str(t.images), tree=[t.pid])
+        bulk.fill(art, [plan], [-1], lambda _pid: t.pid, sums=[b""], images=str(t.images), tree=[t.pid])
 
 
 def test_a_page_the_restored_process_already_has_is_never_overwritten(
