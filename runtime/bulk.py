@@ -276,7 +276,8 @@ def split(artifact_dir: str, huge: Mapping[int, Sequence[tuple[int, int]]] | Non
     t0 = time.monotonic()
     images = os.path.join(artifact_dir, CRIU_DIR)
     files, moved_total, kept_total = [], 0, 0
-    procs = [e for e in img.read_pstree(images) if not img.is_zombie(images, e.pid)]
+    procs = [e for e in img.read_pstree(images)
+             if os.path.exists(os.path.join(images, f"pagemap-{e.pid}.img"))]  # not zombies
     for proc in procs:
         pid = proc.pid
         vmas = sorted(img.read_mm(images, pid).entry.vmas, key=lambda v: v.start)
@@ -405,7 +406,8 @@ def check_targets(files: Sequence[BulkFile], images: str, tree: Iterable[int],
     the process is one of the dumped tree (``images``, CRIU's verified images) and one CRIU
     restored (``tree``, host pids), and every range lies in one private anonymous writable VMA
     that is no thread's stack, both in the dumped mm image and in the restored process's maps."""
-    dumped = {e.pid: e for e in img.read_pstree(images) if not img.is_zombie(images, e.pid)}
+    dumped = {e.pid: e for e in img.read_pstree(images)
+              if os.path.exists(os.path.join(images, f"mm-{e.pid}.img"))}  # not zombies
     restored = set(tree)
     hosts = []
     for f in files:

@@ -128,9 +128,16 @@ def read_pstree(images_dir: str) -> list[PstreeEntry]:
     return out
 
 
+TASK_DEAD = 2  # task_core_entry.task_state of a zombie (COMPEL_TASK_DEAD)
+
+
 def is_zombie(images_dir: str, pid: int) -> bool:
-    """A zombie has no memory: CRIU writes no mm (nor pagemap) image for it."""
-    return not os.path.exists(os.path.join(images_dir, f"mm-{pid}.img"))
+    """Whether ``pid``'s core image says it is a zombie (no core image: not known to be one).
+    A zombie has no memory either: no mm or pagemap image."""
+    if not os.path.exists(os.path.join(images_dir, f"core-{pid}.img")):
+        return False
+    core = read_core(images_dir, pid)
+    return bool(core.HasField("tc") and core.tc.task_state == TASK_DEAD)
 
 
 def image_pids(images_dir: str) -> set[int]:

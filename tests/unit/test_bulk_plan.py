@@ -177,3 +177,16 @@ def test_a_signal_frame_reaches_down_only_through_adjacent_writable_vmas(tmp_pat
     # no guard: the frame can land in the VMA below, and only as far as SIGFRAME_MAX reaches
     vmas = [vma(0x100000, 0x4f0000), vma(0x4f0000, 0x500000), vma(*stack)]
     assert img.written_after_restore(str(tmp_path), entry, vmas).vmas == ((0x4f0000, 0x500000), stack)
+
+
+def test_a_zombies_thread_list_is_not_taken_for_pids_the_restore_needs(tmp_path: Path) -> None:
+    """CRIU writes an uninitialised thread id for a zombie (it never collects a dead task's
+    threads): taken for a pid, it was "too close to pid_max" and the restore started cold."""
+    _image(tmp_path / "pstree.img", pstree_pb2.pstree_entry(pid=1, ppid=0, pgid=1, sid=1, threads=[1, 2]),
+           pstree_pb2.pstree_entry(pid=5, ppid=1, pgid=1, sid=1, threads=[3783754912]))
+    zombie = core_pb2.core_entry(mtype=core_pb2.core_entry.X86_64)
+    zombie.tc.task_state = img.TASK_DEAD
+    _image(tmp_path / "core-5.img", zombie)
+    _image(tmp_path / "core-1.img", _core(0x7ff000))
+    assert img.image_pids(str(tmp_path)) == {1, 2, 5}
+    assert img.is_zombie(str(tmp_path), 5) and not img.is_zombie(str(tmp_path), 1)
