@@ -19,7 +19,7 @@ driver holds its whole device memory as one private anonymous mapping. So:
   fill; no other VMA changes, so the restored process has the advice the source had.
 - :func:`fill` (restore side, CRIU ran with ``--leave-stopped``): first :func:`check_targets`
   (every range in private anonymous writable memory of a process CRIU restored, no stack) and
-  :func:`assert_untouched` (no page of a range present yet); then N threads read each bulk file
+  :func:`assert_untouched` (no page of a range written yet); then N threads read each bulk file
   1 MiB at a time into private buffers, hash exactly those bytes, compare the digest with the
   signed one, and only then write them into the stopped process with process_vm_writev. A
   piece not in the page cache is first asked of the disk whole (``POSIX_FADV_WILLNEED``): the
@@ -343,16 +343,17 @@ def write_remote(pid: int, local: int, remote: int, length: int) -> None:
 # the fill must never overwrite it. /proc/<pid>/pagemap: bit 63 present, bit 62 swapped; in the
 # entry's top byte (little-endian) those are 0xC0.
 _TOUCHED = bytes(1 if b & 0xC0 else 0 for b in range(256))
-
-
+_ZERO_PAGE = bytes(img.PAGE)
 _SCAN = 2 << 20  # address span per pagemap read: 4 KiB of entries
 
 
 def assert_untouched(pid: int, ranges: Iterable[BulkRange]) -> None:
-    """FillError if any page of ``ranges`` is present (or swapped) in process ``pid``. Checked
-    for every range before the first write: a write faults in a whole huge page where THP
-    applies, which makes its neighbours present."""
+    """FillError if any page of ``ranges`` in process ``pid`` is present (or swapped) and holds
+    anything but zeros. Zeros are what a huge page faulted in around a page CRIU wrote (THP),
+    or khugepaged's collapse, put there: nothing was written. Checked for every range before
+    the first write: a write of the fill itself faults in a whole huge page where THP applies."""
     fd = os.open(f"/proc/{pid}/pagemap", os.O_RDONLY | os.O_CLOEXEC)
+    mem = -1
     try:
         for r in ranges:
             for vaddr in range(r.vaddr, r.vaddr + r.length, _SCAN):
@@ -360,13 +361,20 @@ def assert_untouched(pid: int, ranges: Iterable[BulkRange]) -> None:
                 data = os.pread(fd, n * 8, vaddr // img.PAGE * 8)
                 if len(data) != n * 8:
                     raise FillError(f"pid {pid}: pagemap short at {vaddr:#x}")
-                touched = data[7::8].translate(_TOUCHED).find(1)
-                if touched >= 0:
-                    raise FillError(f"pid {pid}: page {vaddr + touched * img.PAGE:#x} is already present in "
-                                    "the restored process (written after CRIU restored it); the bulk pages "
-                                    "would overwrite it")
+                touched = data[7::8].translate(_TOUCHED)
+                i = touched.find(1)
+                while i >= 0:
+                    page = vaddr + i * img.PAGE
+                    if mem < 0:
+                        mem = os.open(f"/proc/{pid}/mem", os.O_RDONLY | os.O_CLOEXEC)
+                    if os.pread(mem, img.PAGE, page) != _ZERO_PAGE:
+                        raise FillError(f"pid {pid}: page {page:#x} was written after CRIU restored the "
+                                        "process; the bulk pages would overwrite it")
+                    i = touched.find(1, i + 1)
     finally:
         os.close(fd)
+        if mem >= 0:
+            os.close(mem)
 
 
 def _writable_spans(pid: int) -> list[tuple[int, int]]:

@@ -39,9 +39,9 @@ import mmap, ctypes, sys
 m = mmap.mmap(-1, %d, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 f = open(sys.argv[1], "r+b")
 s = mmap.mmap(f.fileno(), %d, flags=mmap.MAP_SHARED)
-touch = int(sys.argv[2])
+touch, value = int(sys.argv[2]), int(sys.argv[3])
 if touch >= 0:
-    m[touch] = 7
+    m[touch] = value
 print(ctypes.addressof(ctypes.c_char.from_buffer(m)), ctypes.addressof(ctypes.c_char.from_buffer(s)), flush=True)
 sys.stdin.read()
 """ % (SIZE, 1 << 20)
@@ -117,10 +117,10 @@ def _dump_images(pid: int, images: Path) -> tuple[int, int]:
 def start_target(tmp_path: Path) -> Iterator[Callable[..., Target]]:
     made: list[subprocess.Popen[str]] = []
 
-    def start(touch: int = -1, name: str = "t") -> Target:
+    def start(touch: int = -1, name: str = "t", value: int = 7) -> Target:
         shared_file = tmp_path / f"{name}-shared.bin"
         shared_file.write_bytes(b"s" * (1 << 20))
-        proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(shared_file), str(touch)],
+        proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(shared_file), str(touch), str(value)],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         made.append(proc)
         assert proc.stdout is not None
@@ -229,8 +229,22 @@ def test_a_page_the_restored_process_already_has_is_never_overwritten(
     store = ArtifactStore(str(tmp_path / "store"))
     _publish(store, os.urandom(SIZE), tmp_path)
     t = start_target(touch=SIZE - P)  # the last page of the region
-    _refused(store, t, (BulkRange(t.anon, SIZE, 0),), "already present in the restored process")
+    _refused(store, t, (BulkRange(t.anon, SIZE, 0),), f"page {t.anon + SIZE - P:#x} was written after CRIU")
     assert _memory(t.pid, t.anon + SIZE - P, 1) == b"\x07"
+
+
+def test_a_present_page_of_zeros_is_filled(tmp_path: Path, start_target: Callable[..., Target]) -> None:
+    """What a huge page faulted in around a page CRIU wrote holds: nothing written, so filled."""
+    data = os.urandom(SIZE)
+    store = ArtifactStore(str(tmp_path / "store"))
+    _publish(store, data, tmp_path)
+    t = start_target(touch=P, value=0)
+    with open(f"/proc/{t.pid}/pagemap", "rb") as pm:
+        pm.seek((t.anon + P) // P * 8)
+        assert int.from_bytes(pm.read(8), "little") >> 63  # present
+    assert _memory(t.pid, t.anon + P, P) == bytes(P)
+    _fill(store, BulkFile(NS_PID, bulk_file(NS_PID), 1, (BulkRange(t.anon, SIZE, 0),)), t)
+    assert _memory(t.pid, t.anon, SIZE) == data
 
 
 def test_ranges_that_share_file_bytes_cannot_be_planned() -> None:
