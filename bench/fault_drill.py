@@ -87,6 +87,8 @@ def run_faults(rig: Rig, args: argparse.Namespace, doc: dict[str, Any], save: An
         src = rig.start_pod("drill-base-src", wl, {"rekindle.dev/checkpoint": BASE})
         st = rig.wait_status(src, {Phase.PUBLISHED, Phase.CHECKPOINT_FAILED}, 300)
         ref = fields(rig.wait_serving(src) or "")
+        tokens, _journal = rig.layer(src)
+        ref["token"] = next(iter(tokens), "") if len(tokens) == 1 else ""
         rig.stop_pod(src.pod)
         if st is None or st.phase is not Phase.PUBLISHED:
             doc["restore_error"] = f"base artifact not published: {st.reason if st else 'no status'}"

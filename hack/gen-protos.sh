@@ -46,11 +46,12 @@ tar -xf "$work/$file" -C "$work"
 imgs=$(find "$work" -maxdepth 3 -type d -path '*/criu-*/images' | head -n1)
 out=runtime/criu_proto
 mkdir -p "$out"
-# core.proto (each thread's registers and sigaltstack: runtime.criu_image.stack_spans) and what it imports.
+# core.proto (each thread's registers, sigaltstack and rseq area: criu_image.written_after_restore)
+# and what it imports.
 core="core core-x86 core-arm core-aarch64 core-ppc64 core-s390 core-mips core-loongarch64 core-riscv64
       rlimit timer creds sa siginfo rseq"
 "$PY" -m grpc_tools.protoc -I "$imgs" --python_out="$out" \
     "$imgs/opts.proto" "$imgs/vma.proto" "$imgs/mm.proto" "$imgs/pagemap.proto" "$imgs/pstree.proto" \
-    $(for p in $core; do echo "$imgs/$p.proto"; done)
+    "$imgs/fown.proto" "$imgs/regfile.proto" $(for p in $core; do echo "$imgs/$p.proto"; done)
 sed -i -E 's/^import ([a-z0-9_]+_pb2) as /from . import \1 as /' "$out"/*_pb2.py
 echo "generated: $(ls nri_plugin/proto/*_pb2.py runtime/containerd/proto/*_pb2*.py "$out"/*_pb2.py | tr '\n' ' ')"

@@ -274,7 +274,7 @@ def run_plugin(settings: Settings, max_parallel: int = 2) -> int:
                                 prefetcher=engine.prefetcher)
         # Leftovers of dead publishes, old logs and status records: now and every few minutes.
         stop_housekeeping = threading.Event()
-        threading.Thread(target=_housekeeping, args=(settings, store, stop_housekeeping),
+        threading.Thread(target=_housekeeping, args=(settings, store, stop_housekeeping, metrics),
                          name="rekindle-housekeeping", daemon=True).start()
         fd = os.environ.get("NRI_PLUGIN_SOCKET")
         stub = Stub(plugin, Identity(os.environ.get("NRI_PLUGIN_NAME", settings.name),
@@ -304,22 +304,30 @@ def run_plugin(settings: Settings, max_parallel: int = 2) -> int:
 HOUSEKEEPING_EVERY = 600.0
 
 
-def _housekeep_once(settings: Settings, store: ArtifactStore) -> None:
-    try:
-        removed = store_gc.sweep(store)
+def _housekeep_once(settings: Settings, store: ArtifactStore, metrics: Metrics | None = None) -> list[str]:
+    """One round; each step on its own (one that fails skips no other). The failed steps' names."""
+    logs = os.path.join(settings.state_dir, "logs")
+
+    def sweep_store() -> None:
+        bad: list[store_gc.Leftover] = []
+        removed = store_gc.sweep(store, on_bad=bad.append)
+        if metrics is not None:
+            metrics.store_bad_leftovers.set(len(bad))
         if removed:
             log.info("store sweep removed %d leftovers (%d bytes)", len(removed), sum(r.bytes for r in removed))
-        housekeeping.sweep_restore_copies(os.path.join(settings.state_dir, "logs"))
-        housekeeping.rotate_logs(os.path.join(settings.state_dir, "logs"))
-        housekeeping.expire_status(settings.state_dir)
-    except Exception as exc:  # noqa: BLE001 - housekeeping is never fatal
-        log.warning("housekeeping failed: %s", exc)
+
+    steps = [housekeeping.Step("store_sweep", sweep_store),
+             housekeeping.Step("restore_copies", lambda: housekeeping.sweep_restore_copies(logs)),
+             housekeeping.Step("logs", lambda: housekeeping.rotate_logs(logs)),
+             housekeeping.Step("status", lambda: housekeeping.expire_status(settings.state_dir))]
+    return housekeeping.run_steps(steps, metrics.housekeeping_failed if metrics is not None else None)
 
 
-def _housekeeping(settings: Settings, store: ArtifactStore, stop: threading.Event) -> None:
+def _housekeeping(settings: Settings, store: ArtifactStore, stop: threading.Event,
+                  metrics: Metrics | None = None) -> None:
     """Its own thread: a slow shared store stalls neither handlers nor engine work."""
     while not stop.is_set():
-        _housekeep_once(settings, store)
+        _housekeep_once(settings, store, metrics)
         stop.wait(HOUSEKEEPING_EVERY)
 
 

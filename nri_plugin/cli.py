@@ -333,6 +333,11 @@ def cmd_artifacts(args: argparse.Namespace) -> int:
     if m.cuda:
         print(f"  cuda     driver {m.cuda.driver_version}, GPUs {', '.join(g.name for g in m.cuda.gpus)}")
     print(f"  security uid {m.security.uid} caps {len(m.security.capabilities)} seccomp {m.security.seccomp}")
+    if m.host_files is None:
+        print("  host     files from bind mounts not recorded (format 2): checked by size only")
+    else:
+        print(f"  host     {len(m.host_files)} files from bind mounts, "
+              f"{sum(h.size for h in m.host_files) / 2**20:.1f} MiB, checked by digest")
     print("  timings  " + ", ".join(f"{k} {v:.2f}s" for k, v in m.timings.items()))
     print("  verified: all file digests match" if args.verify else "  (signature ok; --verify checks digests)")
     return 0

@@ -18,6 +18,8 @@ Exposed by ``nri_plugin.httpd`` at ``/metrics``:
   rekindle_nri_handler_failures_total{handler,kind}   counter (kind: error, overrun)
   rekindle_kubernetes_reports_sent_total{kind}    counter (kind: event, condition)
   rekindle_kubernetes_reports_dropped_total{reason}   counter (queue_full, api_unavailable, rejected)
+  rekindle_housekeeping_failures_total{step}      counter (store_sweep, restore_copies, logs, status)
+  rekindle_store_bad_leftovers                    gauge: leftovers past the walk's bounds, last sweep
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from .outcomes import Outcome, OutcomeKind
 
 # Seconds: handler replies are due within 2 s; restores of GPU artifacts take minutes.
 HANDLER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 1.6, 2.0, 5.0)
+HOUSEKEEPING_STEPS = ("store_sweep", "restore_copies", "logs", "status")  # nri_plugin.agent's steps
 FLOW_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
 
 
@@ -70,10 +73,19 @@ class Metrics:
             "rekindle_kubernetes_reports_dropped",
             "Events and pod-condition patches given up (queue full, API unavailable, rejected)", ["reason"],
             registry=r)
+        self.housekeeping_failures = Counter(
+            "rekindle_housekeeping_failures", "Housekeeping steps that failed (the others still ran), by step",
+            ["step"], registry=r)
+        self.store_bad_leftovers = Gauge(
+            "rekindle_store_bad_leftovers",
+            "Store leftovers whose tree is past the walk's bounds (too deep, too many entries), last sweep",
+            registry=r)
         for outcome in (OutcomeKind.RESTORED, OutcomeKind.PUBLISHED):  # at 0 from the first scrape
             self.outcomes.labels(outcome.value, "none")
         for reason in ("queue_full", "api_unavailable", "rejected"):
             self.reports_dropped.labels(reason)
+        for step in HOUSEKEEPING_STEPS:
+            self.housekeeping_failures.labels(step)
 
     # ------------------------------------------------------------------ OutcomeSink
     def publish(self, outcome: Outcome) -> None:
@@ -108,6 +120,10 @@ class Metrics:
 
     def report_dropped(self, reason: str) -> None:
         self.reports_dropped.labels(reason).inc()
+
+    # ------------------------------------------------------------------ housekeeping
+    def housekeeping_failed(self, step: str) -> None:
+        self.housekeeping_failures.labels(step).inc()
 
 
 def _free_bytes(path: str | None) -> float:

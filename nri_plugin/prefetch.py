@@ -7,14 +7,14 @@ hashed, exactly what the restore's ``stage`` phase does), then reads the bulk pa
 cache on ``threads`` threads. The restore, once its container starts, ``take``s the staged copy
 if it is of the very version it opened (name and manifest bytes), and so skips that phase.
 ``cancel(pod_uid)`` (StopPodSandbox/RemovePodSandbox) stops a prefetch early and removes what
-was staged and not taken. Errors are logged and forgotten: a prefetch is an optimisation.
+was staged and not taken. Copies waiting to be taken are bounded per node and per namespace
+(count and bytes): past either, a pod's restore stages for itself. Errors are logged and forgotten: a prefetch is an optimisation.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import shutil
 import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from runtime import layout, names, prefetch
 from runtime.artifact import Artifact
 from runtime.errors import RekindleError
+from runtime.fdfs import remove_tree_path
 from runtime.housekeeping import STAGED_PREFIX  # swept like a restore's copies once its owner is dead
 from runtime.owner import write_owner
 from runtime.store import ArtifactStore
@@ -32,9 +33,12 @@ log = logging.getLogger(__name__)
 RESTORE = "rekindle.dev/restore"
 TAKE_WAIT = 300.0  # a staging under way is waited for: the restore would repeat the same reads
 # Staged copies wait on the node's disk until their container starts; pods that never start
-# (an image that never pulls) must not fill it: past these, a restore stages for itself.
+# (an image that never pulls) must not fill it: past these, a restore stages for itself. Per
+# namespace too: one tenant's pods that never start must not take every copy the node allows.
 MAX_STAGED = 4
 MAX_STAGED_BYTES = 4 << 30
+MAX_STAGED_PER_NAMESPACE = 2
+MAX_STAGED_BYTES_PER_NAMESPACE = 2 << 30
 BEGIN_WAIT = 2.0  # a prefetch queued on an idle pool is about to begin: worth waiting for
 
 
@@ -48,6 +52,7 @@ class _Staged:
 
 @dataclass
 class _Pod:
+    namespace: str
     cancel: threading.Event = field(default_factory=threading.Event)
     running: bool = True
     claimed: bool = False  # the restore came: a staging not begun yet is not begun
@@ -58,14 +63,31 @@ class _Pod:
     staged: _Staged | None = None
 
 
+def _remove(work: str) -> None:
+    """Remove a staged copy's work dir (errors logged: the sweep takes it once its owner is dead)."""
+    try:
+        remove_tree_path(work)
+    except (OSError, RekindleError) as exc:
+        log.warning("cannot remove the staged copy %s: %s", work, exc)
+
+
+def _over(held: list[_Pod], size: int, max_count: int, max_bytes: int) -> bool:
+    """Whether one more copy of ``size`` bytes beside ``held`` passes either bound."""
+    return len(held) >= max_count or sum(p.staged_bytes for p in held) + size > max_bytes
+
+
 class Prefetcher:
     def __init__(self, store: ArtifactStore, key: bytes, *, max_running: int = 2, threads: int = prefetch.THREADS,
                  staging_dir: str | None = None, max_staged: int = MAX_STAGED,
-                 max_staged_bytes: int = MAX_STAGED_BYTES) -> None:
+                 max_staged_bytes: int = MAX_STAGED_BYTES,
+                 max_staged_per_namespace: int = MAX_STAGED_PER_NAMESPACE,
+                 max_staged_bytes_per_namespace: int = MAX_STAGED_BYTES_PER_NAMESPACE) -> None:
         self.store, self.key, self.threads = store, key, threads
         self.staging_dir = staging_dir  # None: read ahead only, no staging
         self.max_running = max_running
         self.max_staged, self.max_staged_bytes = max_staged, max_staged_bytes
+        self.max_staged_per_namespace = max_staged_per_namespace
+        self.max_staged_bytes_per_namespace = max_staged_bytes_per_namespace
         self._active = 0  # prefetches begun and not ended
         self._pool = ThreadPoolExecutor(max_workers=max_running, thread_name_prefix="rekindle-prefetcher")
         self._pods: dict[str, _Pod] = {}
@@ -78,7 +100,7 @@ class Prefetcher:
         with self._lock:
             if pod_uid in self._pods:
                 return False
-            pod = self._pods[pod_uid] = _Pod()
+            pod = self._pods[pod_uid] = _Pod(namespace)
         self._pool.submit(self._run, pod_uid, pod, namespace, name)
         return True
 
@@ -94,7 +116,7 @@ class Prefetcher:
             staged, pod.staged = pod.staged, None
         if staged is not None:
             try:
-                self._pool.submit(shutil.rmtree, staged.work, True)
+                self._pool.submit(_remove, staged.work)
             except RuntimeError:  # shut down: the sweep at the next start removes it (owner dead)
                 pass
 
@@ -123,7 +145,7 @@ class Prefetcher:
             return None
         if not artifact.manifest_id or (staged.version, staged.manifest_id) != (artifact.version, artifact.manifest_id):
             log.info("%s: the staged copy is of another version (%s); staging again", artifact.label, staged.version)
-            shutil.rmtree(staged.work, ignore_errors=True)
+            _remove(staged.work)
             return None
         return staged.work
 
@@ -134,15 +156,17 @@ class Prefetcher:
         size = sum(f.size for f in artifact.manifest.files if not layout.is_bulk(f.path))
         with self._lock:
             held = [p for p in self._pods.values() if p.staging and p is not pod]
-            full = (len(held) >= self.max_staged
-                    or sum(p.staged_bytes for p in held) + size > self.max_staged_bytes)
-            skip = pod.claimed or pod.cancel.is_set() or full
+            own = [p for p in held if p.namespace == pod.namespace]
+            full = _over(held, size, self.max_staged, self.max_staged_bytes)
+            full_ns = _over(own, size, self.max_staged_per_namespace, self.max_staged_bytes_per_namespace)
+            skip = pod.claimed or pod.cancel.is_set() or full or full_ns
             pod.staging = not skip
             pod.staged_bytes = 0 if skip else size
         pod.began.set()
-        if full and not pod.claimed:
-            log.info("%s: not staged ahead (%d copies, %d bytes wait already)", artifact.label,
-                     len(held), sum(p.staged_bytes for p in held))
+        if (full or full_ns) and not pod.claimed:
+            where, those = ("on the node", held) if full else (f"for namespace {pod.namespace}", own)
+            log.info("%s: not staged ahead (%d copies, %d bytes wait %s already)", artifact.label,
+                     len(those), sum(p.staged_bytes for p in those), where)
         if skip:
             return
         staged = None
@@ -155,7 +179,7 @@ class Prefetcher:
                 artifact.materialize(os.path.join(work, "private"), skip=layout.is_bulk)
                 staged = _Staged(artifact.version, artifact.manifest_id, work)
             except BaseException:
-                shutil.rmtree(work, ignore_errors=True)
+                _remove(work)
                 raise
         finally:
             with self._lock:
@@ -165,7 +189,7 @@ class Prefetcher:
                     pod.staging, pod.staged_bytes = False, 0  # failed, or gone: holds nothing
                 pod.staged_ready.set()
         if staged is not None and gone:
-            shutil.rmtree(staged.work, ignore_errors=True)
+            _remove(staged.work)
         elif staged is not None:
             log.info("staged %s for its restore", artifact.label)
 
@@ -206,5 +230,5 @@ class Prefetcher:
             pod.began.set()
             pod.staged_ready.set()
             if pod.staged is not None:
-                shutil.rmtree(pod.staged.work, ignore_errors=True)
+                _remove(pod.staged.work)
         self._pool.shutdown(wait=False, cancel_futures=True)

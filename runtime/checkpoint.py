@@ -13,7 +13,8 @@ Steps, each timed (the timings go into the manifest and the container's status):
   5. rootfs_capture / shm_capture: the writable layer and /dev/shm, while the tree is still
      stopped, so files and memory are one instant;
   6. resume: SIGCONT, then CUDA restore + unlock (unless the source is to exit);
-  7. split: the large private anonymous page runs move beside CRIU's images (runtime.bulk);
+  7. host_files: digests of the files the tree uses from bind mounts (runtime.hostfiles);
+     split: the large private anonymous page runs move beside CRIU's images (runtime.bulk);
   8. publish: manifest (identity, node, CRIU, CUDA, security fingerprint, digests), signed,
      published as a new version of the name;
   9. tell the source (``snapshot-complete``) and stop it if asked.
@@ -40,6 +41,7 @@ from dataclasses import dataclass
 
 from runtime import bulk
 from runtime import control as control_mod
+from runtime import hostfiles
 from runtime import layout
 from runtime import overlay
 from runtime import preflight
@@ -48,6 +50,7 @@ from runtime.containers import ContainerInfo, ns_pids, process_tree, resolve_con
 from runtime.cuda import Checkpointer
 from runtime.errors import CheckpointRefused, CriuError, CudaStuck, ImageUnknown, RekindleError
 from runtime.gpu_target import source_gpus
+from runtime.owner import write_owner
 from runtime.manifest import CriuInfo, CudaInfo, Manifest, MountInfo, NodeInfo, ProcessInfo, Source
 from runtime.procfs import anon_mappings
 from runtime.criu_executor import DumpResult, dump_workload
@@ -106,7 +109,8 @@ def checkpoint(req: CheckpointRequest, store: ArtifactStore, key: bytes, *,
     log.info("checkpoint %s/%s: container %s, workload %s (%d processes)",
              req.namespace, req.name, req.container_id[:12], root, len(tree))
     work_dir = os.path.join(req.log_dir, f"checkpoint-{req.namespace}-{req.name}-{int(time.time())}")
-    os.makedirs(work_dir, exist_ok=True)
+    os.makedirs(work_dir, mode=0o700, exist_ok=True)
+    write_owner(work_dir)  # the sweep removes the private staging of a checkpoint that died
 
     cuda_host: list[int] = []
     cuda_info: CudaInfo | None = None
@@ -120,7 +124,9 @@ def checkpoint(req: CheckpointRequest, store: ArtifactStore, key: bytes, *,
         log.info("checkpoint %s/%s: pid %d (%s): %s", req.namespace, req.name, note.pid, note.comm, note.summary)
     if report.blocking:
         raise CheckpointRefused(report.reasons())
-    with store.stage(req.namespace, req.name) as staging:
+    # CRIU dumps and the capture writes into a private node-local dir: the store is written
+    # only by the publish, through directory fds (runtime.store.Staging).
+    with store.stage(req.namespace, req.name, private_root=work_dir) as staging:
         images = os.path.join(staging.path, layout.CRIU_DIR)
         if cuda is not None and cuda_host:
             gpus = source_gpus(cuda, info.spec)
@@ -172,6 +178,8 @@ def checkpoint(req: CheckpointRequest, store: ArtifactStore, key: bytes, *,
         if unrepaired:
             raise CriuError("dump", "TCP connections of the source were left in repair mode: "
                             + "; ".join(unrepaired), dump.log_path)
+        with t.phase("host_files"):  # after the resume: the source does not wait on it
+            host_files = hostfiles.record(images, dump.mount_plan, info.spec_mounts)
         files: tuple[layout.BulkFile, ...] = ()
         if req.split:
             with t.phase("split"):
@@ -195,6 +203,7 @@ def checkpoint(req: CheckpointRequest, store: ArtifactStore, key: bytes, *,
             process=ProcessInfo(root_pid=dump.root_ns_pid, args=tuple(control_mod.original_args(info.spec))),
             mounts=tuple(MountInfo(m.key, m.destination, m.type) for m in dump.mount_plan),
             files=(),
+            host_files=host_files,
             timings=dict(t),
         )
         with t.phase("publish"):

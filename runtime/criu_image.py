@@ -1,4 +1,5 @@
-"""CRIU image files: read and rewrite the few images Rekindle needs (pstree, pagemap, mm, core).
+"""CRIU image files: read and rewrite the few images Rekindle needs (pstree, pagemap, mm, core,
+files).
 
 Format (CRIU's ``images/`` and its pycriu): an image starts with 8 bytes of magic (the common
 magic, then the image's own), followed by entries, each a 4-byte little-endian length and a
@@ -6,8 +7,11 @@ protobuf message. A pagemap image holds one ``pagemap_head`` (which ``pages-<id>
 data) and then ``pagemap_entry`` records; the data of the present entries lies back to back in
 the pages file in entry order (offsets are implicit). ``mm-<pid>.img`` holds one ``mm_entry``
 with the process's VMAs; ``core-<tid>.img`` one ``core_entry`` per thread (its registers,
-sigaltstack and rseq area are what :func:`written_after_restore` needs). The message classes
-are generated from CRIU's own .proto files (``runtime.criu_proto``, see hack/gen-protos.sh).
+sigaltstack and rseq area are what :func:`written_after_restore` needs). ``files.img`` holds a
+``file_entry`` for every file the tree uses (open fds, file-backed VMAs, executables, cwd and
+root); only its regular-file part is read, with a small walk over the wire format (its other
+members would pull in two dozen schemas). The message classes are generated from CRIU's own
+.proto files (``runtime.criu_proto``, see hack/gen-protos.sh).
 
 Images are written by CRIU on this node or come out of a verified artifact; a malformed one
 still raises :class:`CriuError` naming the file, never an IndexError.
@@ -16,13 +20,15 @@ still raises :class:`CriuError` naming the file, never an IndexError.
 from __future__ import annotations
 
 import os
+import stat
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from google.protobuf.message import DecodeError
 
-from runtime.criu_proto import core_pb2, mm_pb2, pagemap_pb2, pstree_pb2
+from runtime.criu_proto import core_pb2, mm_pb2, pagemap_pb2, pstree_pb2, regfile_pb2
 from runtime.errors import CriuError
 
 MAGIC_LEN = 8
@@ -302,3 +308,77 @@ def written_after_restore(images_dir: str, entry: PstreeEntry, vmas: list[Any]) 
             if top <= lo:
                 break
     return Written(tuple(sorted(whole)), tuple(sorted(pages)))
+
+
+# --- files --------------------------------------------------------------------------------------
+
+FD_TYPE_REG = 1  # fd_types.REG (images/fdinfo.proto)
+_FILE_TYPE, _FILE_ID, _FILE_REG = 1, 2, 3  # file_entry's fields
+_REMAP_ORIG_ID = 1  # remap_file_path_entry.orig_id (images/remap-file-path.proto)
+
+
+@dataclass(frozen=True)
+class RegFile:
+    """A regular file the tree maps or holds open: its path in the tree's mount namespace and
+    its size when dumped (what CRIU checks at restore)."""
+
+    id: int
+    path: str
+    size: int
+
+
+def _varint(raw: bytes, i: int, path: str) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if i >= len(raw) or shift > 63:
+            raise CriuError("image", f"{path}: bad varint at {i}")
+        b = raw[i]
+        value |= (b & 0x7F) << shift
+        i, shift = i + 1, shift + 7
+        if not b & 0x80:
+            return value, i
+
+
+def _wire_fields(raw: bytes, path: str) -> Iterator[tuple[int, int | bytes]]:
+    """(field number, value) of one protobuf message: varints as ints, length-delimited fields
+    as bytes; fixed-width fields are skipped."""
+    i = 0
+    while i < len(raw):
+        key, i = _varint(raw, i, path)
+        number, wire = key >> 3, key & 7
+        if wire == 0:
+            value, i = _varint(raw, i, path)
+            yield number, value
+        elif wire == 2:
+            size, i = _varint(raw, i, path)
+            if i + size > len(raw):
+                raise CriuError("image", f"{path}: field {number} runs past its entry")
+            yield number, raw[i:i + size]
+            i += size
+        elif wire in (1, 5):
+            i += 8 if wire == 1 else 4
+        else:
+            raise CriuError("image", f"{path}: wire type {wire} of field {number}")
+
+
+def read_reg_files(images_dir: str) -> list[RegFile]:
+    """Every regular file of ``files.img`` (fds, file-backed VMAs, executables) that CRIU will
+    reopen by path: not directories or device nodes, and not the deleted files it remapped
+    (``remap-fpath.img``: their content is in the images, or CRIU linked it beside them)."""
+    path = os.path.join(images_dir, "files.img")
+    remap = os.path.join(images_dir, "remap-fpath.img")
+    remapped: set[int] = set()
+    if os.path.exists(remap):
+        for raw in read_raw(remap).entries:
+            remapped.update(v for n, v in _wire_fields(raw, remap) if n == _REMAP_ORIG_ID and isinstance(v, int))
+    out = []
+    for raw in read_raw(path).entries:
+        fields = dict(_wire_fields(raw, path))
+        reg = fields.get(_FILE_REG)
+        if fields.get(_FILE_TYPE) != FD_TYPE_REG or not isinstance(reg, bytes):
+            continue
+        e = _parse(regfile_pb2.reg_file_entry, reg, path)
+        if e.id in remapped or (e.HasField("mode") and not stat.S_ISREG(e.mode)):
+            continue  # (without a mode, the reader of the file checks what it is)
+        out.append(RegFile(e.id, e.name, e.size))
+    return out

@@ -12,7 +12,10 @@ Contract:
   every reserved byte is zero. ``CUcheckpointRestoreArgs``: ``gpuPairs`` pointer at 0,
   ``gpuPairsCount`` at 8; ``CUcheckpointGpuPair``: 32 bytes, old UUID at 0, new UUID at 16.
 - :class:`Driver` is a thin, typed wrapper; it is not thread-safe by itself: the caller
-  (:class:`runtime.cuda.CudaCheckpointer`) funnels all calls through one thread.
+  (:class:`runtime.cuda.CudaCheckpointer`) funnels all calls through one thread. Calls go
+  through ``ctypes.CDLL``, which lets go of the GIL, so a call that hangs in the driver blocks
+  only its own thread: the caller can stop waiting at a deadline and carry on on another (the
+  hung one stays in libcuda; libcuda itself is thread-safe).
 - GPU UUID strings are ``GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`` (nvidia-smi's form).
 """
 

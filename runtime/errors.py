@@ -58,6 +58,17 @@ class ArtifactRejected(RekindleError):
         self.reason = reason
 
 
+class TreeTooLarge(StoreError):
+    """A walk below a shared directory passed its bound (``bound``: "depth" or "entries", at
+    ``limit``): a tree no Rekindle writer makes."""
+
+    def __init__(self, bound: str, limit: int) -> None:
+        what = f"deeper than {limit} directories" if bound == "depth" else f"more than {limit} entries"
+        super().__init__(f"tree {what}")
+        self.bound = bound
+        self.limit = limit
+
+
 class ArtifactNotFound(StoreError):
     """No artifact of that name in that namespace."""
 

@@ -2,12 +2,13 @@
 
 Contract:
 
-- :class:`Manifest` (``format_version`` 2) mirrors docs/design.md "Artifact". Every record is a
+- :class:`Manifest` (``format_version`` 3) mirrors docs/design.md "Artifact". Every record is a
   frozen dataclass validated on construction. :meth:`Manifest.to_json` gives canonical bytes
   (sorted keys, compact separators, UTF-8); :meth:`Manifest.from_json` treats its input as
   untrusted: exact key sets, strict JSON types (a bool is not an int), no duplicate keys, no
   NaN, a size cap, and an unknown ``format_version`` is refused by name. Every parse problem
-  raises :class:`ArtifactRejected`.
+  raises :class:`ArtifactRejected`. Version 2 (before ``host_files``) is still read: its
+  ``host_files`` is None, "not recorded" (``runtime.hostfiles`` says what a restore does then).
 - :func:`sign` / :func:`verify`: ``"hmac-sha256:<hex>"`` over the exact manifest bytes.
 - The key itself (reading, creating) lives in ``runtime.keys``.
 - The security fingerprint and the privilege check live in ``runtime.security``; the
@@ -20,6 +21,7 @@ import datetime
 import hashlib
 import hmac
 import math
+import posixpath
 import re
 import typing
 from collections.abc import Mapping
@@ -30,10 +32,11 @@ from runtime.errors import ArtifactRejected
 from runtime.gpus import Gpu
 from runtime.security import SecurityProfile
 
-__all__ = ["CriuInfo", "CudaInfo", "FileEntry", "Gpu", "Manifest", "MountInfo", "NodeInfo", "ProcessInfo",
+__all__ = ["CriuInfo", "CudaInfo", "FileEntry", "Gpu", "HostFile", "Manifest", "MountInfo", "NodeInfo", "ProcessInfo",
            "Source", "sign", "verify"]
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+READS_VERSIONS = (2, 3)  # 2: written before host_files existed
 MAX_MANIFEST_BYTES = 16 * 1024 * 1024
 SIG_PREFIX = "hmac-sha256:"
 
@@ -108,6 +111,31 @@ class FileEntry:
 
 
 @dataclass(frozen=True, slots=True)
+class HostFile:
+    """A file the tree maps or holds open from a bind mount (host content, not the image's):
+    ``mount`` is the mount's destination in the spec, ``path`` the file beneath it ("" when the
+    mount is the file itself); hashed from the host side at checkpoint (``runtime.hostfiles``)."""
+
+    mount: str
+    path: str
+    size: int
+    digest: str  # BLAKE3, hex (runtime.digests)
+
+    @property
+    def in_container(self) -> str:
+        return posixpath.join(self.mount, self.path) if self.path else self.mount
+
+    def __post_init__(self) -> None:
+        _check(self.mount.startswith("/") and posixpath.normpath(self.mount) == self.mount,
+               f"host file mount {self.mount!r}: not a normal absolute path")
+        _check(self.path == "" or (not self.path.startswith("/") and posixpath.normpath(self.path) == self.path
+                                   and self.path.split("/")[0] != ".."),
+               f"host file {self.path!r}: not a normal relative path")
+        _check(self.size >= 0, f"host file {self.in_container!r}: negative size")
+        _check(bool(_DIGEST_RE.fullmatch(self.digest)), f"host file {self.in_container!r}: bad digest")
+
+
+@dataclass(frozen=True, slots=True)
 class Manifest:
     name: str
     namespace: str
@@ -124,10 +152,15 @@ class Manifest:
     # Set by the store at publish: increases with every publish of a name (microseconds since
     # the epoch, or the previous version's + 1), so a node can refuse a rollback.
     generation: int = 0
+    # Files from bind mounts the tree maps or holds open, with their digests; None only in a
+    # version 2 manifest (recorded by no one).
+    host_files: tuple[HostFile, ...] | None = ()
     format_version: int = FORMAT_VERSION
 
     def __post_init__(self) -> None:
-        _check(self.format_version == FORMAT_VERSION, f"format_version must be {FORMAT_VERSION}")
+        _check(self.format_version in READS_VERSIONS, f"format_version must be one of {READS_VERSIONS}")
+        _check((self.host_files is None) == (self.format_version == 2),
+               "host_files is null exactly in a format_version 2 manifest")
         _check(self.generation >= 0, "generation must not be negative")
         try:
             datetime.datetime.fromisoformat(self.created_at)
@@ -137,6 +170,8 @@ class Manifest:
                "timings must be finite, non-negative seconds")
         paths = [f.path for f in self.files]
         _check(len(paths) == len(set(paths)), "duplicate path in files")
+        hosts = [(h.mount, h.path) for h in self.host_files or ()]
+        _check(len(hosts) == len(set(hosts)), "duplicate file in host_files")
 
     def to_json(self) -> bytes:
         """Canonical bytes: sorted keys, compact separators, UTF-8, no NaN."""
@@ -152,10 +187,14 @@ class Manifest:
         if not isinstance(obj, dict):
             raise ArtifactRejected(artifact, "manifest is not a JSON object")
         version = obj.get("format_version")
-        if type(version) is not int or version != FORMAT_VERSION:
+        if type(version) is not int or version not in READS_VERSIONS:
             raise ArtifactRejected(
                 artifact, f"unsupported manifest format_version {version!r} (this build reads "
-                f"{FORMAT_VERSION})")
+                f"{', '.join(map(str, READS_VERSIONS))})")
+        if version == 2:
+            if "host_files" in obj:
+                raise ArtifactRejected(artifact, "invalid manifest: host_files in a format_version 2 manifest")
+            obj["host_files"] = None
         try:
             return typing.cast(Manifest, strict_json.from_obj(cls, obj, "manifest"))
         except (TypeError, ValueError) as exc:

@@ -20,9 +20,9 @@ in a second). Each refusal is an :class:`OverlayError` naming the member. A memb
 
 from __future__ import annotations
 
-import json
 import os
 
+from runtime import strict_json
 from runtime.errors import OverlayError
 from runtime.overlay_fs import ALLOWED_XATTRS, OVERLAY_XATTRS
 from runtime.overlay_tar import MAX_SPARSE_EXTENTS, Member
@@ -116,14 +116,16 @@ class MemberCheck:
 
 
 def load_deletions(path: str) -> list[tuple[list[str], str]]:
-    """The deletions JSON at ``path``: ``[(path parts, "whiteout" | "opaque")]``."""
+    """The deletions JSON at ``path``: ``[(path parts, "whiteout" | "opaque")]``.
+
+    Parsed strictly (``runtime.strict_json``: size, nesting of 2, no duplicate keys, no lone
+    surrogate but the stand-ins for a file name's bytes that are not UTF-8, which capture writes
+    as such); plain json.loads recursed on deep nesting (RecursionError, not an OverlayError)."""
     try:
         with open(path, "rb") as f:  # read no more than the file holds: read(n) allocates n
             data = f.read(min(os.fstat(f.fileno()).st_size, MAX_DELETIONS_BYTES) + 1)
-        if len(data) > MAX_DELETIONS_BYTES:
-            raise OverlayError(f"deletions {path}: larger than {MAX_DELETIONS_BYTES} bytes")
-        obj = json.loads(data.decode("utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        obj = strict_json.loads(data, max_bytes=MAX_DELETIONS_BYTES, max_depth=2, escaped_bytes=True)
+    except (OSError, ValueError) as exc:
         raise OverlayError(f"deletions {path}: {exc}") from exc
     if not isinstance(obj, list):
         raise OverlayError(f"deletions {path}: not a JSON list")

@@ -10,6 +10,7 @@ import socket
 import time
 from dataclasses import dataclass
 
+from runtime import strict_json
 from runtime.fdfs import DIR_FLAGS, FILE_FLAGS, write_file
 
 OWNER = ".owner.json"
@@ -64,7 +65,7 @@ def read_owner(dir_fd: int) -> Owner | None:
     finally:
         os.close(fd)
     try:
-        d = json.loads(raw)
+        d = strict_json.loads(raw, max_bytes=4096)  # planted: json.loads recursed on "[[[..."
         return Owner(str(d["node"]), str(d["boot_id"]), int(d["pid"]), int(d["start_time"]),
                      float(d["created"]))
     except (ValueError, KeyError, TypeError):
@@ -74,6 +75,12 @@ def read_owner(dir_fd: int) -> Owner | None:
 def write_owner(dir_path: str) -> None:
     """Record this process as the owner of ``dir_path`` (a staging dir, a restore's work dir)."""
     write_file(os.path.join(dir_path, OWNER), json.dumps(dataclasses.asdict(Owner.me())).encode())
+
+
+def write_owner_at(dir_fd: int) -> None:
+    """The same, into a directory held by fd that others can write (a store's staging dir): the
+    record is a new file, never written through a name someone planted."""
+    write_file(OWNER, json.dumps(dataclasses.asdict(Owner.me())).encode(), dir_fd=dir_fd, exclusive=True)
 
 
 def read_owner_of(dir_path: str) -> Owner | None:

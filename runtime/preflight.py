@@ -22,19 +22,24 @@ Blocking findings, and why:
 - ``nvidia-without-cuda``: a process with no CUDA context to checkpoint holds an NVIDIA device
   open (NVML does, until ``nvmlShutdown``): the CUDA checkpoint does not release it and CRIU
   cannot dump it.
-- ``nccl-communicator``: a live NCCL communicator whose transport the driver (580) cannot
-  restore. Live means the process holds NCCL's proxy socket (``@tmp/nccl-socket-*``, bound for
-  a communicator's lifetime) or maps or holds a ``/dev/shm/nccl-*`` file (SHM transport
-  buffers, proxy op pools). The transport follows from the process's NCCL environment (see
-  :class:`NcclTransport`); measured on 2x H200, NCCL 2.28: P2P/CUMEM (the default), P2P/IPC
-  (``NCCL_CUMEM_ENABLE=0``) and SHM on cuMem host memory (``NCCL_P2P_DISABLE=1`` alone) fail at
-  restore and leave the job stuck; SHM with ``NCCL_CUMEM_HOST_ENABLE=0`` and sockets only
-  (``NCCL_SHM_DISABLE=1``) restore. A communicator destroyed before the checkpoint leaves
-  libnccl mapped and nothing else: restorable (a note).
+- ``nccl-communicator``: a live NCCL communicator, whatever its transport. Live means the
+  process holds NCCL's proxy socket (``@tmp/nccl-socket-*``, bound for a communicator's
+  lifetime) or maps or holds a ``/dev/shm/nccl-*`` file (SHM transport buffers, proxy op pools).
+  Measured on 2x H200, NCCL 2.28: P2P/CUMEM (the default), P2P/IPC (``NCCL_CUMEM_ENABLE=0``) and
+  SHM on cuMem host memory (``NCCL_P2P_DISABLE=1`` alone) fail at restore and leave the job
+  stuck; SHM with ``NCCL_CUMEM_HOST_ENABLE=0`` and sockets only (``NCCL_SHM_DISABLE=1``) restore.
+  Which one a communicator uses is not visible from outside the process: NCCL reads its
+  variables once, in the process, where they can be set after start or the start environment
+  rewritten in memory (what ``/proc/<pid>/environ`` reads), and the cuMem fds it passes between
+  ranks are closed right after import. So a live communicator is refused even when its
+  environment names a transport that restores; the environment only names the transport in the
+  reason. A communicator destroyed before the checkpoint leaves libnccl mapped and nothing
+  else: restorable (a note).
 
-NCCL settings are read from the environment the process started with; NCCL's config files
-(``/etc/nccl.conf``) and variables set later in the process are not seen, so they can only
-make the check refuse what would have worked, never pass what would not.
+What decides is what the kernel shows of the process: fd links, mappings (``/proc/<pid>/maps``
+escapes newlines in paths) and its unix sockets by the inodes of its own socket fds, named by
+sock_diag netlink (``runtime.unixdiag``), where no socket's name can pose as another's. A socket
+whose name cannot be read for sure (``net/unix`` text with a forged line) counts as NCCL's.
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from runtime import procfs
+from runtime import procfs, unixdiag
 
 # criu/files.c dump_one_file: the anon inodes CRIU 4.2 dumps (link text after "anon_inode:").
 CRIU_ANON = frozenset({"[eventfd]", "[eventpoll]", "inotify", "[fanotify]", "[signalfd]", "[timerfd]", "[pidfd]"})
@@ -94,9 +99,7 @@ class NcclTransport(enum.Enum):
         return self in (NcclTransport.SHM, NcclTransport.SOCKET)
 
 
-NCCL_ADVICE = ("destroy the process group before ready-for-checkpoint and rebuild it after "
-               "(rekindle_tp.py), or run with NCCL_P2P_DISABLE=1 NCCL_CUMEM_HOST_ENABLE=0 (SHM) or "
-               "NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 (sockets)")
+NCCL_ADVICE = "destroy the process group before ready-for-checkpoint and rebuild it after (rekindle_tp.py)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,12 +191,15 @@ def _fd_findings(pid: int, name: str, fds: Sequence[procfs.Fd], mapped: Sequence
 
 
 def _nccl_findings(pid: int, name: str, fds: Sequence[procfs.Fd], mapped: Sequence[procfs.Mapping],
-                   unix: dict[int, procfs.UnixSocket], env: dict[str, str]) -> list[Finding]:
+                   unix: unixdiag.UnixTable, env: dict[str, str]) -> list[Finding]:
     evidence = []
     for inode in sorted(procfs.socket_inodes(list(fds))):
         sk = unix.get(inode)
-        if sk is not None and NCCL_SOCKET.match(sk.path):
-            evidence.append(f"socket {sk.path}")
+        if unix.is_unsure(inode):
+            evidence.append(f"socket:[{inode}] (its name cannot be read for sure: a unix socket name in "
+                            f"{unix.source} holds a newline)")
+        elif sk is not None and NCCL_SOCKET.match(sk.path):
+            evidence.append(f"socket {sk.path!r}" if "\n" in sk.path else f"socket {sk.path}")
     evidence += sorted({f"mapping {m.path}" for m in mapped if m.path.startswith(NCCL_SHM)})
     evidence += sorted({f"fd {e.fd} -> {e.link}" for e in fds if e.link.startswith(NCCL_SHM)})
     loaded = any(os.path.basename(m.path).startswith("libnccl") for m in mapped)
@@ -202,20 +208,22 @@ def _nccl_findings(pid: int, name: str, fds: Sequence[procfs.Fd], mapped: Sequen
             return [Finding(Kind.NCCL_IDLE, pid, name, "libnccl loaded, no live communicator",
                             "libnccl mapped", blocking=False)]
         return []
+    # The environment only names the transport; it never lets a live communicator through.
     transport = NcclTransport.from_env(env)
     if transport.restorable:
-        return [Finding(Kind.NCCL_COMMUNICATOR, pid, name, f"a live NCCL communicator on {transport.value}",
-                        ", ".join(evidence[:3]), blocking=False)]
-    return [Finding(Kind.NCCL_COMMUNICATOR, pid, name,
-                    f"a live NCCL communicator on {transport.value}, which the driver cannot restore: "
-                    + NCCL_ADVICE, ", ".join(evidence[:3]))]
+        summary = (f"a live NCCL communicator; its start environment names {transport.value}, but the transport "
+                   "NCCL chose cannot be seen from outside the process (its variables can change after start) "
+                   "and the driver cannot restore P2P/CUMEM, P2P/IPC or SHM on cuMem host memory: ")
+    else:
+        summary = f"a live NCCL communicator on {transport.value}, which the driver cannot restore: "
+    return [Finding(Kind.NCCL_COMMUNICATOR, pid, name, summary + NCCL_ADVICE, ", ".join(evidence[:3]))]
 
 
 def inspect(pids: Iterable[int], cuda_pids: Iterable[int] = (), proc: str = procfs.PROC) -> Report:
     """Every finding in the tree ``pids`` (host pids, as ``proc`` numbers them)."""
     cuda = set(cuda_pids)
     nvidia_majors = {NVIDIA_MAJOR, *procfs.char_majors("nvidia", proc)}
-    unix_by_ns: dict[str, dict[int, procfs.UnixSocket]] = {}
+    unix_by_ns: dict[str, unixdiag.UnixTable] = {}
     findings: list[Finding] = []
     for pid in dict.fromkeys(pids):
         fds = procfs.fds(pid, proc)
@@ -224,6 +232,6 @@ def inspect(pids: Iterable[int], cuda_pids: Iterable[int] = (), proc: str = proc
         findings += _fd_findings(pid, name, fds, mapped, pid in cuda, nvidia_majors)
         ns = procfs.netns_key(pid, proc)
         if ns not in unix_by_ns:
-            unix_by_ns[ns] = procfs.unix_sockets(pid, proc)
+            unix_by_ns[ns] = unixdiag.unix_sockets(pid, proc)
         findings += _nccl_findings(pid, name, fds, mapped, unix_by_ns[ns], procfs.environ(pid, proc))
     return Report(tuple(findings))

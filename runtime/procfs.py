@@ -9,10 +9,11 @@ Contract:
 - :func:`fds` returns each fd's link text (``readlink``) and, where ``stat`` through the link
   works, its file type and device numbers; in a stand-in tree the links point nowhere and only
   the text is known.
-- :func:`socket_inodes` are the inodes of ``socket:[N]`` links; :func:`unix_sockets` and
-  :func:`tcp_sockets` read the process's network namespace tables (``net/unix``, ``net/tcp``,
-  ``net/tcp6``), keyed by inode; IPv4-mapped IPv6 addresses are given as IPv4, so both ends of
-  a connection between a dual-stack and an IPv4 socket name the same addresses.
+- :func:`socket_inodes` are the inodes of ``socket:[N]`` links; :func:`tcp_sockets` reads the
+  process's network namespace tables (``net/tcp``, ``net/tcp6``), keyed by inode (unix sockets:
+  ``runtime.unixdiag``, since their names can forge ``net/unix`` lines); IPv4-mapped IPv6
+  addresses are given as IPv4, so both ends of a connection between a dual-stack and an IPv4
+  socket name the same addresses.
 """
 
 from __future__ import annotations
@@ -82,7 +83,8 @@ def comm(pid: int, proc: str = PROC) -> str:
 
 
 def environ(pid: int, proc: str = PROC) -> dict[str, str]:
-    """The environment the process was started with (later setenv calls are not visible)."""
+    """The environment the process was started with (later setenv calls are not visible), or
+    whatever the process wrote over it since: a claim of the process's, never evidence."""
     out: dict[str, str] = {}
     for item in _read(f"{proc}/{pid}/environ", 1 << 20).split(b"\0"):
         key, sep, value = item.partition(b"=")
@@ -165,22 +167,6 @@ def netns_key(pid: int, proc: str = PROC) -> str:
         return os.readlink(f"{proc}/{pid}/ns/net")
     except OSError:
         return f"pid:{pid}"
-
-
-def unix_sockets(pid: int, proc: str = PROC) -> dict[int, UnixSocket]:
-    """Unix sockets of the process's network namespace (``net/unix``), by inode."""
-    out = {}
-    lines = _read(f"{proc}/{pid}/net/unix", 64 << 20).decode(errors="replace").splitlines()
-    for line in lines[1:]:
-        fields = line.split(None, 7)
-        if len(fields) < 7:
-            continue
-        try:
-            inode = int(fields[6])
-        except ValueError:
-            continue
-        out[inode] = UnixSocket(inode, fields[7].strip() if len(fields) > 7 else "")
-    return out
 
 
 def _addr(text: str) -> tuple[str, int]:

@@ -6,7 +6,8 @@ The target container runs ``rekindle-init --mode restore`` as PID 1 and waits. S
   2. inspect: compatibility (node, CRIU, image, driver, GPUs visible to *this* container) and
      that the source's privilege does not exceed the target's (``runtime.security``: uid/gid,
      capabilities, privileged, seccomp, no_new_privs, LSM, user namespace, masked and read-only
-     paths, device cgroup, sysctls) — CRIU restores what the source had;
+     paths, device cgroup, sysctls) — CRIU restores what the source had; the files the tree
+     uses from bind mounts have the checkpoint's content (``runtime.hostfiles``);
   3. stage: every file but the bulk pages is copied into a private node-local directory while
      hashed; only those copies are used afterwards (CRIU reads its images from there). The
      prefetch may have done this from RunPodSandbox on: its copies are taken when they are of
@@ -48,6 +49,7 @@ from dataclasses import dataclass
 
 from runtime import bulk
 from runtime import control as control_mod
+from runtime import hostfiles
 from runtime import layout
 from runtime import overlay
 from runtime.compat import NodeFacts, check_compatibility
@@ -181,6 +183,8 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
                 reasons += check_privilege(manifest.security, security, lsm=lsm)
                 if manifest.cuda is not None and cuda is None:
                     reasons.append("artifact holds CUDA state but this agent has no CUDA driver")
+                if not reasons:  # hashing is the costly check: only when nothing else refused
+                    reasons += hostfiles.check(manifest.host_files, target.spec_mounts, label=artifact.label)
                 if reasons:
                     raise ArtifactRejected(artifact.label, "; ".join(reasons))
             with t.phase("stage"):

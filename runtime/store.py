@@ -49,6 +49,7 @@ import re
 import secrets
 import shutil
 import stat
+import tempfile
 import time
 from dataclasses import dataclass
 from types import TracebackType
@@ -56,12 +57,12 @@ from types import TracebackType
 from runtime import layout, names
 from runtime.artifact import Artifact, Vanished
 from runtime.digests import hash_fd
-from runtime.fdfs import (DIR_FLAGS, FILE_FLAGS, exclusive, fsync_dir, ofd_lock, open_regular, read_capped,
-                          walk_files_path, why, write_file)
+from runtime.fdfs import (DIR_FLAGS, FILE_FLAGS, exclusive, ofd_lock, open_regular, read_capped, remove_tree,
+                          rename_noreplace, same_inode, walk_files_path, why, write_file)
 from runtime.errors import ArtifactNotFound, ArtifactRejected, RekindleError, StoreError
 from runtime.manifest import MAX_MANIFEST_BYTES as MAX_MANIFEST
 from runtime.manifest import FileEntry, Manifest, sign, verify
-from runtime.owner import OWNER, write_owner
+from runtime.owner import OWNER, write_owner_at
 
 log = logging.getLogger(__name__)
 
@@ -102,24 +103,25 @@ class Listing:
 
 
 class Staging:
-    """A staging dir; use as a context manager and call :meth:`publish` inside it."""
+    """An artifact built in a private node-local dir, then published into the store through fds.
 
-    def __init__(self, store: ArtifactStore, namespace: str, name: str) -> None:
+    ``path`` is a fresh directory under ``private_root`` (node-local, root-only: nobody else can
+    write there), where CRIU dumps and the capture writes by path. Nothing is written into the
+    shared store before :meth:`publish`, and what it writes there goes through directory fds only:
+    the store's staging dir is created exclusively (``mkdirat``) and held by fd, every file in it
+    is created with ``O_CREAT|O_EXCL|O_NOFOLLOW`` below that fd (or moved in with
+    ``renameat2(RENAME_NOREPLACE)``), so a symlink, hard link or directory planted or swapped in
+    the store meanwhile is never written through. Digests are of the private bytes. Use as a
+    context manager; on exit both dirs are removed unless published."""
+
+    def __init__(self, store: ArtifactStore, namespace: str, name: str, private_root: str | None = None) -> None:
         self.store = store
         self.namespace, self.name = namespace, name
-        self.parent = os.path.join(store.root, namespace)
-        os.makedirs(self.parent, mode=0o700, exist_ok=True)
-        if os.path.islink(self.parent):
-            raise StoreError(f"store namespace dir {self.parent} is a symlink")
-        self.path = os.path.join(self.parent, f"{STAGING_PREFIX}{name}-{secrets.token_hex(8)}")
-        os.mkdir(self.path, 0o700)
-        try:
-            write_owner(self.path)
-        except BaseException:
-            # Not even the owner record fits (a full store): without one, the sweep would keep
-            # this dir for a day.
-            shutil.rmtree(self.path, ignore_errors=True)
-            raise
+        root = private_root or tempfile.gettempdir()
+        _check_private(root)
+        self.path = tempfile.mkdtemp(prefix=f"staging-{namespace}-{name}-", dir=root)  # mode 0700
+        self.entry: str | None = None  # the staging dir's name in the store, while it exists
+        self._entry_stat: os.stat_result | None = None
         self.published: Listing | None = None
 
     def __enter__(self) -> Staging:
@@ -127,39 +129,80 @@ class Staging:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        if os.path.lexists(self.path):
-            if exc is None and self.published is None:
-                log.warning("staging %s left unpublished; removing it", self.path)
-            shutil.rmtree(self.path, ignore_errors=True)
+        if exc is None and self.published is None:
+            log.warning("staging %s/%s left unpublished; removing it", self.namespace, self.name)
+        shutil.rmtree(self.path, ignore_errors=True)
+        if self.entry is not None:
+            self._remove_entry()
+
+    def _remove_entry(self) -> None:
+        """Remove our staging dir from the store, only if the name still holds our directory."""
+        assert self.entry is not None and self._entry_stat is not None
+        try:
+            ns_fd = self.store._ns_fd(self.namespace, f"{self.namespace}/{self.name}")
+        except RekindleError:
+            return
+        try:
+            st = os.stat(self.entry, dir_fd=ns_fd, follow_symlinks=False)
+            if same_inode(st, self._entry_stat):
+                remove_tree(ns_fd, self.entry)
+        except Exception as exc:  # noqa: BLE001 - whatever was planted there, the sweep takes it later
+            log.warning("staging %s/%s: cannot remove %s from the store (%s); left for the sweep",
+                        self.namespace, self.name, self.entry, exc)
+        finally:
+            os.close(ns_fd)
+        self.entry = None
 
     def publish(self, manifest: Manifest, key: bytes) -> Manifest:
         """Record every file in the manifest, sign it, and switch the name to this version."""
         if (manifest.namespace, manifest.name) != (self.namespace, self.name):
             raise StoreError(f"manifest names {manifest.namespace}/{manifest.name}, staging is "
                              f"for {self.namespace}/{self.name}")
-        try:
-            ns_fd = os.open(self.parent, DIR_FLAGS)
-        except OSError as exc:
-            raise StoreError(f"publish {self.namespace}/{self.name}: {exc}") from exc
+        label = f"{self.namespace}/{self.name}"
+        ns_fd = self.store._ns_fd(self.namespace, label, create=True)
         try:
             try:
                 previous = self.store.current_version(ns_fd, self.name)
             except ArtifactRejected:
                 previous = None  # whatever sits at the name is moved away by _switch
-            files = self._hash_and_sync()
-            generation = max(time.time_ns() // 1000, generation_of(previous) + 1)
-            manifest = dataclasses.replace(manifest, files=tuple(files), generation=generation)
-            data = manifest.to_json()
-            write_file(os.path.join(self.path, MANIFEST), data)
-            write_file(os.path.join(self.path, SIGNATURE), sign(data, key).encode())
-            os.unlink(os.path.join(self.path, OWNER))
-            fsync_dir(self.path)
-            version = f"{VERSION_PREFIX}{self.name}-{generation}-{secrets.token_hex(8)}"
-            os.rename(self.path, os.path.join(self.parent, version))
-            self._switch(ns_fd, version)
-            os.fsync(ns_fd)
+            entry = f"{STAGING_PREFIX}{self.name}-{secrets.token_hex(8)}"
+            os.mkdir(entry, 0o700, dir_fd=ns_fd)  # EEXIST if planted: fail, never reuse
+            st_fd = os.open(entry, DIR_FLAGS, dir_fd=ns_fd)
+            try:
+                self.entry, self._entry_stat = entry, os.fstat(st_fd)
+                write_owner_at(st_fd)
+                files = _transfer(self.path, st_fd, label)
+                generation = max(time.time_ns() // 1000, generation_of(previous) + 1)
+                manifest = dataclasses.replace(manifest, files=tuple(files), generation=generation)
+                data = manifest.to_json()
+                write_file(MANIFEST, data, dir_fd=st_fd, exclusive=True)
+                write_file(SIGNATURE, sign(data, key).encode(), dir_fd=st_fd, exclusive=True)
+                os.unlink(OWNER, dir_fd=st_fd)
+                os.fsync(st_fd)
+                version = f"{VERSION_PREFIX}{self.name}-{generation}-{secrets.token_hex(8)}"
+                rename_noreplace(ns_fd, entry, ns_fd, version)
+                self.entry = version
+                # The name must hold the very dir we wrote: one swapped in meanwhile is never
+                # pointed at (its files are not ours, whatever they say).
+                try:
+                    now = os.stat(version, dir_fd=ns_fd, follow_symlinks=False)
+                except FileNotFoundError:
+                    now = None
+                if now is None or not same_inode(now, self._entry_stat):
+                    self.entry = None
+                    raise StoreError(f"publish {label}: the staging dir was moved or replaced in the "
+                                     "store while it was published; not published")
+                self._switch(ns_fd, version)
+                self.entry = None
+                os.fsync(ns_fd)
+            finally:
+                os.close(st_fd)
         except OSError as exc:
-            raise StoreError(f"publish {self.namespace}/{self.name}: {exc}") from exc
+            os.close(ns_fd)
+            raise StoreError(f"publish {label}: {exc}") from exc
+        except BaseException:
+            os.close(ns_fd)
+            raise
         try:
             if previous and previous != version:
                 self.store.remove_version(ns_fd, previous)
@@ -187,29 +230,92 @@ class Staging:
                 os.unlink(tmp, dir_fd=ns_fd)
             raise
 
-    def _hash_and_sync(self) -> list[FileEntry]:
-        files: list[FileEntry] = []
-        dirs = {self.path}
-        for rel in walk_files_path(self.path):
+
+def _remove_quietly(ns_fd: int, name: str) -> None:
+    """Remove a tree the store no longer names; what cannot go now is left for the sweep."""
+    try:
+        remove_tree(ns_fd, name)
+    except (OSError, RekindleError) as exc:
+        log.warning("cannot remove %s from the store yet (%s); left for the sweep", name, exc)
+
+
+def _check_private(root: str) -> None:
+    """``root`` must be a real directory that only root (or this user) can write: the checkpoint
+    writes there by path, and CRIU follows what it finds."""
+    try:
+        st = os.lstat(root)
+    except OSError as exc:
+        raise StoreError(f"private staging root {root}: {exc}") from exc
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid not in (0, os.geteuid()) or (
+            st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX):
+        raise StoreError(f"private staging root {root} is not a directory only its owner can write")
+
+
+def _transfer(src_root: str, dst_fd: int, label: str) -> list[FileEntry]:
+    """Move or copy the private tree ``src_root`` into the store dir ``dst_fd``; the files' entries.
+
+    Every file is hashed from its private bytes: moved in with a no-replace rename when the store
+    is on the same file system, else copied while hashed into a file created exclusively."""
+    files: list[FileEntry] = []
+    dirs: dict[str, int] = {"": os.dup(dst_fd)}
+    dst_dev = os.fstat(dst_fd).st_dev
+    try:
+        for rel in walk_files_path(src_root):
             if rel in (MANIFEST, SIGNATURE, OWNER):
                 continue
-            path = os.path.join(self.path, rel)
-            parts = rel.split("/")[:-1]
-            dirs.update(os.path.join(self.path, *parts[:i]) for i in range(1, len(parts) + 1))
-            fd = os.open(path, FILE_FLAGS)
+            parent, base = os.path.split(rel)
+            pfd = _dst_dir(dirs, parent)
+            src_dir = os.path.join(src_root, parent)
+            fd = os.open(os.path.join(src_dir, base), FILE_FLAGS)
             try:
-                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
                     raise StoreError(f"staging entry {rel} is not a regular file")
-                size, digest = hash_fd(fd)
-                os.fsync(fd)
+                if st.st_dev == dst_dev and _move(src_dir, base, pfd):
+                    size, digest = hash_fd(fd)
+                    os.fsync(fd)
+                else:
+                    out = os.open(base, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                                  0o600, dir_fd=pfd)
+                    try:
+                        size, digest = hash_fd(fd, out)
+                        os.fsync(out)
+                    finally:
+                        os.close(out)
             finally:
                 os.close(fd)
             files.append(FileEntry(path=rel, size=size, digest=digest))
-        for d in dirs:
-            fsync_dir(d)
-        return files
+        for d in dirs.values():
+            os.fsync(d)
+    finally:
+        for d in dirs.values():
+            os.close(d)
+    return files
 
 
+def _dst_dir(dirs: dict[str, int], rel: str) -> int:
+    """The store-side fd of directory ``rel`` (made exclusively, parents first)."""
+    if rel in dirs:
+        return dirs[rel]
+    parent, base = os.path.split(rel)
+    pfd = _dst_dir(dirs, parent)
+    os.mkdir(base, 0o700, dir_fd=pfd)
+    dirs[rel] = os.open(base, DIR_FLAGS, dir_fd=pfd)
+    return dirs[rel]
+
+
+def _move(src_dir: str, base: str, dst_fd: int) -> bool:
+    """Rename a private file into the store dir; False where only a copy can do it."""
+    src_fd = os.open(src_dir, DIR_FLAGS)
+    try:
+        rename_noreplace(src_fd, base, dst_fd, base)
+        return True
+    except OSError as exc:
+        if exc.errno == errno.EXDEV:  # another mount of the same file system
+            return False
+        raise
+    finally:
+        os.close(src_fd)
 
 
 def generation_of(version: str | None) -> int:
@@ -223,16 +329,23 @@ class ArtifactStore:
     def __init__(self, root: str) -> None:
         self.root = os.path.abspath(root)
 
-    def stage(self, namespace: str, name: str) -> Staging:
+    def stage(self, namespace: str, name: str, private_root: str | None = None) -> Staging:
+        """A staging for ``namespace/name`` whose files are built under ``private_root`` (a
+        node-local dir nobody else can write; default the temp dir)."""
         validate_namespace(namespace)
         validate_name(name)
         try:
-            return Staging(self, namespace, name)
+            return Staging(self, namespace, name, private_root)
         except OSError as exc:
             raise StoreError(f"cannot stage {namespace}/{name} in {self.root}: {exc}") from exc
 
     # ------------------------------------------------------------------ reading
-    def _ns_fd(self, namespace: str, label: str) -> int:
+    def _ns_fd(self, namespace: str, label: str, create: bool = False) -> int:
+        if create:
+            try:
+                os.makedirs(self.root, mode=0o700, exist_ok=True)
+            except OSError as exc:
+                raise StoreError(f"store {self.root}: {exc}") from exc
         try:
             root = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except FileNotFoundError:
@@ -240,6 +353,9 @@ class ArtifactStore:
         except OSError as exc:
             raise StoreError(f"store {self.root}: {exc}") from exc
         try:
+            if create:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(namespace, 0o700, dir_fd=root)
             return os.open(namespace, DIR_FLAGS, dir_fd=root)
         except FileNotFoundError:
             raise ArtifactNotFound(f"artifact {label} not found in {self.root}") from None
@@ -397,7 +513,8 @@ class ArtifactStore:
 
     # ------------------------------------------------------------------ removing
     def remove_version(self, ns_fd: int, version: str, wait: float = 0.0) -> bool:
-        """Remove a version dir unless a reader holds it (then leave it for a later sweep)."""
+        """Remove a version (or trash) dir unless a reader holds it (then leave it for a later
+        sweep): renamed to trash under the exclusive lock, then removed without recursion."""
         try:
             dir_fd = os.open(version, DIR_FLAGS, dir_fd=ns_fd)
         except FileNotFoundError:
@@ -412,16 +529,18 @@ class ArtifactStore:
             if lock is None:
                 log.info("version %s is being read; leaving it for a later sweep", version)
                 return False
-            trash = f"{TRASH_PREFIX}{version.lstrip('.')}-{secrets.token_hex(4)}"
+            trash = (version if version.startswith(TRASH_PREFIX)
+                     else f"{TRASH_PREFIX}{version.lstrip('.')}-{secrets.token_hex(4)}")
             try:
-                os.rename(version, trash, src_dir_fd=ns_fd, dst_dir_fd=ns_fd)
+                if trash != version:
+                    os.rename(version, trash, src_dir_fd=ns_fd, dst_dir_fd=ns_fd)
             finally:
                 if lock >= 0:
                     os.close(lock)
-            shutil.rmtree(trash, dir_fd=ns_fd, ignore_errors=True)
-            return True
         finally:
             os.close(dir_fd)
+        _remove_quietly(ns_fd, trash)
+        return True
 
     def delete(self, namespace: str, name: str, wait: float = 0.0) -> None:
         """Remove ``namespace/name``: the name first (atomically), then its version. Refuses
@@ -458,7 +577,7 @@ class ArtifactStore:
                 if stat.S_ISDIR(st.st_mode):
                     trash = f"{TRASH_PREFIX}{name}-{secrets.token_hex(8)}"
                     os.rename(name, trash, src_dir_fd=ns_fd, dst_dir_fd=ns_fd)
-                    shutil.rmtree(trash, dir_fd=ns_fd, ignore_errors=True)
+                    _remove_quietly(ns_fd, trash)
                 else:
                     os.unlink(name, dir_fd=ns_fd)
             os.fsync(ns_fd)

@@ -6,6 +6,10 @@ is provably dead on this node (another boot, or no process with that pid and sta
 than ``stale_after`` (anyone's), trash, leftover links, and versions no name points to that are
 older than a grace period; never a version a reader holds (its OFD lock). :func:`prune` deletes
 artifacts by age or keeps the newest N versions of a name, under the same rule.
+
+Anything in the store may have been planted: its trees are walked and removed without recursion,
+within bounds (``runtime.fdfs``: depth and entries); a leftover past them is reported (its
+``problem``) and removed like any other once abandoned, and no one entry stops the sweep.
 """
 
 from __future__ import annotations
@@ -13,14 +17,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
 import stat
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from runtime.errors import ArtifactRejected, RekindleError, StoreError
-from runtime.fdfs import DIR_FLAGS, tree_bytes
+from runtime.errors import ArtifactRejected, RekindleError, StoreError, TreeTooLarge
+from runtime.fdfs import DIR_FLAGS, remove_tree, tree_bytes
 from runtime.owner import Owner, read_owner
 from runtime.store import (LINK_PREFIX, STAGING_PREFIX, TRASH_PREFIX, VERSION_PREFIX, VERSION_RE, ArtifactStore,
                            generation_of, is_valid_name, validate_namespace)
@@ -32,8 +35,6 @@ GRACE = 600.0  # an unreferenced version younger than this may be about to be li
 
 
 @dataclass(frozen=True, slots=True)
-
-
 class Leftover:
     """A non-artifact entry of the store (``artifacts list --all``)."""
 
@@ -43,6 +44,7 @@ class Leftover:
     bytes: int
     owner: Owner | None
     age: float
+    problem: str = ""  # why its tree was not walked to the end (past a bound: planted); bytes is 0
 
 
 def _namespace_dirs(store: ArtifactStore, namespace: str | None) -> Iterator[tuple[str, int]]:
@@ -60,7 +62,8 @@ def _namespace_dirs(store: ArtifactStore, namespace: str | None) -> Iterator[tup
 
 
 def leftovers(store: ArtifactStore, namespace: str | None = None) -> list[Leftover]:
-    """Staging dirs, trash, pointer temp links and versions no name points to."""
+    """Staging dirs, trash, pointer temp links and versions no name points to. An entry that
+    vanishes or cannot be read meanwhile is left out (others write the store at any moment)."""
     out: list[Leftover] = []
     now = time.time()
     for ns, ns_fd in _namespace_dirs(store, namespace):
@@ -73,29 +76,51 @@ def leftovers(store: ArtifactStore, namespace: str | None = None) -> list[Leftov
             kind = _leftover_kind(entry, live)
             if kind is None:
                 continue
-            st = os.stat(entry, dir_fd=ns_fd, follow_symlinks=False)
-            owner, size = None, 0
-            if stat.S_ISDIR(st.st_mode):
-                with contextlib.suppress(OSError):
-                    fd = os.open(entry, DIR_FLAGS, dir_fd=ns_fd)
-                    try:
-                        owner = read_owner(fd) if kind == "staging" else None
-                        size = tree_bytes(fd)
-                    finally:
-                        os.close(fd)
-            created = owner.created if owner else st.st_mtime
-            out.append(Leftover(ns, entry, kind, size, owner, max(0.0, now - created)))
+            try:
+                out.append(_leftover(ns, ns_fd, entry, kind, now))
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                log.warning("store leftover %s/%s: %s", ns, entry, exc)
     return out
 
 
+def _leftover(ns: str, ns_fd: int, entry: str, kind: str, now: float) -> Leftover:
+    st = os.stat(entry, dir_fd=ns_fd, follow_symlinks=False)
+    owner, size, problem = None, 0, ""
+    if stat.S_ISDIR(st.st_mode):
+        with contextlib.suppress(OSError):
+            fd = os.open(entry, DIR_FLAGS, dir_fd=ns_fd)
+            try:
+                owner = read_owner(fd) if kind == "staging" else None
+                size = tree_bytes(fd)
+            except TreeTooLarge as exc:
+                problem = str(exc)
+            finally:
+                os.close(fd)
+    created = owner.created if owner else st.st_mtime
+    return Leftover(ns, entry, kind, size, owner, max(0.0, now - created), problem)
+
+
 def sweep(store: ArtifactStore, namespace: str | None = None, stale_after: float = STALE_AFTER,
-          grace: float = GRACE) -> list[Leftover]:
-    """Remove what is provably abandoned; returns what was removed."""
+          grace: float = GRACE, on_bad: Callable[[Leftover], None] | None = None) -> list[Leftover]:
+    """Remove what is provably abandoned; returns what was removed. A leftover whose tree is past
+    the walk's bounds is logged and given to ``on_bad`` (the plugin counts it in its metrics),
+    and removed like any other once abandoned; one entry that cannot be removed stops nothing."""
     removed = []
     for item in leftovers(store, namespace):
+        if item.problem:
+            log.warning("store leftover %s %s/%s: %s (planted?)", item.kind, item.namespace, item.entry,
+                        item.problem)
+            if on_bad is not None:
+                on_bad(item)
         if not _abandoned(item, stale_after, grace):
             continue
-        ns_fd = store._ns_fd(item.namespace, item.namespace)
+        try:
+            ns_fd = store._ns_fd(item.namespace, item.namespace)
+        except RekindleError as exc:
+            log.warning("cannot sweep %s/%s: %s", item.namespace, item.entry, exc)
+            continue
         try:
             if item.kind == "link":
                 os.unlink(item.entry, dir_fd=ns_fd)
@@ -103,10 +128,10 @@ def sweep(store: ArtifactStore, namespace: str | None = None, stale_after: float
                 if not store.remove_version(ns_fd, item.entry):
                     continue
             else:
-                shutil.rmtree(item.entry, dir_fd=ns_fd, ignore_errors=True)
+                remove_tree(ns_fd, item.entry)
             removed.append(item)
             log.info("swept %s %s/%s (%d bytes)", item.kind, item.namespace, item.entry, item.bytes)
-        except OSError as exc:
+        except (OSError, RekindleError) as exc:
             log.warning("cannot sweep %s/%s: %s", item.namespace, item.entry, exc)
         finally:
             os.close(ns_fd)

@@ -1,8 +1,10 @@
 """Strict JSON <-> frozen dataclasses, for files Rekindle signs or hashes and later reads back.
 
 :func:`canonical_json` gives canonical bytes (sorted keys, compact separators, UTF-8, no NaN).
-:func:`loads` parses untrusted bytes: no duplicate keys, no NaN/Infinity, a size cap, and nesting
-too deep for the parser is an error, not a RecursionError. :func:`from_obj` converts JSON to a
+:func:`loads` parses untrusted bytes: no duplicate keys, no NaN/Infinity (nor a number too large
+for a float, such as ``1e999``, which Python reads as infinity), no lone surrogate in a string
+(``"\\ud800"``: no UTF-8 encodes it, so nothing Rekindle writes holds one), a size cap, and nesting
+deeper than a bound is an error, not a RecursionError. :func:`from_obj` converts JSON to a
 dataclass type with exact key sets and strict JSON types (a bool is not an int, a float field takes
 an int). Every problem raises ``ValueError`` / ``TypeError`` naming where it is; callers turn that
 into their own error type once.
@@ -14,6 +16,7 @@ import dataclasses
 import functools
 import itertools
 import json
+import math
 import re
 import types
 import typing
@@ -57,20 +60,56 @@ def _depth(text: str) -> int:
     return max(itertools.accumulate(_STEP.get(ch, 0) for ch in brackets), default=0)
 
 
-def loads(data: bytes, *, max_bytes: int) -> Any:
-    """Parse untrusted JSON bytes; ValueError on anything off."""
+def _finite(literal: str) -> float:
+    value = float(literal)
+    if not math.isfinite(value):
+        raise ValueError(f"number {literal[:40]!r} is too large for a float")
+    return value
+
+
+# A surrogate can only come from a \u escape (the UTF-8 decoder refuses encoded ones); a pair of
+# them is one character, a lone one is not text. The escape is looked for first (one scan), the
+# parsed strings only when there is one.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_SURROGATE_NOT_A_BYTE = re.compile("[\ud800-\udc7f\udd00-\udfff]")
+
+
+def _no_lone_surrogates(obj: Any, bad: re.Pattern[str]) -> None:
+    stack = [obj]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, str):
+            if (m := bad.search(value)) is not None:
+                raise ValueError(f"lone surrogate U+{ord(m.group()):04X} in string {value[:40]!r}")
+        elif isinstance(value, list):
+            stack += value
+        elif isinstance(value, dict):
+            stack += value.keys()
+            stack += value.values()
+
+
+def loads(data: bytes, *, max_bytes: int, max_depth: int = MAX_DEPTH, escaped_bytes: bool = False) -> Any:
+    """Parse untrusted JSON bytes; ValueError on anything off.
+
+    ``escaped_bytes``: lone surrogates U+DC80..U+DCFF are let through, Python's stand-ins for the
+    bytes of a file name that are not UTF-8 (``os.fsdecode``); what names files only."""
     if len(data) > max_bytes:
         raise ValueError(f"larger than {max_bytes} bytes")
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ValueError(f"not UTF-8: {exc}") from exc
-    if _depth(text) > MAX_DEPTH:
-        raise ValueError(f"nested deeper than {MAX_DEPTH} levels")
+    if _depth(text) > max_depth:
+        raise ValueError(f"nested deeper than {max_depth} levels")
     try:
-        return json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constants)
+        obj = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constants,
+                         parse_float=_finite)
     except RecursionError:  # pragma: no cover - the depth scan catches it first
         raise ValueError("nested too deeply") from None
+    if _SURROGATE_ESCAPE.search(text):
+        _no_lone_surrogates(obj, _SURROGATE_NOT_A_BYTE if escaped_bytes else _SURROGATE)
+    return obj
 
 
 def to_obj(value: Any) -> Any:
@@ -121,7 +160,10 @@ def from_obj(tp: Any, value: Any, where: str) -> Any:
     if tp is float:
         if type(value) not in (int, float):
             raise TypeError(f"{where}: expected a number")
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # an int past a float's range
+            raise ValueError(f"{where}: number too large") from None
     if tp in (str, int, bool):
         if type(value) is not tp:
             raise TypeError(f"{where}: expected {tp.__name__}")

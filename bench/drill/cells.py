@@ -111,7 +111,8 @@ def _staging_files(rig: Rig, marker: str) -> bool:
 RESTORE_TRIGGERS: dict[str, Trigger] = {
     "open/inspect": lambda rig, run, marker: bool(_work_dirs(rig, marker)),
     "stage": lambda rig, run, marker: _ended(rig, "inspect") or _staging_files(rig, marker),
-    "rootfs_apply": lambda rig, run, marker: _ended(rig, "stage"),
+    # Once the apply changed the rootfs: a kill before its first change would test nothing.
+    "rootfs_apply": lambda rig, run, marker: _ended(rig, "stage") and rig.rootfs_changed(run),
     "criu_restore": lambda rig, run, marker: observe.criu_op("restore", marker) or _ended(rig, "rootfs_apply"),
     # Not "the tree is stopped": CRIU leaves it stopped before criu_restore ends (confinement).
     "fill": lambda rig, run, marker: _ended(rig, "criu_restore"),
@@ -132,25 +133,29 @@ def _sweep_checks(cell: Cell, rig: Rig, name: str, published: bool, namespace: s
     else:
         cell.check("store: nothing under the name", not listed,
                    f"{name}: absent" if not listed else f"{name}: {[(x.version, x.problem) for x in listed]}")
+    # Leaks are counted before this drill sweeps anything: what the plugin left (its own sweep at
+    # start and its housekeeping included) is what a node would keep.
     before = store_gc.leftovers(rig.store, namespace)
-    swept = store_gc.sweep(rig.store, namespace)
-    after = store_gc.leftovers(rig.store, namespace)
-    graced: list[str] = []
-    if after and all(x.kind == "unreferenced-version" and x.age < 600 for x in after):
-        # Versions no name points to are kept 10 minutes (a publish may be about to link one).
-        graced = [x.entry for x in store_gc.sweep(rig.store, namespace, grace=0.0)]
-        after = store_gc.leftovers(rig.store, namespace)
-    detail = (f"before: {[f'{x.kind}:{x.entry}' for x in before] or 'none'}; swept: "
-              f"{[x.entry for x in swept] or 'none'}"
-              + (f"; after the 10-min grace (run with grace 0): {graced}" if graced else ""))
-    cell.check("store: no leftover after the sweep", not after,
-               detail + (f"; LEFT: {[f'{x.kind}:{x.entry}' for x in after]}" if after else ""))
-    logs = rig.plugin.state_dir / "logs"
-    stale = observe.restore_work_dirs(rig.plugin.state_dir)
-    housekeeping.sweep_restore_copies(logs)
-    left = observe.restore_work_dirs(rig.plugin.state_dir)
-    cell.check("node: no restore private copies after the sweep", not left,
-               f"before sweep: {[p.name for p in stale] or 'none'}" + (f"; LEFT: {[p.name for p in left]}" if left else ""))
+    cell.check("store: no leftover (before any sweep by the drill)", not before,
+               [f"{x.kind}:{x.entry}" for x in before] or "none")
+    stale = observe.restore_work_dirs(rig.plugin.state_dir) + observe.checkpoint_stagings(rig.plugin.state_dir)
+    cell.check("node: no private copies or dumps left (before any sweep by the drill)", not stale,
+               [p.name for p in stale] or "none")
+    # Then clean up for the next cell (the checks above already counted what was there).
+    store_gc.sweep(rig.store, namespace, grace=0.0)
+    housekeeping.sweep_restore_copies(rig.plugin.state_dir / "logs")
+
+
+def _layer_checks(cell: Cell, rig: Rig, run: PodRun, who: str, source_token: str, restored: bool) -> None:
+    """The pod's rootfs is whole: every file of the drill's layer from one start, the source's
+    when restored, its own when cold; no restore journal left in it."""
+    tokens, journal = rig.layer(run)
+    want = "the source's" if restored else "its own"
+    whole = len(tokens) == 1 and sum(tokens.values()) == rig.layer_files
+    mine = bool(source_token) and (source_token in tokens) == restored
+    cell.check(f"{who}: rootfs whole, {want} layer", whole and mine,
+               f"{ {t[:8]: n for t, n in tokens.items()} } (source {source_token[:8] or '?'}), want {rig.layer_files} files")
+    cell.check(f"{who}: no restore journal in the rootfs", not journal, journal or "none")
 
 
 def _process_checks(cell: Cell, run: PodRun, marker: str, who: str) -> None:
@@ -174,15 +179,45 @@ def _gone_checks(cell: Cell, rig: Rig, runs: list[PodRun], mounts_before: Counte
     cell.check("node: no stale mount", new, "host mounts as before the cell" if new else f"NEW: {extra}")
 
 
+# ---------------------------------------------------------------------- promises
+# What the design promises for each cell (docs/design.md, "The plugin process"): a containerd
+# restart never stops the plugin's work; a full disk fails a checkpoint (it must write) and
+# starts a restore cold where the restore still had to write; a plugin killed mid-restore
+# makes the restarted plugin declare it a cold start, and a killed checkpoint is resumed.
+def promised_checkpoint(fault: Fault) -> set[Phase]:
+    return {Fault.CONTAINERD: {Phase.PUBLISHED}, Fault.DISK_FULL: {Phase.CHECKPOINT_FAILED},
+            Fault.KILL: {Phase.PUBLISHED, Phase.CHECKPOINT_FAILED}}[fault]
+
+
+def promised_restore(fault: Fault, row: str) -> set[Phase]:
+    if fault is Fault.CONTAINERD or (fault is Fault.DISK_FULL and row == "fill"):  # the fill writes nothing
+        return {Phase.RESTORED}
+    if fault is Fault.KILL:
+        return {Phase.COLD_START}
+    return {Phase.RESTORED, Phase.COLD_START}
+
+
+def _promise_check(cell: Cell, promised: set[Phase], got: Phase | None) -> None:
+    cell.check("outcome: as the design promises for this cell", got in promised,
+               f"{got.value if got else 'no status'}; promised {sorted(p.value for p in promised)}")
+
+
+def _landed_check(cell: Cell, aimed: str) -> None:
+    phases = aimed.split("/")  # a restore row may name two phases
+    cell.check("fault: landed in its phase", cell.landed in phases, f"aimed at {aimed}, landed in {cell.landed}")
+
+
 # ---------------------------------------------------------------------- checkpoint
 def checkpoint_cell(rig: Rig, wl: Workload, phase: str, fault: Fault) -> Cell:
     cell = Cell("checkpoint", phase, fault.value)
     t0 = time.monotonic()
     name = f"c-{slug(phase)}-{fault.value}"
-    marker = f"/.staging-{name}-"
+    marker = f"/staging-default-{name}-"  # the checkpoint's private staging: CRIU's images dir
     mounts_before = observe.mount_table()
     if fault is Fault.DISK_FULL:
-        rig.disk.fit(rig.artifact_bytes or (wl.warmup_mib + wl.blob_mib + wl.shm_mib + 16) << 20)
+        room = rig.artifact_bytes or (wl.warmup_mib + wl.blob_mib + wl.shm_mib + 16) << 20
+        for d in rig.disks:  # the dump goes to the node disk, the publish to the store
+            d.fit(room)
     rig.tail.mark()
     # Inspect writes nothing and lasts milliseconds: a full store can only be there before it.
     early = (phase, fault) == ("inspect", Fault.DISK_FULL)
@@ -210,6 +245,8 @@ def checkpoint_cell(rig: Rig, wl: Workload, phase: str, fault: Fault) -> Cell:
             cell.outcome += ", re-run after the restart"
         cell.check("outcome: published or failed, recorded", st is not None and st.phase in
                    (Phase.PUBLISHED, Phase.CHECKPOINT_FAILED), cell.outcome)
+        _promise_check(cell, promised_checkpoint(fault), st.phase if st else None)
+        _landed_check(cell, phase)
         ref = _source_checks(cell, rig, src, marker)
         _sweep_checks(cell, rig, name, published=st is not None and st.phase is Phase.PUBLISHED)
         if st is not None and st.phase is Phase.PUBLISHED:
@@ -230,7 +267,8 @@ def _end_cell(cell: Cell, rig: Rig, fault: Fault, runs: list[PodRun], t0: float)
     for run in runs:
         rig.stop_pod(run.pod)
     if fault is Fault.DISK_FULL:
-        rig.disk.fit(None)
+        for d in rig.disks:
+            d.fit(None)
     cell.seconds = round(time.monotonic() - t0, 1)
 
 
@@ -243,6 +281,8 @@ def _source_checks(cell: Cell, rig: Rig, src: PodRun, marker: str) -> dict[str, 
         a, b = count_of(first), count_of(http(ip))
         verify = http(ip, "/verify", 10.0).strip()
         ref = fields(first)
+        tokens, _journal = rig.layer(src)
+        ref["token"] = next(iter(tokens), "") if len(tokens) == 1 else ""
         cell.check("source: keeps serving", b == a + 1 and "verify=ok" in verify, f"count {a} -> {b}, {verify}")
     except OSError as exc:
         cell.check("source: keeps serving", False, f"no answer: {exc}")
@@ -263,6 +303,7 @@ def _restore_probe(cell: Cell, rig: Rig, wl: Workload, name: str, ref: dict[str,
     restored = st is not None and st.phase is Phase.RESTORED
     cell.check("artifact: restores and serves on", restored and same_start(body, ref) and "verify=ok" in verify,
                f"{st.phase.value if st else None} {st.reason if st and st.reason else ''}; {body.strip()}; {verify}")
+    _layer_checks(cell, rig, dst, "restored pod", ref.get("token", ""), restored)
     _process_checks(cell, dst, f"/restore-default-{name}-{dst.cid[:12]}-", "restored pod")
     return dst
 
@@ -274,7 +315,8 @@ def restore_cell(rig: Rig, wl: Workload, base: str, ref: dict[str, str], row: st
     t0 = time.monotonic()
     mounts_before = observe.mount_table()
     if fault is Fault.DISK_FULL:
-        rig.disk.fit(32 << 20)  # a restore writes nothing to the store; the fill takes a moment
+        for d in rig.disks:  # a restore writes only to the node disk; filling takes a moment
+            d.fit(32 << 20)
     rig.tail.mark()
     dst = rig.start_pod(f"drill-r-{slug(row)}-{fault.value}", wl, {"rekindle.dev/restore": base})
     runs = [dst]
@@ -316,6 +358,9 @@ def restore_cell(rig: Rig, wl: Workload, base: str, ref: dict[str, str], row: st
             verify = http(rig.ip(dst), "/verify", 10.0).strip()
         except OSError as exc:
             verify = f"no answer: {exc}"
+        _promise_check(cell, promised_restore(fault, row), st.phase if st else None)
+        _landed_check(cell, row)
+        _layer_checks(cell, rig, dst, "pod", ref.get("token", ""), restored)
         if restored:
             cell.check("pod: serves on from the checkpoint", same_start(body, ref) and "verify=ok" in verify,
                        f"{body.strip()}; {verify}")

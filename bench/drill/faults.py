@@ -1,9 +1,10 @@
 """The three faults of the drill and the store's small disk.
 
 Contract:
-- ``StoreDisk`` mounts a tmpfs of ``size_mib`` on the plugin's store dir (before the plugin
-  starts) and can fill it to the last byte with one file at the store's root (a dot name, so
-  the store never lists it) and free it again. ``fit(room)`` shrinks it beforehand to what it
+- ``StoreDisk`` mounts a tmpfs of ``size_mib`` on a dir (before the plugin starts): the plugin's
+  store, and its node-local work dir ``<state>/logs`` (where a checkpoint dumps before it
+  publishes, and a restore keeps its private copies); it can fill it to the last byte with one
+  file at its root (a dot name, so the store never lists it) and free it again. ``fit(room)`` shrinks it beforehand to what it
   holds plus the room a cell needs: filling a GiB takes about a second, longer than most
   phases, and a fill must take hold within the phase it aims at.
 - ``inject(fault, rig)`` lands one fault now and returns an ``Injected``: the plugin log offset
@@ -11,7 +12,8 @@ Contract:
   seen right then. KILL sends SIGKILL to the plugin, looks at what it left (CRIU processes, the
   store's leftovers) and starts it again; CONTAINERD restarts the sandbox's containerd in place
   (pods and shims stay) and waits for the plugin to reconnect on its own; DISK_FULL fills the
-  store, and ``heal`` frees it once the outcome is recorded.
+  store and the node's work disk (a restore writes only there), and ``heal`` frees both once the
+  outcome is recorded.
 """
 
 from __future__ import annotations
@@ -39,12 +41,13 @@ class Fault(enum.Enum):
     @property
     def title(self) -> str:
         return {"kill": "plugin SIGKILL + restart", "containerd": "containerd restart",
-                "disk-full": "store disk full"}[self.value]
+                "disk-full": "store and node disks full"}[self.value]
 
 
 class StoreDisk:
-    def __init__(self, path: Path, size_mib: int) -> None:
+    def __init__(self, path: Path, size_mib: int, label: str = "store") -> None:
         self.path = path
+        self.label = label
         self.size_mib = size_mib
         self.fill_path = path / FILL_NAME
 
@@ -131,11 +134,12 @@ def inject(fault: Fault, rig: Any, marker: str, pidns: int = 0) -> Injected:
         rig.sandbox.restart()
         rig.plugin.wait_log("synchronized:", count=synced + 1, timeout=90)
         return Injected(fault, at, time.monotonic() - t0, {"reconnected_after_s": round(time.monotonic() - t0, 2)})
-    taken = rig.disk.fill()
+    taken = {d.label: d.fill() for d in rig.disks}
     at = rig.tail.size()
     return Injected(fault, at, time.monotonic() - t0, {"filled_bytes": taken})
 
 
 def heal(fault: Fault, rig: Any) -> None:
     if fault is Fault.DISK_FULL:
-        rig.disk.unfill()
+        for d in rig.disks:
+            d.unfill()

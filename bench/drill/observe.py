@@ -95,6 +95,11 @@ def mount_table() -> Counter[str]:
     return out
 
 
+def checkpoint_stagings(state_dir: Path) -> list[Path]:
+    """Private dumps of checkpoints still on the node (``<state>/logs/checkpoint-*/staging-*``)."""
+    return sorted((state_dir / "logs").glob("checkpoint-*/staging-*"))
+
+
 def restore_work_dirs(state_dir: Path) -> list[Path]:
     """Restore work dirs whose private copies are still there (``<state>/logs/restore-*/private``)."""
     return sorted(p.parent for p in (state_dir / "logs").glob("restore-*/private"))

@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import time
 import urllib.request
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,15 +40,27 @@ CONTAINER = "server"
 PORT = 8080
 
 
+LAYER_DIR = "var/drill-layer"  # in the writable layer: files that tell which start made them
+
+
 @dataclass(frozen=True)
 class Workload:
     warmup_mib: int
     blob_mib: int = 0
     shm_mib: int = 0
+    layer_files: int = 300
 
     @property
     def command(self) -> list[str]:
         pre = ""
+        if self.layer_files:
+            # Written once per rootfs, each holding this start's token: a restored rootfs holds
+            # the source's token in every file, a cold one its own; a rootfs the restore left
+            # half-applied shows a mix, missing files, or (cold) the source's token.
+            pre += (f"if [ ! -e /{LAYER_DIR}/.done ]; then mkdir -p /{LAYER_DIR}; "
+                    "t=$(cat /proc/sys/kernel/random/uuid); i=0; "
+                    f"while [ $i -lt {self.layer_files} ]; do echo $t > /{LAYER_DIR}/f-$i; i=$((i+1)); done; "
+                    f"echo $t > /{LAYER_DIR}/.done; fi; ")
         if self.blob_mib:
             pre += f"dd if=/dev/zero of=/var/drill-blob bs=1M count={self.blob_mib} 2>/dev/null; "
         if self.shm_mib:
@@ -101,11 +114,15 @@ class Rig:
         handle = _Handle(self.sandbox)
         self.plugin = PluginProcess(handle, work / "plugin")
         self.disk = StoreDisk(self.plugin.store, store_mib)
+        # The node-local work dir: a checkpoint's private dump, a restore's private copies.
+        self.node_disk = StoreDisk(self.plugin.state_dir / "logs", store_mib, label="node")
+        self.disks = (self.disk, self.node_disk)
         self.store = ArtifactStore(str(self.plugin.store))
         self.status = StatusBook(self.plugin.state_dir)
         self.tail = observe.LogTail(self.plugin.log_path)
         self.key = b""
         self.pods: list[Pod] = []
+        self.layer_files = Workload(0).layer_files
         self.artifact_bytes = 0  # the largest artifact seen (what a checkpoint needs on the store)
 
     # ------------------------------------------------------------------ set-up
@@ -118,7 +135,8 @@ class Rig:
             for m in reversed(observe.mounts_under(self.work)):
                 umount(m)  # a drill that was killed left its store mounted
             shutil.rmtree(self.work)
-        self.disk.mount()
+        for d in self.disks:
+            d.mount()
         self.plugin.start(wait=False)
         self.plugin.wait_log("synchronized:", timeout=90)
         self.key = read_key(self.plugin.state_dir / "hmac.key")
@@ -128,7 +146,8 @@ class Rig:
         for p in list(self.pods):
             self.stop_pod(p)
         self.plugin.stop()
-        self.disk.umount()
+        for d in self.disks:
+            d.umount()
         if self.cri is not None:
             self.cri.close()
         if self.started_sandbox:
@@ -176,6 +195,21 @@ class Rig:
 
     def wait_status(self, run: PodRun, phases: set[Phase], timeout: float) -> ContainerStatus | None:
         return self.status.wait(run.pod.namespace, run.name, CONTAINER, phases, timeout, poll=0.05)
+
+    def layer(self, run: PodRun) -> tuple[dict[str, int], list[str]]:
+        """What the pod's rootfs holds of the drill's layer: {token: files holding it}, and the
+        names at the rootfs's top that only a restore's journal would leave (``.rekindle-*``)."""
+        rootfs = Path(resolve_container(str(self.sandbox.paths.state), run.cid).rootfs)
+        tokens: Counter[str] = Counter()
+        for f in sorted((rootfs / LAYER_DIR).glob("f-*")):
+            tokens[f.read_text().strip()] += 1
+        journal = sorted(p.name for p in rootfs.iterdir() if p.name.startswith(".rekindle-"))
+        return dict(tokens), journal
+
+    def rootfs_changed(self, run: PodRun) -> bool:
+        """The restore's apply has begun to change the pod's rootfs (files of the layer appear)."""
+        rootfs = Path(resolve_container(str(self.sandbox.paths.state), run.cid).rootfs)
+        return (rootfs / LAYER_DIR).exists() or (rootfs / "var/drill-blob").exists()
 
     def control(self, run: PodRun) -> Path:
         return self.plugin.control_dir(run.pod.uid, CONTAINER)

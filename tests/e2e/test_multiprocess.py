@@ -1,7 +1,8 @@
 """Pods of several processes through the real sandbox (containerd 1.7 + runc + CRIU + CNI) and the
 real plugin: a loopback TCP connection between two processes of the pod survives checkpoint and
-restore into another pod; a tree CRIU could not dump (an io_uring instance) is refused before
-anything is touched, and the source runs on."""
+restore into another pod; a tree CRIU could not dump (an io_uring instance) or holding a live
+NCCL communicator dressed up as a restorable one is refused before anything is touched, and the
+source runs on."""
 
 from __future__ import annotations
 
@@ -130,6 +131,67 @@ def test_tree_with_io_uring_is_refused_before_anything_is_touched(sandbox, pod, 
     control = plugin.control_dir(a.uid, "app")
     assert "io_uring" in (control / "checkpoint-failed").read_text()
     # Never stopped, still running.
+    first = beat(sandbox, cid)
+    wait_for(lambda: beat(sandbox, cid) > first, 5, "the refused source to beat on", interval=0.1)
+    assert sandbox.cri.container_status(cid).state is ContainerState.RUNNING
+
+
+# A rank that claims sockets only in its start environment, turns that off inside the process,
+# and hides NCCL's proxy socket in /proc/net/unix behind lines forged with socket names that hold
+# a newline (varied until a forged line comes after the real one). No /dev/shm/nccl-* file: the
+# socket is the only mark of the live communicator.
+NCCL_FORGER = r"""
+import ctypes, os, socket, time
+libc = ctypes.CDLL(None)
+def last_name(ino):
+    name = None
+    for line in open("/proc/self/net/unix").read().splitlines()[1:]:
+        f = line.split(None, 7)
+        if len(f) >= 7 and f[6] == str(ino):
+            name = f[7] if len(f) > 7 else ""
+    return name
+keep = []
+for attempt in range(64):
+    sk = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sk.bind(b"\0/tmp/nccl-socket-0-%x" % (os.getpid() << 8 | attempt))
+    sk.listen()
+    ino = os.fstat(sk.fileno()).st_ino
+    forged = "0000000000000000: 00000002 00000000 00010000 0001 01 %5d @harmless" % ino
+    forgers = []
+    while last_name(ino) != "@harmless" and len(forgers) < 64:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        s.bind(b"\0x%d-%d\n" % (attempt, len(forgers)) + forged.encode())
+        forgers.append(s)
+    if last_name(ino) == "@harmless":
+        keep = [sk, *forgers]
+        break
+    for s in [sk, *forgers]:
+        s.close()
+assert keep, "no forged line came after the real one"
+del os.environ["NCCL_P2P_DISABLE"], os.environ["NCCL_SHM_DISABLE"]  # P2P back on, after start
+control = os.environ["REKINDLE_CONTROL_DIR"]
+open(os.path.join(control, "ready-for-checkpoint"), "w").close()
+n = 0
+while True:
+    n += 1
+    with open("/tmp/.beat", "w") as f:
+        f.write(str(n))
+    os.replace("/tmp/.beat", "/tmp/beat")
+    time.sleep(0.05)
+"""
+
+
+def test_live_nccl_communicator_passed_off_as_sockets_only_is_refused(sandbox, pod, plugin):
+    """Through the plugin, in the pod's own network namespace (the agent reads its sockets
+    through sock_diag from a thread that joins it): refused, and the source runs on."""
+    a = pod("nccl-src", annotations={"rekindle.dev/checkpoint": "nccl"})
+    cid = sandbox.run_container(a, "app", HOST_USR, command=[sys.executable, "-c", NCCL_FORGER],
+                                mounts=host_python_mounts(),
+                                env={"PATH": "/usr/bin:/bin", "NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"})
+    st = wait_phase(plugin, a, "app", {"published", "checkpoint-failed"}, "checkpoint-failed")
+    assert st["reason"].startswith("checkpoint refused: a live NCCL communicator"), st
+    assert "names NET/Socket" in st["reason"] and "@/tmp/nccl-socket-0-" in st["reason"], st
+    assert not (plugin.store / "default" / "nccl").exists()
     first = beat(sandbox, cid)
     wait_for(lambda: beat(sandbox, cid) > first, 5, "the refused source to beat on", interval=0.1)
     assert sandbox.cri.container_status(cid).state is ContainerState.RUNNING

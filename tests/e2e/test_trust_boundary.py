@@ -9,6 +9,10 @@
   other content in its place, points the name at another signed version, or rewrites a listed
   file through a hard link. The restore either comes back with exactly the version it opened or
   fails with the tampered file named, and then nothing of it ever ran.
+- Host files are the checkpoint's: a source maps a "library" and holds a file open from a
+  host directory bound in (as the NVIDIA toolkit binds libcuda.so). A restore with the same
+  files there runs warm and reads them; after the library was rewritten with other bytes of the
+  same size (all CRIU checks), the restore starts cold and says which file differs.
 """
 
 from __future__ import annotations
@@ -42,7 +46,8 @@ def count(ip: str) -> int:
     return int(get(ip).split("count=")[1].split()[0])
 
 
-def checkpoint(sandbox, pod, plugin, name: str, pod_name: str, requests: int, shell: str = ""):  # type: ignore[no-untyped-def]
+def checkpoint(sandbox, pod, plugin, name: str, pod_name: str, requests: int,  # type: ignore[no-untyped-def]
+               shell: str = "", env: dict[str, str] | None = None, mounts: tuple[Mount, ...] = ()):
     """A counter server checkpointed after ``requests`` requests; the test says when it is ready
     (the workload does not), so the checkpoint cannot precede the requests."""
     from runtime.status import Phase, StatusBook
@@ -50,7 +55,7 @@ def checkpoint(sandbox, pod, plugin, name: str, pod_name: str, requests: int, sh
     a = pod(pod_name, annotations={"rekindle.dev/checkpoint": name, "rekindle.dev/overwrite": "true"})
     script = f"{shell}unset REKINDLE_CONTROL_DIR; exec /usr/local/bin/counter-server 8080"
     sandbox.run_container(a, "server", COUNTER, command=["/bin/busybox", "sh", "-c", script],
-                          env={"WARMUP_MIB": "64"})
+                          env={"WARMUP_MIB": "64", **(env or {})}, mounts=list(mounts))
     ip = sandbox.cri.pod_ip(a.id)
     wait_until_served(lambda: get(ip, "/healthz", 1.0), 30, "the source to serve")
     for _ in range(requests):
@@ -202,9 +207,196 @@ def _in_pidns(pid: str, inode: int) -> bool:
         return False
 
 
+# --- host files from bind mounts ------------------------------------------------------------------
+
+LIB = b"version-A of a host library\n" + bytes(range(256)) * 64
+HELD = b"a file the workload holds open\n"
+
+
+def _host_files_source(sandbox, pod, plugin, tmp_path: Path, name: str):  # type: ignore[no-untyped-def]
+    """A source that maps /hostlib/libhost.so (then closes it) and holds /hostlib/held.txt open
+    on fd 3, both from a host directory bound in read-only; checkpointed."""
+    lib = tmp_path / "hostlib"
+    lib.mkdir()
+    (lib / "libhost.so").write_bytes(LIB)
+    (lib / "held.txt").write_bytes(HELD)
+    mount = Mount("/hostlib", str(lib), readonly=True)
+    a, ip, _ = checkpoint(sandbox, pod, plugin, name, f"src-{name}", 2, shell="exec 3</hostlib/held.txt; ",
+                          env={"MAP_FILE": "/hostlib/libhost.so", "WARMUP_MIB": "0"}, mounts=(mount,))
+    assert get(ip, "/mapped") == "mapped=version-A of a host library\n"
+    return lib, mount
+
+
+def test_a_restore_with_the_same_host_files_runs_warm_and_reads_them(sandbox, pod, plugin, tmp_path):
+    from runtime.digests import new_hash
+    from runtime.keys import read_key
+    from runtime.status import Phase, StatusBook
+    from runtime.store import ArtifactStore
+    _lib, mount = _host_files_source(sandbox, pod, plugin, tmp_path, "hostlib-same")
+    with ArtifactStore(str(plugin.store)).open("default", "hostlib-same",
+                                               read_key(plugin.state_dir / "hmac.key")) as art:
+        recorded = art.manifest.host_files
+    # Both, and nothing of the image (the server's own binary, mapped too, is the image's).
+    assert recorded is not None and [(h.mount, h.path, h.size, h.digest) for h in recorded] == [
+        ("/hostlib", "held.txt", len(HELD), new_hash(HELD).hexdigest()),
+        ("/hostlib", "libhost.so", len(LIB), new_hash(LIB).hexdigest())], recorded
+    b = pod("dst-hostlib-same", annotations={"rekindle.dev/restore": "hostlib-same"})
+    sandbox.run_container(b, "server", COUNTER, command=["/usr/local/bin/counter-server", "8080"], mounts=[mount])
+    st = StatusBook(plugin.state_dir).wait("default", b.name, "server", {Phase.RESTORED, Phase.COLD_START}, 90)
+    assert st is not None and st.phase is Phase.RESTORED, (st, plugin.log()[-3000:])
+    ip = sandbox.cri.pod_ip(b.id)
+    wait_until_served(lambda: get(ip, "/healthz", 1.0), 30, "the restored server")
+    assert count(ip) == 3  # the source's process, continued
+    assert get(ip, "/mapped") == "mapped=version-A of a host library\n"
+
+
+def test_a_restore_whose_host_library_changed_with_the_same_size_starts_cold(sandbox, pod, plugin, tmp_path):
+    """CRIU compares only sizes: without the digests this restore ran with other code mapped."""
+    from runtime.status import Phase, StatusBook
+    lib, mount = _host_files_source(sandbox, pod, plugin, tmp_path, "hostlib-changed")
+    changed = LIB.replace(b"version-A", b"version-B")
+    assert len(changed) == len(LIB)
+    (lib / "libhost.so").write_bytes(changed)  # the host's driver updated in place, say
+    b = pod("dst-hostlib-changed", annotations={"rekindle.dev/restore": "hostlib-changed"})
+    sandbox.run_container(b, "server", COUNTER, command=["/usr/local/bin/counter-server", "8080"], mounts=[mount])
+    st = StatusBook(plugin.state_dir).wait("default", b.name, "server", {Phase.RESTORED, Phase.COLD_START}, 90)
+    ip = sandbox.cri.pod_ip(b.id)
+    if st is not None and st.phase is Phase.RESTORED:
+        mapped = wait_until_served(lambda: get(ip, "/mapped", 1.0), 30, "the restored server")
+        pytest.fail(f"restored with the changed file mapped: GET /mapped -> {mapped!r}")
+    assert st is not None and st.phase is Phase.COLD_START, (st, plugin.log()[-3000:])
+    assert f"host file /hostlib/libhost.so ({lib}) differs from the checkpoint's" in st.reason, st.reason
+    wait_until_served(lambda: get(ip, "/healthz", 1.0), 30, "the cold server")
+    assert count(ip) == 1  # a fresh process, not a broken pod
+
+
 T = TypeVar("T")
 
 
 def wait_until_served(fn: Callable[[], T], timeout: float, what: str) -> T:
     """``wait_for`` with a server that may not listen yet (OSError: not yet)."""
     return wait_for(fn, timeout, what, interval=0.1, ignore=(OSError,))
+
+
+# --- the checkpoint side: a store writer racing the staging dir ----------------------------------
+
+_IN_CREATE, _IN_MOVED_TO = 0x100, 0x80
+# What a checkpoint writes into its staging dir, and where CRIU writes: each planted as a symlink
+# to a host file outside the store.
+_PLANTED = ["restore-plan.json", "rootfs-diff.tar", "rootfs-deletions.json", ".owner.json",
+            "manifest.json", "manifest.json.sig",
+            *(f"criu/{img}" for img in ("inventory.img", "pstree.img", "stats-dump")),
+            *(f"criu/{kind}-{pid}.img" for kind in ("pagemap", "pages", "mm", "core") for pid in range(1, 8)),
+            *(f"criu/pages-{pid}.img.tmp" for pid in range(1, 8)),
+            *(f"bulk/{kind}-{pid}.{ext}" for kind, ext in (("pagemap", "img"), ("pages", "bulk"))
+              for pid in range(1, 8))]
+
+
+class StoreWriter:
+    """Another tenant or node writing the store: the moment a staging dir appears in the artifact's
+    namespace dir (inotify), it plants symlinks to host files at every name the checkpoint writes,
+    points ``criu/`` at a host directory, or swaps the whole staging dir for a symlink to one."""
+
+    def __init__(self, ns_dir: Path, host: Path, mode: str) -> None:
+        import ctypes
+        import threading
+        self.ns_dir, self.host, self.mode = ns_dir, host, mode
+        self.planted: list[str] = []
+        self._libc = ctypes.CDLL(None, use_errno=True)
+        ns_dir.mkdir(parents=True, exist_ok=True)
+        self._fd = self._libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+        assert self._fd >= 0 and self._libc.inotify_add_watch(
+            self._fd, os.fsencode(ns_dir), _IN_CREATE | _IN_MOVED_TO) >= 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def victim(self, rel: str) -> Path:
+        return self.host / ("victim-" + rel.replace("/", "_"))
+
+    def _run(self) -> None:
+        import select
+        seen: set[str] = set()
+        while not self._stop.is_set():
+            select.select([self._fd], [], [], 0.05)
+            try:
+                os.read(self._fd, 65536)
+            except BlockingIOError:
+                pass
+            for entry in os.scandir(self.ns_dir):
+                if entry.name.startswith(".staging-") and entry.name not in seen:
+                    seen.add(entry.name)
+                    self._plant(self.ns_dir / entry.name)
+
+    def _plant(self, staging: Path) -> None:
+        try:
+            if self.mode == "swap":
+                os.rename(staging, staging.with_name(staging.name + "-moved"))
+                os.symlink(self.host / "swapped", staging)
+                self.planted.append("swap")
+                return
+            if self.mode == "criu-symlink":
+                os.symlink(self.host / "criu-out", staging / "criu")
+                self.planted.append("criu")
+            for rel in _PLANTED:
+                if self.mode == "criu-symlink" and rel.startswith("criu/"):
+                    continue  # planted through its own link, they would land in the host dir
+                path = staging / rel
+                try:
+                    path.parent.mkdir(exist_ok=True)
+                    os.symlink(self.victim(rel), path)
+                    self.planted.append(rel)
+                except OSError:
+                    pass  # the checkpoint made it first, or the dir is gone
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        os.close(self._fd)
+
+
+@pytest.mark.parametrize("mode", ["symlinks", "criu-symlink", "swap"])
+def test_a_store_writer_racing_the_checkpoint_never_gets_a_host_file_written(sandbox, pod, plugin, tmp_path, mode):
+    from runtime.keys import read_key
+    from runtime.status import Phase, StatusBook
+    from runtime.store import ArtifactStore
+
+    host = tmp_path / "host"  # host files outside the store, as /root/.ssh/authorized_keys would be
+    for sub in ("swapped", "criu-out"):
+        (host / sub).mkdir(parents=True)
+    ns_dir = Path(plugin.store) / "default"
+    writer = StoreWriter(ns_dir, host, mode)
+    for rel in _PLANTED:
+        writer.victim(rel).write_text("victim\n")
+    before = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in host.iterdir() if p.is_file()}
+
+    name, pod_name = f"racing-{mode}", f"src-racing-{mode}"
+    a = pod(pod_name, annotations={"rekindle.dev/checkpoint": name})
+    sandbox.run_container(a, "server", COUNTER, command=["/bin/busybox", "sh", "-c",
+                          "unset REKINDLE_CONTROL_DIR; exec /usr/local/bin/counter-server 8080"],
+                          env={"WARMUP_MIB": "64"})
+    ip = sandbox.cri.pod_ip(a.id)
+    wait_until_served(lambda: get(ip, "/healthz", 1.0), 30, "the source to serve")
+    get(ip)
+    try:
+        (plugin.control_dir(a.uid, "server") / "ready-for-checkpoint").write_text("ready\n")
+        st = StatusBook(plugin.state_dir).wait("default", a.name, "server",
+                                               {Phase.PUBLISHED, Phase.CHECKPOINT_FAILED}, 120)
+    finally:
+        writer.close()
+    assert st is not None, plugin.log()[-3000:]
+
+    after = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in host.iterdir() if p.is_file()}
+    assert after == before, f"host files written through the store ({writer.planted}): " + ", ".join(
+        sorted(k for k in after if after.get(k) != before.get(k)))
+    for sub in ("swapped", "criu-out"):
+        assert os.listdir(host / sub) == [], f"the checkpoint wrote into {sub}: {os.listdir(host / sub)}"
+    # Either a correct artifact, or a clean failure with the source still serving.
+    assert count(ip) >= 1 and "verify=ok" in get(ip, "/verify")
+    if st.phase is Phase.PUBLISHED:
+        with ArtifactStore(str(plugin.store)).open("default", name, read_key(plugin.state_dir / "hmac.key")) as art:
+            art.verify_files()
+    else:
+        assert writer.planted, "the checkpoint failed with nothing planted: " + st.reason

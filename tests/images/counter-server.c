@@ -15,11 +15,15 @@
  *   GET /healthz -> "ok\n"
  *   GET /ready   -> "ready\n" (200) once ready, else "not ready\n" (503): for an HTTP ready probe
  *   GET /verify  -> "warm=<checksum> verify=<ok|bad>\n" (re-reads the warm-up memory)
+ *   GET /mapped  -> "mapped=<first line of MAP_FILE, read through its mapping>\n"
  *
  * WARMUP_MIB=N (default 0) makes start-up heavy on purpose, like a model server loading
  * weights: N MiB are filled with a computed pattern (WARMUP_PASSES rounds, default 4) before
  * the server listens. The memory stays live, so a restore must bring back N MiB; /verify
  * proves it came back intact.
+ *
+ * MAP_FILE=path maps that file read-only and closes it, as a loaded shared library is: the
+ * mapping is all that refers to it, and a restore reopens it by path.
  *
  * HTTP/1.0, one request per connection, single-threaded. SIGTERM exits 0. One stdout line per
  * request, so container logs can be checked after a restore. Built static: runs in scratch.
@@ -33,6 +37,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/time.h>
@@ -50,6 +55,8 @@ static int ready;
 static unsigned char *warm;
 static size_t warm_len;
 static unsigned long long warm_sum;
+static const char *mapped;
+static size_t mapped_len;
 
 /* Fill the warm-up memory: several passes of a xorshift stream, so it costs CPU like real
  * start-up work and every page ends up with distinct content. */
@@ -179,6 +186,19 @@ static void reply(int fd, const char *status, const char *body)
         write_all(fd, body, strlen(body));
 }
 
+static void map_file(const char *path)
+{
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    struct stat st;
+    if (fd < 0 || fstat(fd, &st) < 0 || st.st_size == 0)
+        fatal("open MAP_FILE");
+    mapped_len = (size_t)st.st_size;
+    mapped = mmap(NULL, mapped_len, PROT_READ, MAP_PRIVATE, fd, 0);
+    if (mapped == MAP_FAILED)
+        fatal("mmap MAP_FILE");
+    close(fd);
+}
+
 static void serve(int fd)
 {
     /* Read until the end of the headers; requests come in arbitrary pieces. */
@@ -216,6 +236,14 @@ static void serve(int fd)
         snprintf(body, sizeof(body), "warm=%016llx verify=%s\n", warm_sum, ok ? "ok" : "bad");
         printf("counter-server: GET /verify -> %s", body);
         reply(fd, ok ? "200 OK" : "500 Internal Server Error", body);
+    } else if (strcmp(path, "/mapped") == 0 && mapped) {
+        char body[128];
+        size_t n = 0;
+        while (n < mapped_len && n < 100 && mapped[n] != '\n')
+            n++;
+        snprintf(body, sizeof(body), "mapped=%.*s\n", (int)n, mapped);
+        printf("counter-server: GET /mapped -> %s", body);
+        reply(fd, "200 OK", body);
     } else if (strcmp(path, "/") == 0) {
         char state[200], body[400];
         read_state(state, sizeof(state));
@@ -273,6 +301,10 @@ int main(int argc, char **argv)
     write_file(STATE_DIR, "state.txt", line);
     if (unlink(DELETE_ME) < 0 && errno != ENOENT)
         fatal("unlink " DELETE_ME);
+
+    const char *map = getenv("MAP_FILE");
+    if (map && *map)
+        map_file(map);
 
     const char *mib = getenv("WARMUP_MIB"), *passes = getenv("WARMUP_PASSES");
     if (mib && atol(mib) > 0)

@@ -6,6 +6,11 @@ Kubernetes API server on 127.0.0.1 that answers discovery, says 404 for every
 GET of an object (or returns the objects it was seeded with, which is how
 `lookup` is exercised) and records every object Helm creates. Release records
 stay in memory (HELM_DRIVER=memory). Nothing leaves the process.
+
+Like a real cluster it has the namespace kube-system (and the release's), so
+`lookup` of it finds one; ``render(cluster=False)`` is a render that cannot see
+the cluster (`helm template`, Argo CD), where every `lookup` comes back empty.
+``hide`` drops API group/versions from discovery (an older cluster).
 """
 
 from __future__ import annotations
@@ -44,6 +49,12 @@ _GROUPS = {
         ("clusterrolebindings", "ClusterRoleBinding", False),
     ],
     ("scheduling.k8s.io", "v1"): [("priorityclasses", "PriorityClass", False)],
+    ("networking.k8s.io", "v1"): [("networkpolicies", "NetworkPolicy", True)],
+    # GA in Kubernetes 1.30.
+    ("admissionregistration.k8s.io", "v1"): [
+        ("validatingadmissionpolicies", "ValidatingAdmissionPolicy", False),
+        ("validatingadmissionpolicybindings", "ValidatingAdmissionPolicyBinding", False),
+    ],
     ("node.k8s.io", "v1"): [("runtimeclasses", "RuntimeClass", False)],
     # The Prometheus Operator's CRDs, for the optional PodMonitor / ServiceMonitor.
     ("monitoring.coreos.com", "v1"): [("podmonitors", "PodMonitor", True),
@@ -67,8 +78,9 @@ def _resource_list(group_version: str, resources) -> dict:
 class FakeAPIServer:
     """Just enough of kube-apiserver for `helm install` (client-side apply)."""
 
-    def __init__(self, objects: list[dict] | None = None):
+    def __init__(self, objects: list[dict] | None = None, hide: list[str] | None = None):
         self.seeded = {self._key_of(o): o for o in objects or []}
+        self.groups = {gv: res for gv, res in _GROUPS.items() if "/".join(gv) not in (hide or [])}
         self.created: list[dict] = []
         self.requests: list[tuple[str, str]] = []
         server = self
@@ -139,24 +151,26 @@ class FakeAPIServer:
             return 200, {"kind": "APIVersions", "versions": ["v1"], "serverAddressByClientCIDRs": []}
         if path == "/apis":
             groups = {}
-            for g, v in _GROUPS:
+            for g, v in self.groups:
                 gv = {"groupVersion": f"{g}/{v}", "version": v}
                 groups.setdefault(g, {"name": g, "versions": [], "preferredVersion": gv})["versions"].append(gv)
             return 200, {"kind": "APIGroupList", "apiVersion": "v1", "groups": list(groups.values())}
         if path == "/api/v1":
             return 200, _resource_list("v1", _CORE)
         m = re.fullmatch(r"/apis/([^/]+)/([^/]+)", path)
-        if m and (m[1], m[2]) in _GROUPS:
-            return 200, _resource_list(f"{m[1]}/{m[2]}", _GROUPS[(m[1], m[2])])
-        # A single object: /api/v1/namespaces/NS/RES/NAME or /apis/G/V/namespaces/NS/RES/NAME
+        if m and (m[1], m[2]) in self.groups:
+            return 200, _resource_list(f"{m[1]}/{m[2]}", self.groups[(m[1], m[2])])
+        kinds = {n: k for n, k, _ in _CORE}
+        for res in self.groups.values():
+            kinds.update({n: k for n, k, _ in res})
+        # A single object: /api/v1/namespaces/NS/RES/NAME or /apis/G/V/namespaces/NS/RES/NAME,
+        # or a cluster-scoped one: /api/v1/RES/NAME or /apis/G/V/RES/NAME
         m = re.fullmatch(r"/(?:api/v1|apis/[^/]+/[^/]+)/namespaces/([^/]+)/([^/]+)/([^/]+)", path)
-        if m:
-            kinds = {n: k for n, k, _ in _CORE}
-            for res in _GROUPS.values():
-                kinds.update({n: k for n, k, _ in res})
-            obj = self.seeded.get((kinds.get(m[2], ""), m[1], m[3]))
-            if obj is not None:
-                return 200, obj
+        c = re.fullmatch(r"/(?:api/v1|apis/[^/]+/[^/]+)/([^/]+)/([^/]+)", path)
+        key = (kinds.get(m[2], ""), m[1], m[3]) if m else (kinds.get(c[1], ""), "", c[2]) if c else None
+        obj = self.seeded.get(key) if key else None
+        if obj is not None:
+            return 200, obj
         return 404, {"kind": "Status", "apiVersion": "v1", "status": "Failure",
                      "reason": "NotFound", "code": 404, "message": f"{path} not found"}
 
@@ -187,9 +201,16 @@ class RenderError(Exception):
     pass
 
 
-def _render_here(values: dict | None, release: str, namespace: str, seed: list[dict] | None) -> dict[str, Any]:
+def _namespace(name: str) -> dict:
+    return {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}}
+
+
+def _render_here(values: dict | None, release: str, namespace: str, seed: list[dict] | None, cluster: bool,
+                 hide: list[str] | None) -> dict[str, Any]:
     helm = _load_helm()
-    with FakeAPIServer(seed) as api:
+    if cluster:
+        seed = [_namespace("kube-system"), _namespace(namespace), *(seed or [])]
+    with FakeAPIServer(seed if cluster else None, hide) as api:
         cfg = helm.Configuration(namespace=namespace, kubeconfig=_kubeconfig(api.url, namespace))
         try:
             rel = asyncio.run(helm.Install(cfg).run(release, str(CHART), values=values or None, wait=False,
@@ -231,17 +252,21 @@ def merge(base: dict, over: dict) -> dict:
 
 
 def render(values: dict | None = None, *, release: str = "rekindle", namespace: str = "kube-system",
-           seed: list[dict] | None = None, registry_image: bool = True) -> dict[str, Any]:
+           seed: list[dict] | None = None, registry_image: bool = True, cluster: bool = True,
+           hide: list[str] | None = None) -> dict[str, Any]:
     """Install the chart against a fake API server, in a child process.
 
     Returns {"objects": [rendered objects], "created": [objects POSTed to the
     server], "notes": NOTES.txt text, "manifest": the raw manifest}.
     Raises RenderError with Helm's message when Helm refuses (schema, template).
     With registry_image, image.name defaults to REGISTRY_IMAGE instead of the placeholder.
+    cluster=False: every `lookup` is empty, as in `helm template` (seed is ignored).
+    hide: API group/versions (e.g. "admissionregistration.k8s.io/v1") the cluster does not serve.
     """
     if registry_image:
         values = merge({"image": {"name": REGISTRY_IMAGE}}, values or {})
-    out = _child({"op": "render", "values": values, "release": release, "namespace": namespace, "seed": seed})
+    out = _child({"op": "render", "values": values, "release": release, "namespace": namespace, "seed": seed,
+                  "cluster": cluster, "hide": hide})
     if "error" in out:
         raise RenderError(out["error"])
     return out
@@ -261,5 +286,6 @@ if __name__ == "__main__":
     if req["op"] == "lint":
         result = _lint_here()
     else:
-        result = _render_here(req.get("values"), req["release"], req["namespace"], req.get("seed"))
+        result = _render_here(req.get("values"), req["release"], req["namespace"], req.get("seed"),
+                              req.get("cluster", True), req.get("hide"))
     json.dump(result, sys.stdout)

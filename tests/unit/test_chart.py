@@ -136,6 +136,7 @@ def test_plugin_command_is_the_cli_contract(default_render):
         "--hmac-key-file", "/etc/rekindle/hmac.key",
         "--log-format", "json",
         "--metrics-port", "9464",
+        "--metrics-address", "$(POD_IP)",
     ]  # logLevel info: no --verbose; events.enabled false: no --events
 
 

@@ -210,3 +210,12 @@ def test_cli_run_toggle_and_state() -> None:
         assert cuda_cli.run(cuda_cli.parse_args(["--get-restore-tid", "--pid", "42"]), ck) == "43"
         with pytest.raises(CudaError, match="CUDA_ERROR_INVALID_VALUE"):
             cuda_cli.run(cuda_cli.parse_args(["--action", "lock", "--pid", "9"]), ck)
+
+
+def test_release_resumes_locked_and_checkpointed_processes_and_leaves_the_rest() -> None:
+    fake = FakeDriver([1, 2, 3, 4])
+    fake.states.update({2: 1, 3: 2, 4: 3})  # locked, checkpointed, failed
+    with make(fake) as ck:
+        assert ck.release([1, 2, 3, 4]) == [2, 3]
+    assert fake.states == {1: 0, 2: 0, 3: 0, 4: 3}
+    assert [c for c in fake.calls if c[0] != "state"] == [("unlock", 2), ("restore", 3), ("unlock", 3)]

@@ -12,7 +12,7 @@ import pytest
 from runtime.errors import ArtifactRejected
 from runtime.compat import NodeFacts, check_compatibility
 from runtime.manifest import (
-    CriuInfo, CudaInfo, FileEntry, Gpu, Manifest, MountInfo, NodeInfo, ProcessInfo, Source,
+    CriuInfo, CudaInfo, FileEntry, Gpu, HostFile, Manifest, MountInfo, NodeInfo, ProcessInfo, Source,
     sign, verify,
 )
 from runtime.security import LsmSupport, SecurityProfile, check_privilege
@@ -42,6 +42,8 @@ def make_manifest(**changes: Any) -> Manifest:
         mounts=(MountInfo(key="shm", destination="/dev/shm", type="tmpfs"),),
         files=(FileEntry(path="criu/core-1.img", size=3, digest=SHA),),
         timings={"dump": 1.5},
+        host_files=(HostFile(mount="/usr/lib/x86_64-linux-gnu/libcuda.so.1", path="", size=5, digest=SHA),
+                    HostFile(mount="/models", path="qwen/tokenizer.json", size=9, digest=SHA)),
     )
     return dataclasses.replace(base, **changes)
 
@@ -59,7 +61,22 @@ def test_manifest_round_trips_through_canonical_json() -> None:
     assert Manifest.from_json(data) == m
     obj = json.loads(data)
     assert data == json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
-    assert obj["format_version"] == 2 and obj["cuda"]["gpus"][0]["name"] == "NVIDIA H200"
+    assert obj["format_version"] == 3 and obj["cuda"]["gpus"][0]["name"] == "NVIDIA H200"
+    assert obj["host_files"][1] == {"mount": "/models", "path": "qwen/tokenizer.json", "size": 9, "digest": SHA}
+
+
+def _version_2() -> dict[str, Any]:
+    obj = json.loads(make_manifest().to_json())
+    del obj["host_files"]
+    obj["format_version"] = 2
+    return obj
+
+
+def test_a_format_2_manifest_is_read_with_its_host_files_not_recorded() -> None:
+    """Artifacts written before host files were recorded still restore (runtime.hostfiles)."""
+    m = Manifest.from_json(json.dumps(_version_2()).encode())
+    assert m.format_version == 2 and m.host_files is None
+    assert m.source == make_manifest().source
 
 
 def test_manifest_without_cuda_serialises_cuda_as_null() -> None:
@@ -82,7 +99,14 @@ def _mutate(path: str, value: Any) -> bytes:
 
 
 @pytest.mark.parametrize("data, needle", [
-    (_mutate("format_version", 3), "unsupported manifest format_version 3"),
+    (_mutate("format_version", 4), "unsupported manifest format_version 4 (this build reads 2, 3)"),
+    (_mutate("host_files", KeyError), "missing keys ['host_files']"),
+    (_mutate("host_files", None), "host_files is null exactly in a format_version 2 manifest"),
+    (_mutate("host_files.1.path", "../etc/shadow"), "not a normal relative path"),
+    (_mutate("host_files.1.path", "/etc/shadow"), "not a normal relative path"),
+    (_mutate("host_files.0.mount", "usr/lib"), "not a normal absolute path"),
+    (_mutate("host_files.0.digest", "ab"), "bad digest"),
+    (json.dumps({**_version_2(), "host_files": []}).encode(), "host_files in a format_version 2 manifest"),
     (_mutate("format_version", "2"), "unsupported manifest format_version '2'"),
     (_mutate("format_version", True), "unsupported manifest format_version True"),
     (_mutate("extra", 1), "unknown keys ['extra']"),
@@ -102,7 +126,8 @@ def _mutate(path: str, value: Any) -> bytes:
     (b"[1]", "not a JSON object"),
     (b"\xff\xfe", "not valid JSON"),
     (b"x" * (16 * 1024 * 1024 + 1), "larger than"),
-], ids=["future-version", "version-as-string", "version-as-bool", "unknown-key", "missing-key",
+], ids=["future-version", "host-files-missing", "host-files-null", "host-file-dotdot", "host-file-absolute",
+        "host-mount-relative", "host-file-bad-digest", "version-2-with-host-files", "version-as-string", "version-as-bool", "unknown-key", "missing-key",
         "uid-as-string", "bool-as-int", "int-as-bool", "string-for-list", "bad-digest",
         "negative-size", "unsorted-caps", "unknown-seccomp", "negative-timing", "bad-time",
         "duplicate-key", "nan", "not-object", "not-utf8", "too-large"])

@@ -396,6 +396,36 @@ def test_apply_refuses_hostile_deletions(tmp_path: Path, sandbox: tuple[Path, Pa
     assert (rootfs / "etc" / "passwd").exists()
 
 
+@pytest.mark.parametrize("raw, needle", [
+    (b"[" * 100_000 + b"]" * 100_000, "nested deeper than 2"),  # json.loads: RecursionError
+    (b'[[{"path": "etc/passwd", "type": "whiteout"}]]', "nested deeper than 2"),
+    (b'[{"path": "etc/passwd", "type": "opaque", "type": "whiteout"}]', "duplicate key"),
+    (b'[{"path": "etc/\\ud800", "type": "whiteout"}]', "lone surrogate U\\+D800"),  # before any change
+    (b'[{"path": "etc/\xff", "type": "whiteout"}]', "not UTF-8"),
+], ids=["deep", "nested-list", "duplicate-key", "lone-surrogate", "not-utf8"])
+def test_apply_parses_the_deletions_strictly(tmp_path: Path, sandbox: tuple[Path, Path], raw: bytes,
+                                             needle: str) -> None:
+    rootfs, _ = sandbox
+    tar = write_tar(tmp_path / "d.tar", [])
+    (tmp_path / "d.json").write_bytes(raw)
+    with pytest.raises(OverlayError, match=needle):
+        apply(str(rootfs), str(tar), str(tmp_path / "d.json"))
+    assert (rootfs / "etc" / "passwd").exists()
+
+
+@needs_root
+def test_a_whiteout_of_a_name_that_is_not_utf8_still_comes_back(tmp_path: Path) -> None:
+    upper, root = tmp_path / "upper", tmp_path / "root"
+    upper.mkdir()
+    os.mknod(os.path.join(os.fsencode(upper), b"gone-\xff"), stat.S_IFCHR | 0o000, os.makedev(0, 0))
+    capture(str(upper), str(tmp_path / "d.tar"), str(tmp_path / "d.json"), exclude=[])
+    assert b"\\udcff" in (tmp_path / "d.json").read_bytes()  # os.fsdecode's stand-in for the byte
+    root.mkdir()
+    (root / os.fsdecode(b"gone-\xff")).write_bytes(b"in the image")
+    stats = apply(str(root), str(tmp_path / "d.tar"), str(tmp_path / "d.json"))
+    assert stats.deleted == 1 and os.listdir(root) == []
+
+
 @pytest.mark.parametrize("kind", ["whiteout", "opaque"])
 def test_apply_deletes_a_symlink_itself_never_its_target(tmp_path: Path,
                                                          sandbox: tuple[Path, Path],

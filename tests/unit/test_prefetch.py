@@ -214,3 +214,36 @@ def test_staged_copies_waiting_on_the_node_are_bounded(tmp_path: Path) -> None:
             assert small.take("uid-1", art) is None  # larger than the byte bound: not staged
     finally:
         small.shutdown()
+
+
+def test_one_namespace_takes_no_more_than_its_share_of_the_staged_copies(tmp_path: Path) -> None:
+    store = ArtifactStore(str(tmp_path / "store"))
+    publish(store, files=FILES)
+    publish(store, namespace="team-b", files=FILES)
+    logs = tmp_path / "logs"
+    p = Prefetcher(store, KEY, threads=1, staging_dir=str(logs), max_staged=3)  # 2 per namespace: the default
+    try:
+        for uid in ("a-1", "a-2", "a-3"):  # one tenant's pods whose containers never start
+            assert p.start(uid, "team-a", {"rekindle.dev/restore": "qwen-7b"})
+            wait_for(lambda: p.running() == 0, 10, "the prefetch to end")
+        assert p.start("b-1", "team-b", {"rekindle.dev/restore": "qwen-7b"})
+        wait_for(lambda: p.running() == 0, 10, "the prefetch to end")
+        assert len(list(logs.glob("restore-staged-team-a-*/private"))) == 2
+        with store.open("team-b", "qwen-7b", KEY) as art:
+            assert p.take("b-1", art) is not None  # another tenant still gets its copy
+        with store.open("team-a", "qwen-7b", KEY) as art:
+            assert p.take("a-3", art) is None  # past its namespace's bound: stages itself
+    finally:
+        p.shutdown()
+    size = len(FILES["criu/core-1.img"]) + len(FILES["restore-plan.json"])  # what is staged
+    by_bytes = Prefetcher(store, KEY, threads=1, staging_dir=str(tmp_path / "logs2"),
+                          max_staged_bytes_per_namespace=size)
+    try:
+        for uid in ("a-1", "a-2"):
+            assert by_bytes.start(uid, "team-a", {"rekindle.dev/restore": "qwen-7b"})
+            wait_for(lambda: by_bytes.running() == 0, 10, "the prefetch to end")
+        with store.open("team-a", "qwen-7b", KEY) as art:
+            assert by_bytes.take("a-2", art) is None  # the namespace's bytes are spent
+            assert by_bytes.take("a-1", art) is not None
+    finally:
+        by_bytes.shutdown()

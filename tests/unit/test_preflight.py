@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime import preflight
+from runtime import preflight, procfs, unixdiag
 from runtime.preflight import Kind, NcclTransport
 
 NCCL_SOCK_INODE = 5001
@@ -51,17 +51,19 @@ def nccl_rank(proc: Path, pid: int, env: dict[str, str]) -> None:
                        (4000, "@cuda-uvmfd-4026531840-1234@")])
 
 
-@pytest.mark.parametrize("env,transport,blocking", [
-    ({}, NcclTransport.P2P_CUMEM, True),
-    ({"NCCL_CUMEM_ENABLE": "0"}, NcclTransport.P2P_IPC, True),
-    ({"NCCL_P2P_DISABLE": "1"}, NcclTransport.SHM_CUMEM_HOST, True),
-    ({"NCCL_P2P_DISABLE": "0", "NCCL_CUMEM_HOST_ENABLE": "0"}, NcclTransport.P2P_CUMEM, True),
-    ({"NCCL_P2P_DISABLE": "1", "NCCL_CUMEM_HOST_ENABLE": "0"}, NcclTransport.SHM, False),
-    ({"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}, NcclTransport.SOCKET, False),
-    ({"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_CUMEM_HOST_ENABLE": "0"}, NcclTransport.SOCKET, False),
+@pytest.mark.parametrize("env,transport", [
+    ({}, NcclTransport.P2P_CUMEM),
+    ({"NCCL_CUMEM_ENABLE": "0"}, NcclTransport.P2P_IPC),
+    ({"NCCL_P2P_DISABLE": "1"}, NcclTransport.SHM_CUMEM_HOST),
+    ({"NCCL_P2P_DISABLE": "0", "NCCL_CUMEM_HOST_ENABLE": "0"}, NcclTransport.P2P_CUMEM),
+    ({"NCCL_P2P_DISABLE": "1", "NCCL_CUMEM_HOST_ENABLE": "0"}, NcclTransport.SHM),
+    ({"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}, NcclTransport.SOCKET),
+    ({"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_CUMEM_HOST_ENABLE": "0"}, NcclTransport.SOCKET),
 ], ids=["default", "legacy-ipc", "shm-cumem-host", "p2p-off-is-0", "shm", "sockets", "sockets-no-cumem-host"])
-def test_live_communicator_refused_unless_its_transport_restores(tmp_path: Path, env: dict[str, str],
-                                                                 transport: NcclTransport, blocking: bool) -> None:
+def test_live_communicator_refused_whatever_its_environment_names(tmp_path: Path, env: dict[str, str],
+                                                                  transport: NcclTransport) -> None:
+    """The environment names the transport in the reason; it never lets a live communicator
+    through (a process can change it after start, or rewrite what /proc/<pid>/environ reads)."""
     assert NcclTransport.from_env(env) is transport
     for pid in (101, 102):
         nccl_rank(tmp_path, pid, env)
@@ -69,12 +71,12 @@ def test_live_communicator_refused_unless_its_transport_restores(tmp_path: Path,
     nccl = [f for f in report.findings if f.kind is Kind.NCCL_COMMUNICATOR]
     assert [f.pid for f in nccl] == [101, 102]
     assert all(transport.value in f.summary for f in nccl)
-    assert bool(report.blocking) is blocking, report
-    if blocking:
-        (reason,) = report.reasons()  # one line for both ranks
-        assert "101 (python3), 102 (python3)" in reason
-        assert "@tmp/nccl-socket-1-9f3e2a1b4c5d6e7f" in reason and "/dev/shm/nccl-Xa81Qz" in reason
-        assert "NCCL_P2P_DISABLE=1" in reason
+    assert [f.pid for f in report.blocking] == [101, 102], report
+    (reason,) = report.reasons()  # one line for both ranks
+    assert "101 (python3), 102 (python3)" in reason
+    assert "@tmp/nccl-socket-1-9f3e2a1b4c5d6e7f" in reason and "/dev/shm/nccl-Xa81Qz" in reason
+    assert "rekindle_tp.py" in reason
+    assert ("cannot be seen from outside the process" in reason) is transport.restorable
 
 
 def test_each_kind_of_evidence_alone_means_a_live_communicator(tmp_path: Path) -> None:
@@ -252,11 +254,39 @@ def test_real_nccl_default_layout_is_refused(child) -> None:
     assert f"@/tmp/nccl-socket-0-{pid:x}" in f.evidence and "/dev/shm/nccl-" in f.evidence
 
 
-def test_real_nccl_shm_layout_with_plain_host_memory_passes(child) -> None:
+def test_real_nccl_layout_is_refused_though_its_start_environment_names_shm(child) -> None:
     pid = child(NCCL_LIKE, env=_nccl_env(NCCL_P2P_DISABLE="1", NCCL_CUMEM_HOST_ENABLE="0"))
-    report = preflight.inspect([pid])
-    assert not report.blocking, report
-    assert [f.kind for f in report.notes] == [Kind.NCCL_COMMUNICATOR]
+    (f,) = preflight.inspect([pid]).blocking
+    assert f.kind is Kind.NCCL_COMMUNICATOR and "names SHM" in f.summary, f
+
+
+def test_real_nccl_variables_changed_after_start_do_not_pass(child) -> None:
+    """Trust boundary (a): started with sockets only, then P2P back on inside the process
+    (setenv: /proc/<pid>/environ keeps the start environment)."""
+    pid = child("""
+    del os.environ["NCCL_P2P_DISABLE"], os.environ["NCCL_SHM_DISABLE"]  # unsetenv
+    libc.setenv(b"NCCL_P2P_DISABLE", b"0", 1)
+    libc.getenv.restype = ctypes.c_char_p
+    assert libc.getenv(b"NCCL_P2P_DISABLE") == b"0" and libc.getenv(b"NCCL_SHM_DISABLE") is None
+    """ + NCCL_LIKE, env=_nccl_env(NCCL_P2P_DISABLE="1", NCCL_SHM_DISABLE="1"))
+    assert NcclTransport.from_env(procfs.environ(pid)) is NcclTransport.SOCKET  # what /proc still says
+    (f,) = preflight.inspect([pid]).blocking
+    assert f.kind is Kind.NCCL_COMMUNICATOR and f"@/tmp/nccl-socket-0-{pid:x}" in f.evidence, f
+
+
+def test_real_environ_rewritten_in_memory_does_not_pass(child) -> None:
+    """Trust boundary (b): the start environment's memory (env_start..env_end, what
+    /proc/<pid>/environ reads) overwritten to claim sockets only."""
+    pid = child("""
+    with open("/proc/self/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    start, end = int(fields[47]), int(fields[48])  # env_start, env_end (fields 50, 51)
+    claim = b"NCCL_P2P_DISABLE=1\\0NCCL_SHM_DISABLE=1\\0"
+    ctypes.memmove(start, claim + b"\\0" * (end - start - len(claim)), end - start)
+    """ + NCCL_LIKE, env={"PATH": os.environ.get("PATH", ""), "PAD": "x" * 200})
+    assert procfs.environ(pid) == {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}  # the forged claim
+    (f,) = preflight.inspect([pid]).blocking
+    assert f.kind is Kind.NCCL_COMMUNICATOR and "names NET/Socket" in f.summary, f
 
 
 def test_real_supported_fds_pass(child) -> None:
@@ -289,3 +319,126 @@ def test_real_userfaultfd_and_character_device_are_refused(child) -> None:
     report = preflight.inspect([pid])
     kinds = sorted((f.kind.value, f.evidence.split(" -> ")[1]) for f in report.blocking)
     assert kinds == [("unsupported-fd", "/dev/fuse (10:229)"), ("unsupported-fd", "anon_inode:[userfaultfd]")], report
+
+
+# ---- unix socket names that pose as other sockets --------------------------------------------
+
+FORGED = """
+    # A rank whose only live mark is NCCL's proxy socket, and sockets whose names hold a newline
+    # and then a line of /proc/net/unix naming that socket's inode with a harmless name. The
+    # table's order is its hash order; a parser that keeps the last line per inode is fooled once
+    # a forged line comes after the real one, so the names are varied until one does.
+    def last_name(ino):
+        name = None
+        for line in open("/proc/self/net/unix").read().splitlines()[1:]:
+            f = line.split(None, 7)
+            if len(f) >= 7 and f[6] == str(ino):
+                name = f[7] if len(f) > 7 else ""
+        return name
+    for attempt in range(64):
+        sk = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sk.bind(b"\\0/tmp/nccl-socket-0-%x" % (os.getpid() << 8 | attempt))
+        sk.listen()
+        ino = os.fstat(sk.fileno()).st_ino
+        forged = "0000000000000000: 00000002 00000000 00010000 0001 01 %5d @harmless" % ino
+        forgers = []
+        while last_name(ino) != "@harmless" and len(forgers) < 64:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            s.bind(b"\\0x%d-%d\\n" % (attempt, len(forgers)) + forged.encode())
+            forgers.append(s)
+        if last_name(ino) == "@harmless":
+            break
+        sk.close()
+        for s in forgers:
+            s.close()
+    else:
+        print("no forged line came after the real one", flush=True); sys.exit(1)
+    ready()
+"""
+
+
+def _last_line_wins(pid: int) -> dict[int, str]:
+    """/proc/net/unix read line by line, the last line of an inode kept (procfs.unix_sockets did)."""
+    out = {}
+    for line in Path(f"/proc/{pid}/net/unix").read_text().splitlines()[1:]:
+        fields = line.split(None, 7)
+        if len(fields) >= 7 and fields[6].isdigit():
+            out[int(fields[6])] = fields[7].strip() if len(fields) > 7 else ""
+    return out
+
+
+def _ino_of_nccl_socket(pid: int) -> int:
+    links = {e.link for e in procfs.fds(pid)}
+    (ino,) = [i for i, sk in unixdiag.unix_sockets(pid).sockets.items()
+              if f"socket:[{i}]" in links and sk.path.startswith("@/tmp/nccl-socket-")]
+    return ino
+
+
+def test_real_forged_net_unix_line_does_not_hide_the_proxy_socket(child) -> None:
+    """Trust boundary (c): the proxy socket's real line, then a forged one for the same inode."""
+    pid = child(FORGED)
+    ino = _ino_of_nccl_socket(pid)
+    assert _last_line_wins(pid)[ino] == "@harmless"  # what the line-by-line reading before believed
+    (f,) = preflight.inspect([pid]).blocking
+    assert f.kind is Kind.NCCL_COMMUNICATOR and f"socket @/tmp/nccl-socket-0-{pid:x}" in f.evidence, f
+
+
+def test_real_forged_net_unix_line_is_caught_without_netlink(child, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where sock_diag cannot answer, the text is read with care: the forged inode is unsure."""
+    pid = child(FORGED)
+    ino = _ino_of_nccl_socket(pid)
+
+    def no_netlink(pid: int) -> dict[int, procfs.UnixSocket]:
+        raise PermissionError("no sock_diag here")
+
+    monkeypatch.setattr(unixdiag, "_netlink", no_netlink)
+    table = unixdiag.unix_sockets(pid)
+    assert table.source == "net/unix" and table.is_unsure(ino)
+    (f,) = preflight.inspect([pid]).blocking
+    assert f.kind is Kind.NCCL_COMMUNICATOR and f"socket:[{ino}]" in f.evidence and "newline" in f.evidence, f
+
+
+def test_net_unix_text_reports_every_ambiguity() -> None:
+    head = "Num       RefCount Protocol Flags    Type St Inode Path\n"
+    line = "000000005bb13ed8: 00000002 00000000 00010000 0001 01 {:5d}{}\n"
+    clean = unixdiag.parse_net_unix(head + line.format(11, " @a") + line.format(12, "") + line.format(13, " /run/x"))
+    assert {i: s.path for i, s in clean.sockets.items()} == {11: "@a", 12: "", 13: "/run/x"}
+    assert not any(clean.is_unsure(i) for i in (11, 12, 13))
+    # a name holding a newline then a well-formed line for inode 11: 11 is unsure, 12 is not
+    dup = unixdiag.parse_net_unix(head + line.format(11, " @nccl") + line.format(12, " @x") + line.format(11, " @ok"))
+    assert dup.get(11).path == "@nccl" and dup.is_unsure(11) and not dup.is_unsure(12)
+    # a newline followed by text that is no socket's line: nothing in the table is sure
+    junk = unixdiag.parse_net_unix(head + line.format(11, " @x") + "hello\n" + line.format(12, " @y"))
+    assert junk.is_unsure(11) and junk.is_unsure(12)
+
+
+def test_sock_diag_names_are_bytes_as_bound() -> None:
+    assert unixdiag.display_name(b"\0/tmp/nccl-socket-0-ab\nx\0y") == "@/tmp/nccl-socket-0-ab\nx@y"
+    assert unixdiag.display_name(b"/run/a.sock\0") == "/run/a.sock"
+    assert unixdiag.display_name(b"") == ""
+
+
+def test_sock_diag_reads_a_process_in_another_network_namespace() -> None:
+    """The agent asks from a thread that joins the process's namespace; it stays in its own."""
+    if os.geteuid() != 0:
+        pytest.skip("joining another network namespace needs root")
+    code = ("import socket, sys\n"
+            "s = socket.socket(socket.AF_UNIX); s.bind(b'\\0/tmp/nccl-socket-1-beef\\nfake'); s.listen()\n"
+            "print('ready', flush=True); sys.stdin.read()\n")
+    try:
+        p = subprocess.Popen(["unshare", "--net", sys.executable, "-c", code], text=True,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    except FileNotFoundError:
+        pytest.skip("no unshare(1)")
+    try:
+        if (p.stdout.readline() if p.stdout else "").strip() != "ready":
+            pytest.skip(f"unshare --net failed: {p.stderr.read() if p.stderr else ''}")
+        ours = os.readlink("/proc/self/ns/net")
+        assert os.readlink(f"/proc/{p.pid}/ns/net") != ours
+        table = unixdiag.unix_sockets(p.pid)
+        assert table.source == "sock_diag"
+        assert [s.path for s in table.sockets.values()] == ["@/tmp/nccl-socket-1-beef\nfake"]
+        assert os.readlink("/proc/self/ns/net") == ours and os.readlink("/proc/thread-self/ns/net") == ours
+    finally:
+        p.kill()
+        p.wait(10)

@@ -8,6 +8,7 @@ import blake3
 import json
 import os
 import shutil
+import stat
 import threading
 from pathlib import Path
 
@@ -122,25 +123,30 @@ def test_stage_is_removed_when_the_body_raises(tmp_path: Path) -> None:
         with store.stage("team-a", "x") as staging:
             Path(staging.path, "f").write_bytes(b"1")
             raise RuntimeError("boom")
-    assert os.listdir(tmp_path / "team-a") == []
+    assert not (tmp_path / "team-a").exists()  # nothing reaches the store before publish
+    assert not os.path.exists(staging.path)
 
 
-def test_stage_whose_owner_record_cannot_be_written_leaves_nothing(tmp_path: Path, monkeypatch) -> None:
-    def full(path: str, data: bytes, dir_fd: int | None = None) -> None:
-        open(path, "wb").close()  # created, then the disk is full
+def test_publish_whose_owner_record_cannot_be_written_leaves_nothing(tmp_path: Path, monkeypatch) -> None:
+    def full(path: str, data: bytes, dir_fd: int | None = None, *, exclusive: bool = False) -> None:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600, dir_fd=dir_fd))  # created, then the disk is full
         raise OSError(28, "No space left on device")
     from runtime import owner
     monkeypatch.setattr(owner, "write_file", full)
     with pytest.raises(StoreError, match="No space left"):
-        ArtifactStore(str(tmp_path)).stage("team-a", "x")
+        with ArtifactStore(str(tmp_path)).stage("team-a", "x") as staging:
+            staging.publish(make_manifest(namespace="team-a", name="x"), KEY)
     assert os.listdir(tmp_path / "team-a") == []
 
 
 def test_stage_left_unpublished_is_removed(tmp_path: Path) -> None:
     store = ArtifactStore(str(tmp_path))
-    with store.stage("team-a", "x") as staging:
-        assert os.path.basename(staging.path).startswith(".staging-x-")
-    assert os.listdir(tmp_path / "team-a") == []
+    (tmp_path / "private").mkdir(mode=0o700)
+    with store.stage("team-a", "x", private_root=str(tmp_path / "private")) as staging:
+        assert os.path.dirname(staging.path) == str(tmp_path / "private")
+        assert stat.S_IMODE(os.stat(staging.path).st_mode) == 0o700
+    assert os.listdir(tmp_path / "private") == []
+    assert not (tmp_path / "team-a").exists()
 
 
 def test_publish_refuses_a_manifest_for_another_artifact(tmp_path: Path) -> None:
@@ -148,7 +154,7 @@ def test_publish_refuses_a_manifest_for_another_artifact(tmp_path: Path) -> None
     with pytest.raises(StoreError, match="staging is for team-a/other"):
         with store.stage("team-a", "other") as staging:
             staging.publish(make_manifest(), KEY)
-    assert os.listdir(tmp_path / "team-a") == []
+    assert not (tmp_path / "team-a").exists()
 
 
 def test_publish_refuses_a_symlink_in_staging(tmp_path: Path) -> None:
@@ -480,10 +486,13 @@ def test_sweep_removes_dead_owners_staging_and_keeps_live_and_foreign_ones(tmp_p
 def test_a_killed_publisher_leaves_a_staging_dir_the_next_sweep_removes(tmp_path: Path) -> None:
     import subprocess
     import sys
-    code = ("import sys, os, signal; from runtime.store import ArtifactStore; "
-            "s = ArtifactStore(sys.argv[1]).stage('team-a', 'x'); "
+    # Killed while the publish copies into the store (the only time the store holds a staging dir).
+    code = ("import sys, os, signal; from runtime import store as st; from tests.unit.test_store import make_manifest; "
+            "s = st.ArtifactStore(sys.argv[1]).stage('team-a', 'x'); "
             "open(os.path.join(s.path, 'pages.img'), 'wb').write(b'p' * 65536); "
-            "os.kill(os.getpid(), signal.SIGKILL)")
+            "real = st._transfer; "
+            "st._transfer = lambda *a: (real(*a), os.kill(os.getpid(), signal.SIGKILL)); "
+            "s.publish(make_manifest(namespace='team-a', name='x'), b'k' * 32)")
     subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=Path(__file__).parents[2])
     store = ArtifactStore(str(tmp_path))
     [left] = store_gc.leftovers(store)
@@ -539,3 +548,59 @@ def test_large_file_digest_is_by_pieces_and_catches_one_flipped_byte(tmp_path):
         assert digests.hash_fd(fd)[1] != digest
     finally:
         os.close(fd)
+
+
+@pytest.mark.parametrize("moved", [True, False], ids=["renamed-in", "copied-in"])
+def test_publish_moves_or_copies_the_private_tree_and_records_its_bytes(tmp_path: Path, monkeypatch, moved) -> None:
+    from runtime import store as store_mod
+    if not moved:  # the store on another file system than the private dir
+        monkeypatch.setattr(store_mod, "_move", lambda *a: False)
+    store = ArtifactStore(str(tmp_path / "store"))
+    data = {"criu/core-1.img": b"core", "bulk/pages-1.bulk": os.urandom(3 << 20), "restore-plan.json": b"{}"}
+    version = publish(store, files=data)
+    for rel, content in data.items():
+        assert (version / rel).read_bytes() == content
+    with store.open("team-a", "qwen-7b", KEY) as artifact:
+        artifact.verify_files()
+    assert not list(version.parent.glob(".staging-*"))
+
+
+def test_publish_never_writes_through_a_name_planted_in_the_store(tmp_path: Path, monkeypatch) -> None:
+    """Another writer of the store plants a symlink to a host file in the staging dir while the
+    publish copies into it: the publish fails, the host file is untouched."""
+    from runtime import store as store_mod
+    victim = tmp_path / "authorized_keys"
+    victim.write_text("victim\n")
+    real = store_mod._transfer
+
+    def planted(src_root: str, dst_fd: int, label: str):  # type: ignore[no-untyped-def]
+        os.mkdir("criu", dir_fd=dst_fd)
+        os.symlink(victim, "criu/core-1.img", dir_fd=dst_fd)
+        return real(src_root, dst_fd, label)
+
+    monkeypatch.setattr(store_mod, "_transfer", planted)
+    monkeypatch.setattr(store_mod, "_move", lambda *a: False)
+    store = ArtifactStore(str(tmp_path / "store"))
+    with pytest.raises(StoreError, match="File exists"):
+        publish(store)
+    assert victim.read_text() == "victim\n"
+    assert os.listdir(tmp_path / "store" / "team-a") == []
+
+
+def test_deleting_an_artifact_with_a_deep_tree_planted_in_its_version_does_not_recurse(tmp_path: Path) -> None:
+    """Another writer nests 1500 directories inside a published version: delete (and the
+    removal of the version a re-publish replaces) removes it without RecursionError."""
+    store = ArtifactStore(str(tmp_path))
+    for _ in range(2):
+        version = publish(store)
+        fd = os.open(version, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            for _ in range(1500):
+                os.mkdir("d", dir_fd=fd)
+                sub = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+                os.close(fd)
+                fd = sub
+        finally:
+            os.close(fd)
+    store.delete("team-a", "qwen-7b")
+    assert os.listdir(tmp_path / "team-a") == []

@@ -1,0 +1,278 @@
+"""Host files a restore reopens from bind mounts: digests recorded at checkpoint, compared before CRIU.
+
+CRIU reopens by path every file the restored tree maps or holds open, and checks only its size
+(``--file-validation filesize``, runtime/criu.py). Files of the rootfs are the image's (its id
+is compared) or the writable layer's (in the artifact, hashed). Files under a bind mount are the
+host's: driver libraries the NVIDIA toolkit binds in (``libcuda.so``), hostPath and other
+volumes. A file there of the same size and other content would be mapped into the restored
+process as if it were the one it had.
+
+Contract:
+
+- :func:`record` (checkpoint, after the dump): every regular file of CRIU's ``files.img``
+  (fds, file-backed VMAs, executables; ``runtime.criu_image.read_reg_files``) whose path lies
+  under a bind mount of the dump's mount plan, less the plugin's own mounts (control dir, init)
+  and ``/dev/shm`` (captured into the artifact), hashed from the host side through that mount's
+  source: ``(mount destination, path beneath it, size, digest)`` for the manifest. Raises
+  :class:`HostFilesError` (the checkpoint fails, the source runs on) when a file cannot be read
+  there, is not a regular file, is not the size CRIU saw, or when together they exceed
+  ``max_bytes`` (:data:`MAX_BYTES`): a restore would have to hash them all before it starts.
+- :func:`check` (restore, before anything is staged or restored): the same files resolved
+  through the TARGET's spec (its bind source at the same destination, as ``runtime.mount_plan``
+  hands CRIU), every reason one is missing, not regular, of another size or content. An
+  artifact without records (``host_files`` None: a format 2 manifest, written before this check
+  existed) is restored as before, with a warning: it is signed by a node key, so no one without
+  that key can make one, and refusing would turn every artifact made before an upgrade into a
+  cold start at once, for a check those artifacts never had.
+- Resolution never leaves a bind source: the source path itself is the runtime's (the spec,
+  opened as runc did), everything beneath it is resolved with ``runtime.openat2.open_beneath``
+  (a symlink a tenant planted in a volume is followed only while it stays inside), opened
+  ``O_PATH`` first and reopened for reading only when it is a regular file (no device or FIFO
+  is ever opened for real).
+- Files are hashed in parallel (``runtime.digests``), and each digest is kept in a
+  process-wide :class:`DigestCache` keyed by (dev, ino, size, mtime_ns, ctime_ns): the restores
+  of one node hash ``libcuda.so`` once, not once each, and a file written since has a new ctime.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import posixpath
+import stat
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from runtime import control as control_mod
+from runtime.criu_image import read_reg_files
+from runtime.digests import WORKERS, hash_fd
+from runtime.errors import RekindleError
+from runtime.layout import MountPlanEntry
+from runtime.manifest import HostFile
+from runtime.openat2 import open_beneath
+
+log = logging.getLogger(__name__)
+
+# Every recorded byte is hashed again before a restore (once per node and file version: the
+# cache). Driver libraries are a few hundred MiB; weights mapped from a volume can be far more,
+# and a checkpoint of those is refused rather than a restore made to wait on them.
+MAX_BYTES = 8 << 30
+SKIPPED = ("/dev/shm", *control_mod.CONTAINER_PATHS, control_mod.INIT_DIR_IN_CONTAINER)
+
+
+class HostFilesError(RekindleError):
+    """The files a checkpoint's tree uses from bind mounts could not be recorded."""
+
+
+@dataclass(frozen=True)
+class _Bind:
+    destination: str  # in the spec (the key of a restore's lookup)
+    point: str        # where the tree sees it (the destination, after symlinks in the rootfs)
+    source: str       # host path (the spec's)
+
+
+StatKey = tuple[int, int, int, int, int]
+
+
+def stat_key(st: os.stat_result) -> StatKey:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+class DigestCache:
+    """Digests by :func:`stat_key`, for this process's life (LRU, ``max_entries``). A file
+    whose stat changed while it was hashed is not kept. Callers asking for a file another thread
+    is hashing wait for that hash instead of reading the file again."""
+
+    def __init__(self, max_entries: int = 4096) -> None:
+        self._max = max_entries
+        self._lock = threading.Lock()
+        self._done: collections.OrderedDict[StatKey, str] = collections.OrderedDict()
+        self._running: dict[StatKey, Future[str]] = {}
+        self.hashed = 0  # files read and hashed (not served from the cache)
+
+    def digest(self, fd: int) -> tuple[int, str]:
+        """(size, digest) of the open regular file ``fd``."""
+        st = os.fstat(fd)
+        key = stat_key(st)
+        with self._lock:
+            hit = self._done.get(key)
+            if hit is not None:
+                self._done.move_to_end(key)
+                return st.st_size, hit
+            running = self._running.get(key)
+            if running is None:
+                mine: Future[str] = Future()
+                self._running[key] = mine
+        if running is not None:
+            return st.st_size, running.result()
+        try:
+            size, digest = hash_fd(fd)
+            stable = stat_key(os.fstat(fd)) == key and size == st.st_size
+        except BaseException as exc:
+            with self._lock:
+                del self._running[key]
+            mine.set_exception(exc)
+            raise
+        with self._lock:
+            del self._running[key]
+            self.hashed += 1
+            if stable:
+                self._done[key] = digest
+                while len(self._done) > self._max:
+                    self._done.popitem(last=False)
+        mine.set_result(digest)
+        return size, digest
+
+
+CACHE = DigestCache()
+
+
+def _is_bind(m: Mapping[str, Any]) -> bool:
+    return m.get("type") == "bind" or any(o in ("bind", "rbind") for o in m.get("options") or [])
+
+
+def _spec_binds(spec_mounts: Iterable[Mapping[str, Any]]) -> dict[str, str]:
+    """destination -> host source of every bind mount of a spec (the last one wins, as mounted)."""
+    return {posixpath.normpath(m["destination"]): str(m["source"])
+            for m in spec_mounts if _is_bind(m) and m.get("destination") and m.get("source")}
+
+
+def _under(path: str, top: str) -> bool:
+    return top == "/" or path == top or path.startswith(top.rstrip("/") + "/")
+
+
+def _binds(plan: Sequence[MountPlanEntry], spec_mounts: Iterable[Mapping[str, Any]]) -> list[_Bind]:
+    sources = _spec_binds(spec_mounts)
+    out = []
+    for e in plan:
+        if e.type != "bind" or e.destination not in sources:
+            continue
+        if any(_under(e.destination, s) for s in SKIPPED):
+            continue
+        out.append(_Bind(e.destination, e.mount_point or e.destination, sources[e.destination]))
+    return sorted(out, key=lambda b: len(b.point), reverse=True)  # the innermost mount first
+
+
+_KINDS = {stat.S_IFDIR: "a directory", stat.S_IFLNK: "a symlink", stat.S_IFIFO: "a FIFO",
+          stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a device", stat.S_IFBLK: "a device"}
+
+
+def _open_regular(source: str, path: str) -> int:
+    """A read fd of ``path`` beneath the bind source ``source`` ("" = the source itself),
+    never resolved outside it; OSError, or ValueError when it is not a regular file."""
+    top = os.open(source, os.O_PATH | os.O_CLOEXEC)
+    try:
+        fd = open_beneath(top, path, os.O_PATH) if path else os.dup(top)
+    finally:
+        os.close(top)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise ValueError(f"not a regular file but {_KINDS.get(stat.S_IFMT(mode), 'something else')}")
+        # Reopened through our own fd: the very inode checked, now for reading.
+        return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+    finally:
+        os.close(fd)
+
+
+def _hash_all(jobs: Sequence[tuple[str, str]], cache: DigestCache) -> list[tuple[int, str] | str]:
+    """(size, digest), or the reason it could not be read, of each (source, path), in parallel."""
+    def one(job: tuple[str, str]) -> tuple[int, str] | str:
+        try:
+            fd = _open_regular(*job)
+        except (OSError, ValueError) as exc:
+            return str(exc.strerror if isinstance(exc, OSError) and exc.strerror else exc)
+        try:
+            return cache.digest(fd)
+        except OSError as exc:
+            return exc.strerror or str(exc)
+        finally:
+            os.close(fd)
+    if not jobs:
+        return []
+    with ThreadPoolExecutor(max_workers=min(WORKERS, len(jobs)), thread_name_prefix="rekindle-hostfile") as pool:
+        return list(pool.map(one, jobs))
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def record(images_dir: str, plan: Sequence[MountPlanEntry], spec_mounts: Iterable[Mapping[str, Any]], *,
+           max_bytes: int = MAX_BYTES, cache: DigestCache = CACHE) -> tuple[HostFile, ...]:
+    """The bind-mounted files the dumped tree uses, hashed from the host (see the module doc)."""
+    started = time.monotonic()
+    binds = _binds(plan, spec_mounts)
+    wanted: dict[tuple[str, str], tuple[_Bind, int]] = {}  # (mount, path) -> (bind, size CRIU saw)
+    for f in read_reg_files(images_dir):
+        path = posixpath.normpath(f.path)
+        bind = next((b for b in binds if _under(path, b.point)), None)
+        if bind is not None:
+            rel = posixpath.relpath(path, bind.point) if path != bind.point else ""
+            wanted[(bind.destination, rel)] = (bind, f.size)
+    total = sum(size for _, size in wanted.values())
+    if total > max_bytes:
+        biggest = sorted(wanted.items(), key=lambda kv: -kv[1][1])[:3]
+        raise HostFilesError(
+            f"the tree maps or holds open {len(wanted)} files from bind mounts, {_mib(total)} together, "
+            f"more than the {_mib(max_bytes)} a restore would hash before it starts (largest: "
+            + ", ".join(f"{posixpath.join(m, p)} {_mib(s)}" for (m, p), (_, s) in biggest) + ")")
+    keys = sorted(wanted)
+    results = _hash_all([(wanted[k][0].source, k[1]) for k in keys], cache)
+    out, problems = [], []
+    for (mount, path), result in zip(keys, results):
+        where = posixpath.join(mount, path) if path else mount
+        if isinstance(result, str):
+            problems.append(f"{where} ({wanted[(mount, path)][0].source}): {result}")
+        elif result[0] != wanted[(mount, path)][1]:
+            problems.append(f"{where}: {result[0]} bytes on the host, {wanted[(mount, path)][1]} when dumped")
+        else:
+            try:
+                out.append(HostFile(mount=mount, path=path, size=result[0], digest=result[1]))
+            except ValueError as exc:  # a path the manifest cannot carry
+                problems.append(f"{where}: {exc}")
+    if problems:
+        raise HostFilesError("files the tree uses from bind mounts cannot be recorded: " + "; ".join(problems))
+    log.info("host files: %d from bind mounts, %s, hashed in %.3fs",
+             len(out), _mib(sum(h.size for h in out)), time.monotonic() - started)
+    return tuple(out)
+
+
+def check(records: Sequence[HostFile] | None, spec_mounts: Iterable[Mapping[str, Any]], *, label: str = "",
+          max_bytes: int = MAX_BYTES, cache: DigestCache = CACHE) -> list[str]:
+    """Every reason the target's files (through its own bind mounts) differ from ``records``."""
+    if records is None:
+        log.warning("%s: made before host files were recorded; files from bind mounts are checked by "
+                    "size only (by CRIU)", label or "artifact")
+        return []
+    total = sum(r.size for r in records)
+    if total > max_bytes:
+        return [f"host files of {_mib(total)} are more than the {_mib(max_bytes)} this node hashes"]
+    started = time.monotonic()
+    sources = _spec_binds(spec_mounts)
+    reasons: list[str] = []
+    jobs, checked = [], []
+    for r in records:
+        source = sources.get(r.mount)
+        if source is None:
+            reasons.append(f"host file {r.in_container}: the target has no bind mount at {r.mount}")
+            continue
+        jobs.append((source, r.path))
+        checked.append(r)
+    for r, (source, _), result in zip(checked, jobs, _hash_all(jobs, cache)):
+        if isinstance(result, str):
+            reasons.append(f"host file {r.in_container} ({source}): {result}")
+        elif result[0] != r.size:
+            reasons.append(f"host file {r.in_container} ({source}) is {result[0]} bytes, "
+                           f"the checkpoint's was {r.size}")
+        elif result[1] != r.digest:
+            reasons.append(f"host file {r.in_container} ({source}) differs from the checkpoint's "
+                           f"(same size, digest {result[1][:16]}, want {r.digest[:16]})")
+    log.info("%s: %d host files checked in %.3fs, %d differ", label or "artifact", len(records),
+             time.monotonic() - started, len(reasons))
+    return reasons
