@@ -103,11 +103,15 @@ def _cut(entries: Sequence[Any], pages: Sequence[tuple[int, int]]) -> list[Any]:
     that those pages can stay with CRIU alone (the pages file's order is unchanged)."""
     if not pages:
         return list(entries)
+    pinned = img.Written((), tuple(pages))
     out = []
     for e in entries:
         lo, hi = e.vaddr, e.vaddr + img.nr_pages(e) * img.PAGE
+        if not img.has_data(e) or not pinned.hits(lo, hi):
+            out.append(e)
+            continue
         cuts = sorted({x for a, b in pages for x in (a, b) if lo < x < hi})
-        if not img.has_data(e) or not cuts:
+        if not cuts:
             out.append(e)
             continue
         for a, b in zip([lo, *cuts], [*cuts, hi]):

@@ -19,11 +19,12 @@ still raises :class:`CriuError` naming the file, never an IndexError.
 
 from __future__ import annotations
 
+import bisect
 import os
 import stat
 import struct
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from google.protobuf.message import DecodeError
@@ -251,9 +252,9 @@ def read_core(images_dir: str, tid: int) -> Any:  # a core_entry message
 
 
 def _stack_pointer(core: Any, path: str) -> int:
-    for field in ("thread_info", "ti_aarch64", "ti_riscv64"):  # x86-64, arm64, riscv64
-        if core.HasField(field):
-            return int(getattr(core, field).gpregs.sp)
+    for arch in ("thread_info", "ti_aarch64", "ti_riscv64"):  # x86-64, arm64, riscv64
+        if core.HasField(arch):
+            return int(getattr(core, arch).gpregs.sp)
     raise CriuError("image", f"{path}: no stack pointer of an architecture this build reads")
 
 
@@ -265,9 +266,23 @@ class Written:
 
     vmas: tuple[tuple[int, int], ...]
     pages: tuple[tuple[int, int], ...]
+    _starts: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    _ends: tuple[int, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        merged: list[list[int]] = []  # both kinds as disjoint sorted spans: a split or a plan asks per range
+        for a, b in sorted((*self.vmas, *self.pages)):
+            if merged and a <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        object.__setattr__(self, "_starts", tuple(a for a, _ in merged))
+        object.__setattr__(self, "_ends", tuple(b for _, b in merged))
 
     def hits(self, lo: int, hi: int) -> bool:
-        return any(a < hi and lo < b for a, b in (*self.vmas, *self.pages))
+        """Whether [lo, hi) overlaps any of it."""
+        i = bisect.bisect_left(self._starts, hi) - 1  # the last span starting below hi
+        return i >= 0 and self._ends[i] > lo
 
 
 def written_after_restore(images_dir: str, entry: PstreeEntry, vmas: list[Any]) -> Written:

@@ -190,3 +190,10 @@ def test_a_zombies_thread_list_is_not_taken_for_pids_the_restore_needs(tmp_path:
     _image(tmp_path / "core-1.img", _core(0x7ff000))
     assert img.image_pids(str(tmp_path)) == {1, 2, 5}
     assert img.is_zombie(str(tmp_path), 5) and not img.is_zombie(str(tmp_path), 1)
+
+
+def test_what_is_written_after_restore_is_found_for_any_range() -> None:
+    w = img.Written(((0x1000, 0x3000), (0x10000, 0x20000)), ((0x2000, 0x3000), (0x5000, 0x6000)))
+    hit = {(0, 0x1001), (0x3000, 0x5001), (0x5fff, 0x7000), (0x1fff0, 0x30000), (0, 0x40000)}
+    miss = {(0, 0x1000), (0x3000, 0x5000), (0x6000, 0x10000), (0x20000, 0x30000)}
+    assert {r for r in hit | miss if w.hits(*r)} == hit
