@@ -145,15 +145,18 @@ def _stage(artifact: Artifact, private: str, path: RestorePath, ahead: str | Non
     return plan
 
 
-def _open_bulk(held: contextlib.ExitStack, artifact: Artifact, plan: layout.RestorePlan) -> list[int]:
-    """fds of the bulk files, held from staging on: whatever is renamed or removed in the store
-    afterwards cannot change which bytes the fill reads (it verifies them as it writes)."""
-    fds = []
+def _open_bulk(held: contextlib.ExitStack, artifact: Artifact,
+               plan: layout.RestorePlan) -> tuple[list[int], list[bytes]]:
+    """fds of the bulk files and their chunk digests (verified), both from staging on: whatever
+    is renamed or removed in the store afterwards cannot change which bytes the fill reads (it
+    checks each chunk against its digest before writing it)."""
+    fds, sums = [], []
     for b in plan.bulk:
         fd = artifact.open_file(b.path)
         held.callback(os.close, fd)
         fds.append(fd)
-    return fds
+        sums.append(bulk.read_sums(artifact, b))
+    return fds, sums
 
 
 def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFacts, *,
@@ -201,7 +204,7 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
             with t.phase("stage"):
                 plan = _stage(artifact, private, req.path, staged(artifact) if staged is not None else None)
                 fill_bulk = bool(plan.bulk) and req.path is RestorePath.BULK
-                fds = _open_bulk(held, artifact, plan) if fill_bulk else []
+                fds, sums = _open_bulk(held, artifact, plan) if fill_bulk else ([], [])
             if generations is not None:
                 generations.record(req.namespace, req.name, manifest.generation)
 
@@ -235,6 +238,7 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
                         total = sum(artifact.entry(b.path).size for b in plan.bulk)
                         report = (lambda done: progress("fill", done, total)) if progress else None
                         bulk.fill(artifact, plan.bulk, fds, lambda pid: host_pid_of(pidns, pid),
+                                  sums=sums, images=os.path.join(private, layout.CRIU_DIR), tree=result.tree,
                                   threads=req.threads or WORKERS, progress=report)
                 if manifest.cuda is not None:
                     host_pids = [host_pid_of(pidns, p) for p in manifest.cuda.pids]
