@@ -343,11 +343,15 @@ def checkpoint_once(settings: Settings, container_id: str, namespace: str, name:
     return checkpoint_flow.checkpoint(req, store, key, control=_control_of(settings, container_id), cuda=engine.cuda)
 
 
-def restore_once(settings: Settings, container_id: str, namespace: str, name: str) -> dict[str, float]:
+def restore_once(settings: Settings, container_id: str, namespace: str, name: str,
+                 image: str) -> dict[str, float]:
+    """The CLI's restore into a target the caller checked (``restore_target``): the same checks
+    as the plugin's, the image and its digest included."""
     store, key, facts, engine, specs, image_ref = _engine(settings)
     req = restore_flow.RestoreRequest(
         containerd_state=settings.containerd_state, container_id=container_id, namespace=namespace,
-        name=name, image="", image_ref="", log_dir=os.path.join(settings.state_dir, "logs"),
-        path=restore_flow.RestorePath(settings.restore_path))
+        name=name, image=image, image_ref=engine._image_id(image), log_dir=os.path.join(settings.state_dir, "logs"),
+        path=restore_flow.RestorePath(settings.restore_path), max_layer_bytes=settings.max_layer_bytes,
+        threads=settings.fill_threads)
     return restore_flow.restore(req, store, key, facts, control=_control_of(settings, container_id),
-                                cuda=engine.cuda, check_image=False, generations=engine.generations)
+                                cuda=engine.cuda, generations=engine.generations)
