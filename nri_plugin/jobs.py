@@ -12,6 +12,10 @@ Outcomes always reach the container through its control dir, exactly once:
               with ``Skipped``: the artifact exists, or the pod runs other containers);
   restore:    ``restore-pid`` + ``restore-complete``, or ``restore-failed`` (the init then starts
               the original command — the cold start).
+A restore's outcome is ``restored`` only once the process runs: the container's init, which
+adopted the restored process and exits with it, must still live ``settle`` seconds after the
+engine returned. If it dies first, the outcome is ``restore-exited`` with the exit status
+containerd reports (a workload that crashes on resume, e.g. on a pod it does not expect).
 and to the status record: the phase, the reason, the timings (with ``total``: the engine call),
 the artifact's size, and while the engine runs its live progress (``nri_plugin.progress``).
 Each task runs with the container and artifact bound to the log context, and engine calls run
@@ -24,6 +28,8 @@ import asyncio
 import contextvars
 import functools
 import logging
+import os
+import signal
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -45,6 +51,10 @@ READY_POLL = 0.2
 PROBE_INTERVAL = 1.0
 # Whole-probe deadline on top of the engine's own (1 s): a probe never holds its slot longer.
 PROBE_DEADLINE = 2.0
+# A restored process that lives this long after the restore counts as running: the init adopts
+# it within 50 ms of restore-complete, and a process that trips over its new pod (another
+# hostname, address or mount) does so as soon as it runs.
+RESTORE_SETTLE = 1.0
 
 
 @dataclass
@@ -86,12 +96,14 @@ class Engine(Protocol):
     def checkpoint(self, work: Work) -> dict[str, float]: ...
     def restore(self, work: Work) -> dict[str, float]: ...
     async def probe(self, netns: str, probe: ReadyProbe) -> bool: ...
+    def exit_status(self, work: Work) -> int | None: ...
 
 
 class Jobs:
     def __init__(self, engine: Engine, status: StatusBook, max_parallel: int = 2,
-                 probes: ProbeSlots | None = None) -> None:
+                 probes: ProbeSlots | None = None, settle: float = RESTORE_SETTLE) -> None:
         self.engine = engine
+        self.settle = settle
         self.status = status
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._running: set[str] = set()  # container ids whose engine call is under way
@@ -208,10 +220,45 @@ class Jobs:
     async def _restore(self, work: Work) -> None:
         self._set(work, Phase.RESTORING, "")
         # On failure the init reads restore-failed and starts the original command: the cold start.
-        if await self._run(self.engine.restore, work, Phase.RESTORING, Phase.RESTORED, Phase.COLD_START,
-                           control.RESTORE_FAILED):
-            log.info("%s: restored from %s (%s)", work.who, work.artifact, _fmt(work.timings),
-                     extra={"phase": "restored", "seconds": work.timings.get("total")})
+        # On success the record stays restoring until the process is seen to run.
+        if not await self._run(self.engine.restore, work, Phase.RESTORING, Phase.RESTORING, Phase.COLD_START,
+                               control.RESTORE_FAILED):
+            return
+        died = await self._died(work)
+        if died is not None:
+            log.warning("%s: %s", work.who, died, extra={"phase": Phase.RESTORE_EXITED.value})
+            self._set(work, Phase.RESTORE_EXITED, died)
+            return
+        self._set(work, Phase.RESTORED, "")
+        log.info("%s: restored from %s (%s)", work.who, work.artifact, _fmt(work.timings),
+                 extra={"phase": "restored", "seconds": work.timings.get("total")})
+
+    async def _died(self, work: Work) -> str | None:
+        """Why the restored process is not running ``settle`` seconds after the restore, or None
+        if it is. Watches the container's init (a pidfd: no polling), which exits with it."""
+        if work.pid <= 0 or self.settle <= 0:
+            return None
+        loop = asyncio.get_running_loop()
+        try:
+            fd = os.pidfd_open(work.pid)
+        except ProcessLookupError:
+            fd = -1
+        if fd >= 0:
+            gone: asyncio.Future[None] = loop.create_future()
+
+            def exited() -> None:
+                if not gone.done():
+                    gone.set_result(None)
+            loop.add_reader(fd, exited)
+            try:
+                await asyncio.wait_for(gone, self.settle)
+            except TimeoutError:
+                return None  # it runs
+            finally:
+                loop.remove_reader(fd)
+                os.close(fd)
+        code = await loop.run_in_executor(self._pool, contextvars.copy_context().run, self.engine.exit_status, work)
+        return "the restored process exited right after the restore (" + _exit_text(code) + ")"
 
     async def _run(self, fn: Callable[[Work], dict[str, float]], work: Work, running: Phase, ok: Phase, failed: Phase, failure_file: str) -> bool:
         """Run one engine call; record and report its outcome (the file tells the container)."""
@@ -255,6 +302,17 @@ class Jobs:
             role=work.intent.role.value, artifact=work.artifact, phase=phase, reason=reason,
             container_id=work.container_id, pod_uid=work.pod_uid, timings=dict(work.timings),
             progress=progress, bytes=work.bytes))
+
+
+def _exit_text(code: int | None) -> str:
+    if code is None:
+        return "exit status unknown"
+    if code > 128 and code - 128 < signal.NSIG:
+        try:
+            return f"exit status {code}: {signal.Signals(code - 128).name}"
+        except ValueError:
+            pass
+    return f"exit status {code}"
 
 
 def _fmt(timings: dict[str, float]) -> str:
