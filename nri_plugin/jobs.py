@@ -165,7 +165,8 @@ class Jobs:
     def cancel(self, container_id: str, reason: str) -> None:
         """Stop waiting for a container. Engine work already running is left to finish: its
         thread cannot be interrupted, and its outcome must still be recorded (an exit-after
-        checkpoint stops its own source, which is what triggers this)."""
+        checkpoint stops its own source, which is what triggers this; so does a restored
+        process that dies while its restore settles)."""
         task = self._tasks.get(container_id)
         if task is None or task.done():
             return
@@ -224,7 +225,11 @@ class Jobs:
         if not await self._run(self.engine.restore, work, Phase.RESTORING, Phase.RESTORING, Phase.COLD_START,
                                control.RESTORE_FAILED):
             return
-        died = await self._died(work)
+        self._running.add(work.container_id)  # its exit (a StopContainer) must not cut the watch short
+        try:
+            died = await self._died(work)
+        finally:
+            self._running.discard(work.container_id)
         if died is not None:
             log.warning("%s: %s", work.who, died, extra={"phase": Phase.RESTORE_EXITED.value})
             self._set(work, Phase.RESTORE_EXITED, died)

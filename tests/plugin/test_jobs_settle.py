@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
+import threading
 from pathlib import Path
 
 from nri_plugin.jobs import Jobs, Work
@@ -22,6 +23,8 @@ class Engine:
         self.init = init
         self.exit_code = exit_code
         self.asked: list[str] = []
+        self.release = threading.Event()  # exit_status answers once set
+        self.release.set()
 
     def checkpoint(self, work: Work) -> dict[str, float]:
         raise AssertionError("no checkpoint here")
@@ -37,6 +40,7 @@ class Engine:
     def exit_status(self, work: Work) -> int | None:
         self.asked.append(work.container_id)
         self.init.wait(5)
+        self.release.wait(5)
         return self.exit_code
 
 
@@ -92,3 +96,35 @@ def test_an_exit_status_containerd_does_not_give_is_said_to_be_unknown(tmp_path)
     st, _, _, _ = _run(tmp_path, ["/bin/sh", "-c", "exit 3"], None)
     assert st.phase is Phase.RESTORE_EXITED
     assert st.reason.endswith("(exit status unknown)")
+
+
+def test_the_containers_stop_during_the_settle_does_not_lose_the_outcome(tmp_path):
+    """containerd tells the plugin (StopContainer) as soon as the dead container's init exits:
+    that must not cancel the watch that reports it."""
+    status = StatusBook(tmp_path / "state")
+    init = subprocess.Popen(["/bin/sh", "-c", "sleep 0.2; exit 7"])
+    ctl = control.ControlDir(tmp_path / "ctl")
+    ctl.prepare()
+    work = Work(intent=Intent(Role.RESTORE, "base"), control=ctl, container_id="d" * 64, pid=init.pid,
+                namespace="team-a", pod="p", pod_uid="u1", container="server", image="", netns="")
+
+    engine = Engine(init, 7)
+    engine.release.clear()
+
+    async def main() -> ContainerStatus:
+        jobs = Jobs(engine, status, settle=5.0)
+        jobs.bind_loop(asyncio.get_running_loop())
+        try:
+            jobs.start(work)
+            await wait_for_async(lambda: engine.asked, 5, "the exit status to be asked for")
+            jobs.cancel(work.container_id, "container stopping")  # what StopContainer does
+            engine.release.set()
+            return await wait_for_async(lambda: (st := status.read("team-a", "p", "server")) and st.phase.final and st,
+                                        10, "an outcome")
+        finally:
+            await jobs.shutdown()
+    try:
+        st = asyncio.run(main())
+    finally:
+        init.wait()
+    assert st.phase is Phase.RESTORE_EXITED and st.reason.endswith("(exit status 7)"), st
