@@ -22,6 +22,7 @@ Only ``plugin --create-key`` may create it; anywhere else a missing key is one e
 from __future__ import annotations
 
 import argparse
+import contextvars
 import json
 import logging
 import os
@@ -60,11 +61,17 @@ class UsageError(SystemExit):
         self.usage = usage
 
 
+# Set by main(): usage errors are raised for it to report (JSON under -o json); any other caller
+# of build_parser() gets argparse's own behaviour (usage and error on stderr, exit 2).
+_RAISE_USAGE: contextvars.ContextVar[bool] = contextvars.ContextVar("rekindle_raise_usage", default=False)
+
+
 class _Parser(argparse.ArgumentParser):
-    """argparse that raises instead of printing and exiting, so main() reports every error
-    the same way (JSON under ``-o json``). Subparsers are made of the same class."""
+    """argparse whose errors main() reports itself. Subparsers are made of the same class."""
 
     def error(self, message: str) -> NoReturn:
+        if not _RAISE_USAGE.get():
+            super().error(message)
         raise UsageError(self.prog, message, usage=self.format_usage())
 
 
@@ -524,10 +531,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.getLogger().setLevel(logging.WARNING)
         return int(args.func(args) or 0)
     as_json = _wants_json(argv)
+    token = _RAISE_USAGE.set(True)
     try:
         args = build_parser().parse_args(argv)
     except UsageError as exc:
         return _fail(exc.message, 2, as_json, exc.prog, exc.usage)
+    finally:
+        _RAISE_USAGE.reset(token)
     verbose = args.verbose or os.environ.get("REKINDLE_LOG_LEVEL", "").lower() == "debug"
     logs.setup(verbose=verbose, fmt=args.log_format)
     if not verbose and args.command != "plugin":
