@@ -80,9 +80,11 @@ def check(containerd_state: str, state_dir: str, container_id: str) -> Target:
     sources = [m.get("source") for m in info.spec_mounts if m.get("destination") == control.CONTAINER_PATH]
     if len(sources) != 1 or not isinstance(sources[0], str) or not sources[0]:
         raise TargetRefused(container_id, f"it has no control dir mounted at {control.CONTAINER_PATH}")
-    root = Path(os.path.realpath(Path(state_dir) / "control"))
+    given = Path(state_dir) / "control"
+    roots = {Path(os.path.normpath(os.path.abspath(given))), Path(os.path.realpath(given))}
+    root = Path(os.path.realpath(given))
     source = Path(os.path.normpath(sources[0]))
-    if root not in source.parents:
+    if not any(r in source.parents for r in roots):
         raise TargetRefused(container_id, f"its control dir {source} is not under {root} "
                                           "(is --state-dir the plugin's?)")
     ctl = control.ControlDir(source)
