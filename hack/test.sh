@@ -9,7 +9,9 @@
 # pass runs only the end-to-end tests of the same selection again on the next containerd:
 # `-m e2e` (or `-m "e2e and (EXPR)"` when the arguments carry `-m EXPR`) with
 # REKINDLE_E2E_RUNTIME set. $REKINDLE_E2E_RUNTIMES lists the runtimes, first one first
-# (default "1.7 2.1"; "1.7" alone runs one pass).
+# (default "1.7 2.1"; "1.7" alone runs one pass). Each pass starts the sandbox of its runtime in
+# the default dir and stops it at the end; a sandbox of another runtime left running there
+# (REKINDLE_E2E_KEEP=1) fails the later pass with a hint (hack/sandbox.sh down).
 #
 # CI runs it through .ci/run. The exit status is 0 only when every pass passed; otherwise it is
 # the largest status of the passes (pytest's: 1 failures, 2 interrupted, 3 internal error,
