@@ -248,6 +248,9 @@ class Jobs:
             fd = os.pidfd_open(work.pid)
         except ProcessLookupError:
             fd = -1
+        except OSError as exc:  # no pidfd here: the process cannot be watched, take the restore
+            log.warning("%s: cannot watch the restored container's init (%s)", work.who, exc)
+            return None
         if fd >= 0:
             gone: asyncio.Future[None] = loop.create_future()
 
@@ -262,7 +265,12 @@ class Jobs:
             finally:
                 loop.remove_reader(fd)
                 os.close(fd)
-        code = await loop.run_in_executor(self._pool, contextvars.copy_context().run, self.engine.exit_status, work)
+        try:
+            code = await loop.run_in_executor(self._pool, contextvars.copy_context().run,
+                                              self.engine.exit_status, work)
+        except Exception as exc:  # noqa: BLE001 - the death is reported either way
+            log.warning("%s: no exit status: %s", work.who, exc)
+            code = None
         return "the restored process exited right after the restore (" + _exit_text(code) + ")"
 
     async def _run(self, fn: Callable[[Work], dict[str, float]], work: Work, running: Phase, ok: Phase, failed: Phase, failure_file: str) -> bool:
