@@ -68,7 +68,9 @@ def test_a_restored_process_that_dies_at_once_is_reported_restore_exited(sandbox
     # It was restored (CRIU ran, the process woke up in B), then died: CRI agrees on the status.
     b_status = sandbox.cri.wait_container(b_cid, timeout=30)
     assert b_status.exit_code == 139, b_status
-    assert any("woke up as exits-dst" in line for line in sandbox.cri.logs(b_cid)), sandbox.cri.logs(b_cid)
+    # (the shim writes the log after the fact: wait for the line)
+    wait_for(lambda: any("woke up as exits-dst" in line for line in sandbox.cri.logs(b_cid)), 10,
+             "B's log to say the restored process woke up in B", interval=0.1)
     # The metrics and the Event say so; no restored outcome was counted.
     exited = 'rekindle_outcomes_total{outcome="restore_exited",reason="exited"}'
     after = wait_metric(plugin.port, exited, before.get(exited, 0.0) + 1)
