@@ -58,6 +58,7 @@ if TYPE_CHECKING:  # imported where used: the Kubernetes client only with --even
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+ExitCode = Callable[[str], "int | None"]  # container id -> its exit code once exited
 
 
 def install_init(settings: Settings) -> None:
@@ -109,6 +110,7 @@ class NodeEngine:
         self.running = running  # pod sandbox id -> [(container id, name)] running or created
         self.generations = GenerationBook(settings.state_dir)
         self.prefetcher: Prefetcher | None = None  # set by run_plugin
+        self.exit_code: ExitCode | None = None      # set by _engine when containerd answers
 
     def _source_rules(self, work: Work) -> None:
         """Right before a checkpoint: the rules of ``guards`` that only now have an answer."""
@@ -180,17 +182,37 @@ class NodeEngine:
             found = self.image_ref(image)
         return found or ""
 
+    exit_wait = 5.0  # how long containerd may take to report an exit it has seen
+
+    def exit_status(self, work: Work) -> int | None:
+        """The exit code of a container whose process is gone, as containerd reports it (None if
+        it does not say in time)."""
+        ask = self.exit_code
+        if ask is None:
+            return None
+        deadline = time.monotonic() + self.exit_wait
+        while True:
+            try:
+                code = ask(work.container_id)
+            except CRIError as exc:
+                log.debug("exit code of %s unavailable: %s", work.container_id[:12], exc)
+                code = None
+            if code is not None or time.monotonic() >= deadline:
+                return code
+            time.sleep(0.1)
+
     async def probe(self, netns: str, probe: ReadyProbe) -> bool:
         return await run_probe(netns, probe.kind.value, probe.host, probe.port, probe.path)
 
 
-def _clients(settings: Settings) -> tuple[SpecAccess | None, ImageRef | None, guards.RunningContainers | None]:
-    """containerd spec access, an image-digest lookup and a pod's live containers, when the
-    socket is there."""
+def _clients(settings: Settings) -> tuple[SpecAccess | None, ImageRef | None, guards.RunningContainers | None,
+                                          ExitCode | None]:
+    """containerd spec access, an image-digest lookup, a pod's live containers and a
+    container's exit code, when the socket is there."""
     if not os.path.exists(settings.containerd_socket):
         log.warning("no containerd socket at %s: entrypoint swap on NRI < 0.10 disabled",
                     settings.containerd_socket)
-        return None, None, None
+        return None, None, None, None
     from runtime.containerd.client import ContainerdClient
     from runtime.containerd.cri_lookup import CriLookup
     specs = ContainerdClient(settings.containerd_socket, namespace=settings.containerd_namespace)
@@ -203,7 +225,7 @@ def _clients(settings: Settings) -> tuple[SpecAccess | None, ImageRef | None, gu
             log.debug("image digest of %s unavailable: %s", image, exc)
             return ""
 
-    return specs, image_ref, cri.live_containers
+    return specs, image_ref, cri.live_containers, cri.exit_code
 
 
 def _engine(settings: Settings) -> tuple[ArtifactStore, bytes, NodeFacts, NodeEngine, SpecAccess | None,
@@ -213,8 +235,9 @@ def _engine(settings: Settings) -> tuple[ArtifactStore, bytes, NodeFacts, NodeEn
     store = ArtifactStore(settings.store)
     cuda = _cuda()
     facts = NodeFacts.detect(cuda=node_cuda(cuda))
-    specs, image_ref, running = _clients(settings)
+    specs, image_ref, running, exit_code = _clients(settings)
     engine = NodeEngine(settings, store, key, cuda, facts, image_ref, running)
+    engine.exit_code = exit_code
     return store, key, facts, engine, specs, image_ref
 
 
@@ -360,11 +383,15 @@ def checkpoint_once(settings: Settings, container_id: str, namespace: str, name:
     return checkpoint_flow.checkpoint(req, store, key, control=_control_of(settings, container_id), cuda=engine.cuda)
 
 
-def restore_once(settings: Settings, container_id: str, namespace: str, name: str) -> dict[str, float]:
+def restore_once(settings: Settings, container_id: str, namespace: str, name: str,
+                 image: str) -> dict[str, float]:
+    """The CLI's restore into a target the caller checked (``restore_target``): the same checks
+    as the plugin's, the image and its digest included."""
     store, key, facts, engine, specs, image_ref = _engine(settings)
     req = restore_flow.RestoreRequest(
         containerd_state=settings.containerd_state, container_id=container_id, namespace=namespace,
-        name=name, image="", image_ref="", log_dir=os.path.join(settings.state_dir, "logs"),
-        path=restore_flow.RestorePath(settings.restore_path), undo_dir=undo_dir(settings))
+        name=name, image=image, image_ref=engine._image_id(image), log_dir=os.path.join(settings.state_dir, "logs"),
+        path=restore_flow.RestorePath(settings.restore_path), max_layer_bytes=settings.max_layer_bytes,
+        threads=settings.fill_threads, undo_dir=undo_dir(settings))
     return restore_flow.restore(req, store, key, facts, control=_control_of(settings, container_id),
-                                cuda=engine.cuda, check_image=False, generations=engine.generations)
+                                cuda=engine.cuda, generations=engine.generations)

@@ -14,6 +14,10 @@ Outcomes always reach the container through its control dir, exactly once:
               the original command — the cold start). A restore cut short by the agent's death
               is failed by the next agent after ``Engine.recover`` rolled back its rootfs
               changes (``rootfs-pending`` keeps the init from starting cold meanwhile).
+A restore's outcome is ``restored`` only once the process runs: the container's init, which
+adopted the restored process and exits with it, must still live ``settle`` seconds after the
+engine returned. If it dies first, the outcome is ``restore-exited`` with the exit status
+containerd reports (a workload that crashes on resume, e.g. on a pod it does not expect).
 and to the status record: the phase, the reason, the timings (with ``total``: the engine call),
 the artifact's size, and while the engine runs its live progress (``nri_plugin.progress``).
 Each task runs with the container and artifact bound to the log context, and engine calls run
@@ -26,6 +30,8 @@ import asyncio
 import contextvars
 import functools
 import logging
+import os
+import signal
 import time
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
@@ -47,6 +53,10 @@ READY_POLL = 0.2
 PROBE_INTERVAL = 1.0
 # Whole-probe deadline on top of the engine's own (1 s): a probe never holds its slot longer.
 PROBE_DEADLINE = 2.0
+# A restored process that lives this long after the restore counts as running: the init adopts
+# it within 50 ms of restore-complete, and a process that trips over its new pod (another
+# hostname, address or mount) does so as soon as it runs.
+RESTORE_SETTLE = 1.0
 
 
 @dataclass
@@ -91,12 +101,14 @@ class Engine(Protocol):
     # else the problems met, none when the container is as before the restore).
     def recover(self, work: Work) -> list[str] | None: ...
     async def probe(self, netns: str, probe: ReadyProbe) -> bool: ...
+    def exit_status(self, work: Work) -> int | None: ...
 
 
 class Jobs:
     def __init__(self, engine: Engine, status: StatusBook, max_parallel: int = 2,
-                 probes: ProbeSlots | None = None) -> None:
+                 probes: ProbeSlots | None = None, settle: float = RESTORE_SETTLE) -> None:
         self.engine = engine
+        self.settle = settle
         self.status = status
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._running: set[str] = set()  # container ids whose engine call is under way
@@ -187,7 +199,8 @@ class Jobs:
     def cancel(self, container_id: str, reason: str) -> None:
         """Stop waiting for a container. Engine work already running is left to finish: its
         thread cannot be interrupted, and its outcome must still be recorded (an exit-after
-        checkpoint stops its own source, which is what triggers this)."""
+        checkpoint stops its own source, which is what triggers this; so does a restored
+        process that dies while its restore settles)."""
         task = self._tasks.get(container_id)
         if task is None or task.done():
             return
@@ -242,10 +255,57 @@ class Jobs:
     async def _restore(self, work: Work) -> None:
         self._set(work, Phase.RESTORING, "")
         # On failure the init reads restore-failed and starts the original command: the cold start.
-        if await self._run(self.engine.restore, work, Phase.RESTORING, Phase.RESTORED, Phase.COLD_START,
-                           control.RESTORE_FAILED):
-            log.info("%s: restored from %s (%s)", work.who, work.artifact, _fmt(work.timings),
-                     extra={"phase": "restored", "seconds": work.timings.get("total")})
+        # On success the record stays restoring until the process is seen to run.
+        if not await self._run(self.engine.restore, work, Phase.RESTORING, Phase.RESTORING, Phase.COLD_START,
+                               control.RESTORE_FAILED):
+            return
+        self._running.add(work.container_id)  # its exit (a StopContainer) must not cut the watch short
+        try:
+            died = await self._died(work)
+        finally:
+            self._running.discard(work.container_id)
+        if died is not None:
+            log.warning("%s: %s", work.who, died, extra={"phase": Phase.RESTORE_EXITED.value})
+            self._set(work, Phase.RESTORE_EXITED, died)
+            return
+        self._set(work, Phase.RESTORED, "")
+        log.info("%s: restored from %s (%s)", work.who, work.artifact, _fmt(work.timings),
+                 extra={"phase": "restored", "seconds": work.timings.get("total")})
+
+    async def _died(self, work: Work) -> str | None:
+        """Why the restored process is not running ``settle`` seconds after the restore, or None
+        if it is. Watches the container's init (a pidfd: no polling), which exits with it."""
+        if work.pid <= 0 or self.settle <= 0:
+            return None
+        loop = asyncio.get_running_loop()
+        try:
+            fd = os.pidfd_open(work.pid)
+        except ProcessLookupError:
+            fd = -1
+        except OSError as exc:  # no pidfd here: the process cannot be watched, take the restore
+            log.warning("%s: cannot watch the restored container's init (%s)", work.who, exc)
+            return None
+        if fd >= 0:
+            gone: asyncio.Future[None] = loop.create_future()
+
+            def exited() -> None:
+                if not gone.done():
+                    gone.set_result(None)
+            loop.add_reader(fd, exited)
+            try:
+                await asyncio.wait_for(gone, self.settle)
+            except TimeoutError:
+                return None  # it runs
+            finally:
+                loop.remove_reader(fd)
+                os.close(fd)
+        try:
+            code = await loop.run_in_executor(self._pool, contextvars.copy_context().run,
+                                              self.engine.exit_status, work)
+        except Exception as exc:  # noqa: BLE001 - the death is reported either way
+            log.warning("%s: no exit status: %s", work.who, exc)
+            code = None
+        return "the restored process exited right after the restore (" + _exit_text(code) + ")"
 
     async def _run(self, fn: Callable[[Work], dict[str, float]], work: Work, running: Phase, ok: Phase, failed: Phase, failure_file: str) -> bool:
         """Run one engine call; record and report its outcome (the file tells the container)."""
@@ -289,6 +349,17 @@ class Jobs:
             role=work.intent.role.value, artifact=work.artifact, phase=phase, reason=reason,
             container_id=work.container_id, pod_uid=work.pod_uid, timings=dict(work.timings),
             progress=progress, bytes=work.bytes))
+
+
+def _exit_text(code: int | None) -> str:
+    if code is None:
+        return "exit status unknown"
+    if code > 128 and code - 128 < signal.NSIG:
+        try:
+            return f"exit status {code}: {signal.Signals(code - 128).name}"
+        except ValueError:
+            pass
+    return f"exit status {code}"
 
 
 def _fmt(timings: dict[str, float]) -> str:
