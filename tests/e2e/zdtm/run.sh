@@ -1,3 +1,4 @@
+# shellcheck shell=sh
 # The workload of a zdtm pod: /zdtm/subreaper /bin/sh /zdtm/run.sh TEST...
 # Starts each zdtm test in its own directory /zdtm/TEST, as CRIU's zdtm Makefile does
 # (./TEST --pidfile=TEST.pid --outfile=TEST.out plus the options in /zdtm/TEST/args). A test's

@@ -11,8 +11,11 @@ to its own output file, so every test's result stays its own within a batch.
 1. ``test_passes_in_a_pod``: all tests in one pod, no checkpoint: signalled, each must PASS.
 2. Every batch is started in a source pod annotated ``rekindle.dev/checkpoint``, the agent
    checkpoints it once it says ready; ``test_passes_after_restore[<path>-<test>]`` restores each
-   artifact into a new pod with the plugin on that path, checks the restore really happened (the
-   same test pids, status ``restored``), signals the tests and reads back each one's PASS.
+   artifact into a new pod with the plugin on that path, checks the restore really happened
+   (status ``restored``, no cold start by the init, the bulk fill on the bulk path only, the
+   source's test pids), signals the tests and reads back each one's PASS.
+3. The source batches and both paths' restores run once for the module: one pod per batch, all
+   started together (about a minute for both paths on 2 cores).
 
 selection.toml says what is skipped (why an unprivileged pod cannot run it) and what fails
 after a restore on one path (strict xfail, with the reason).
@@ -270,7 +273,9 @@ class Campaign:
                 self.errors[(path, b.index)] = f"restore of batch {b.index} on {path}: {st.reason}"
             elif filled != (path == "bulk"):  # the plugin really took the path asked for
                 self.errors[(path, b.index)] = f"batch {b.index} on {path}: bulk fill ran: {filled}"
-            elif (pids := read_pids(self.sandbox, cid, b.tests)) != b.pids:  # the source's processes, not new ones
+            elif (self.plugin.control_dir(p.uid, CONTAINER) / "cold-start").exists():  # the init started anew
+                self.errors[(path, b.index)] = f"batch {b.index} on {path}: restored, yet the init started cold"
+            elif (pids := read_pids(self.sandbox, cid, b.tests)) != b.pids:
                 self.errors[(path, b.index)] = f"batch {b.index} on {path}: pids {pids}, source {b.pids}"
             else:
                 out.update(collect(self.sandbox, cid, b.tests))
