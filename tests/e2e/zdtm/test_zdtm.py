@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from devtools.cri import Pod
+from devtools.cri import Pod, PodState
 from devtools.images import Dir, File, ImageSpec, busybox_rootfs, import_archive, write_oci_archive
 from runtime.errors import RekindleError
 from runtime.status import Phase, StatusBook
@@ -124,9 +124,10 @@ class Pods:
         self.made.remove(p)
 
     def sweep(self) -> None:
-        """Remove what a killed earlier session left in the namespace (it would keep its tests running)."""
+        """Stop the pods a killed earlier session left running in the namespace (their tests would
+        run on beside these); ones already stopped hold nothing and are left to the runtime."""
         for p in self.sandbox.cri.list_pods():
-            if p.namespace == NAMESPACE:
+            if p.namespace == NAMESPACE and p.state is PodState.READY:
                 try:
                     self.sandbox.cri.stop_pod(p.id)
                     self.sandbox.cri.remove_pod(p.id)
