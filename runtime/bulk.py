@@ -573,6 +573,11 @@ def fill(artifact: Artifact, files: Sequence[BulkFile], fds: Sequence[int], pid_
 
 # --- the stopped tree ----------------------------------------------------------------------------
 
+def stopped(pids: Iterable[int]) -> set[int]:
+    """The processes of ``pids`` stopped now (every thread in ``T``: SIGSTOP, job control)."""
+    return {p for p in pids if (states := _task_states(p)) and all(s == "T" for s in states)}
+
+
 def _task_states(pid: int) -> list[str]:
     """The state letter of each thread of ``pid``; none for a process that is gone."""
     states = []

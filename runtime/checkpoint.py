@@ -147,6 +147,8 @@ def checkpoint(req: CheckpointRequest, store: ArtifactStore, key: bytes, *,
                 log.info("CUDA process %d: %d new staging mapping(s) after the checkpoint: %s", h, len(new),
                          ", ".join(f"{a:#x}+{(b - a) >> 20}MiB" for a, b in new))
         tcp = tcpmode.TcpPlan(False, "not looked at")
+        # Processes the workload itself keeps stopped stay stopped after the dump.
+        held = bulk.stopped(tree)
         try:
             with t.phase("criu_dump"):
                 tcp = tcpmode.plan(_tree(root.host))
@@ -171,7 +173,7 @@ def checkpoint(req: CheckpointRequest, store: ArtifactStore, key: bytes, *,
         finally:
             # CRIU leaves kept connections in repair mode when it leaves the tree stopped.
             unrepaired = tcpmode.repair_off(tcp.holders) if tcp.established else []
-            bulk.signal_all(_tree(root.host), signal.SIGCONT)  # whatever CRIU left stopped
+            bulk.signal_all([p for p in _tree(root.host) if p not in held], signal.SIGCONT)  # what CRIU left stopped
             if cuda is not None and cuda_host and not req.exit_after:
                 with t.phase("cuda_resume_source"), _ends_source_on(RekindleError, root.host):
                     cuda.restore_all(cuda_host)

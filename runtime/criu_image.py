@@ -147,6 +147,21 @@ def is_zombie(images_dir: str, pid: int) -> bool:
     return bool(core.HasField("tc") and core.tc.task_state == TASK_DEAD)
 
 
+TASK_STOPPED = 3  # task_core_entry.task_state of a task stopped at dump (COMPEL_TASK_STOPPED)
+
+
+def stopped_pids(images_dir: str) -> set[int]:
+    """Image pids of the tasks that were stopped (SIGSTOP, job control) when they were dumped:
+    a restore leaves them stopped, as they were."""
+    out = set()
+    for e in read_pstree(images_dir):
+        if os.path.exists(os.path.join(images_dir, f"core-{e.pid}.img")):
+            core = read_core(images_dir, e.pid)
+            if core.HasField("tc") and core.tc.task_state == TASK_STOPPED:
+                out.add(e.pid)
+    return out
+
+
 def image_pids(images_dir: str) -> set[int]:
     """Every pid and thread id the image will need in the target pid namespace."""
     out: set[int] = set()

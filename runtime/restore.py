@@ -54,6 +54,7 @@ from dataclasses import dataclass
 
 from runtime import bulk
 from runtime import control as control_mod
+from runtime import criu_image
 from runtime import hostfiles
 from runtime import layout
 from runtime import overlay
@@ -250,8 +251,9 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
             except BaseException:
                 bulk.kill_all(result.tree)  # stopped since CRIU: it never ran
                 raise
-        # Every byte is in place and verified: let it run.
-        bulk.signal_all(result.tree, signal.SIGCONT)
+        # Every byte is in place and verified: let it run (but what was stopped when dumped).
+        kept = {host_pid_of(pidns, p) for p in criu_image.stopped_pids(os.path.join(private, layout.CRIU_DIR))}
+        bulk.signal_all([p for p in result.tree if p not in kept], signal.SIGCONT)
         if manifest.cuda is not None and cuda is not None:  # CUDA state without a driver was refused
             with t.phase("cuda_restore"):
                 cuda_restore(cuda, host_pids, gpu_map, result.host_pid, result.tree)
