@@ -225,7 +225,16 @@ def _reporting(settings: Settings, status: StatusBook, facts: NodeFacts | None =
     health = Health()
     reporter = Reporter([metrics])
     kube = None
+    missing = None
     if settings.events:
+        from .events_k8s import client_missing
+        missing = client_missing()
+    if missing is not None:
+        # The client is an optional extra: without it the plugin runs, with Events off.
+        from .events_k8s import INSTALL_HINT
+        log.warning("--events is on but the Kubernetes client cannot be imported (%s): no Events and no "
+                    "rekindle.dev/Restored condition will be reported; %s", missing, INSTALL_HINT)
+    elif settings.events:
         from .events_k8s import KubeReporter, connect
         kube = KubeReporter(connect(settings.kubeconfig), settings.node_name, on_sent=metrics.report_sent,
                             on_drop=metrics.report_dropped).start()
