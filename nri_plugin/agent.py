@@ -45,7 +45,7 @@ from .imageids import ImageIds
 from .prefetch import Prefetcher
 from .health import HEARTBEAT, Health
 from .jobs import Jobs, Skipped, Work
-from .metrics import Metrics
+from .metrics import BuildInfo, Metrics
 from .outcomes import Reporter
 from .policy import AfterCheckpoint, ReadyProbe
 from .probes import ProbeSlots
@@ -241,15 +241,26 @@ def _engine(settings: Settings) -> tuple[ArtifactStore, bytes, NodeFacts, NodeEn
     return store, key, facts, engine, specs, image_ref
 
 
-def _reporting(settings: Settings, status: StatusBook) -> tuple[Metrics, Health, HttpEndpoint | None,
-                                                                KubeReporter | None]:
+def _reporting(settings: Settings, status: StatusBook, facts: NodeFacts | None = None
+               ) -> tuple[Metrics, Health, HttpEndpoint | None, KubeReporter | None]:
     """Metrics, health, the HTTP endpoint (bound now: a port in use stops the plugin) and the
     Kubernetes reporter (configured now: no service account with --events stops it too)."""
-    metrics = Metrics(store_path=settings.store)
+    build = BuildInfo(criu=(facts.criu_version or "") if facts else "",
+                      driver=facts.cuda.driver_version if facts and facts.cuda else "")
+    metrics = Metrics(store_path=settings.store, build=build)
     health = Health()
     reporter = Reporter([metrics])
     kube = None
+    missing = None
     if settings.events:
+        from .events_k8s import client_missing
+        missing = client_missing()
+    if missing is not None:
+        # The client is an optional extra: without it the plugin runs, with Events off.
+        from .events_k8s import INSTALL_HINT
+        log.warning("--events is on but the Kubernetes client cannot be imported (%s): no Events and no "
+                    "rekindle.dev/Restored condition will be reported; %s", missing, INSTALL_HINT)
+    elif settings.events:
         from .events_k8s import KubeReporter, connect
         kube = KubeReporter(connect(settings.kubeconfig), settings.node_name, on_sent=metrics.report_sent,
                             on_drop=metrics.report_dropped).start()
@@ -283,7 +294,7 @@ def run_plugin(settings: Settings, max_parallel: int = 2) -> int:
     status = StatusBook(settings.state_dir)
     log.info("node %s: kernel %s, CRIU %s, CUDA %s", facts.hostname, facts.kernel, facts.criu_version,
              facts.cuda.driver_version if facts.cuda else "none")
-    metrics, health, endpoint, kube = _reporting(settings, status)
+    metrics, health, endpoint, kube = _reporting(settings, status, facts)
 
     async def main() -> None:
         loop = asyncio.get_running_loop()

@@ -18,6 +18,9 @@ The Event is the legacy core/v1 shape the kubelet writes (``source``, first/last
 involvedObject names the container (``spec.containers{NAME}``). Configuration: in-cluster
 service account (the chart mounts a token only with ``events.enabled``), or a kubeconfig file.
 RBAC: create/patch events; get and patch pods/status.
+
+The client is an optional dependency (``rekindle[kubernetes]``; the plugin image has it): it is
+imported only where it is used, and ``client_missing`` says whether it can be.
 """
 
 from __future__ import annotations
@@ -125,6 +128,19 @@ def reports_for(outcome: Outcome, node: str, now: datetime.datetime) -> list[Rep
     if patch is not None and outcome.pod_uid:
         out.append(Report("condition", outcome.namespace, outcome.pod, patch))
     return out
+
+
+INSTALL_HINT = "pip install 'rekindle[kubernetes]' (the plugin image has it)"
+
+
+def client_missing() -> str | None:
+    """Why the Kubernetes client cannot be imported here; None when it can."""
+    try:
+        import kubernetes.client  # noqa: F401
+        import kubernetes.config  # noqa: F401
+    except ImportError as exc:
+        return str(exc) or type(exc).__name__
+    return None
 
 
 class Unavailable(Exception):
