@@ -16,7 +16,7 @@ Outcomes always reach the container through its control dir, exactly once:
               changes (``rootfs-pending`` keeps the init from starting cold meanwhile).
 A restore's outcome is ``restored`` only once the process runs: the container's init, which
 adopted the restored process and exits with it, must still live ``settle`` seconds after the
-engine returned. If it dies first, the outcome is ``restore-exited`` with the exit status
+tree was resumed (the CUDA restore, which runs after the resume, counts). If it dies first, the outcome is ``restore-exited`` with the exit status
 containerd reports (a workload that crashes on resume, e.g. on a pod it does not expect).
 and to the status record: the phase, the reason, the timings (with ``total``: the engine call),
 the artifact's size, and while the engine runs its live progress (``nri_plugin.progress``).
@@ -260,8 +260,10 @@ class Jobs:
                                control.RESTORE_FAILED):
             return
         self._running.add(work.container_id)  # its exit (a StopContainer) must not cut the watch short
+        # The settle counts from the resume: the process already ran through the CUDA restore.
+        wait = max(0.0, self.settle - work.timings.get("cuda_restore", 0.0))
         try:
-            died = await self._died(work)
+            died = await self._died(work, wait)
         finally:
             self._running.discard(work.container_id)
         if died is not None:
@@ -272,10 +274,10 @@ class Jobs:
         log.info("%s: restored from %s (%s)", work.who, work.artifact, _fmt(work.timings),
                  extra={"phase": "restored", "seconds": work.timings.get("total")})
 
-    async def _died(self, work: Work) -> str | None:
-        """Why the restored process is not running ``settle`` seconds after the restore, or None
+    async def _died(self, work: Work, wait: float) -> str | None:
+        """Why the restored process is not running ``wait`` seconds after the restore, or None
         if it is. Watches the container's init (a pidfd: no polling), which exits with it."""
-        if work.pid <= 0 or self.settle <= 0:
+        if work.pid <= 0 or wait <= 0:
             return None
         loop = asyncio.get_running_loop()
         try:
@@ -293,7 +295,7 @@ class Jobs:
                     gone.set_result(None)
             loop.add_reader(fd, exited)
             try:
-                await asyncio.wait_for(gone, self.settle)
+                await asyncio.wait_for(gone, wait)
             except TimeoutError:
                 return None  # it runs
             finally:
