@@ -216,8 +216,9 @@ def checkpoint_cell(rig: Rig, wl: Workload, phase: str, fault: Fault) -> Cell:
     mounts_before = observe.mount_table()
     if fault is Fault.DISK_FULL:
         room = rig.artifact_bytes or (wl.warmup_mib + wl.blob_mib + wl.shm_mib + 16) << 20
-        for d in rig.disks:  # the dump goes to the node disk, the publish to the store
-            d.fit(room)
+        rig.disk.fit(room)  # the publish
+        # The private dump holds the artifact and, while it is split, a copy of what CRIU keeps.
+        rig.node_disk.fit(2 * room + (64 << 20))
     rig.tail.mark()
     # Inspect writes nothing and lasts milliseconds: a full store can only be there before it.
     early = (phase, fault) == ("inspect", Fault.DISK_FULL)
