@@ -339,7 +339,10 @@ def test_plugin_in_its_pod_restores_a_workload_whose_bind_source_only_the_host_h
             assert "count=4 " in (_http(dst_ip, "/") or ""), pp.logs()  # the source's process, continued
             if uses == "mapped":
                 assert _http(dst_ip, "/mapped") == "mapped=version-A of a host library\n", pp.logs()
-            # CRIU ran in a private copy of the host's mount namespace: nothing of it reached the host.
+            # CRIU ran through the launcher, in a private copy of the host's mount namespace
+            # (nothing of it reached the host's).
+            criu_lines = [ln for ln in cri.logs(pp.cid, "both") if "criu restore:" in ln]
+            assert criu_lines and all("rekindle-hostexec" in ln for ln in criu_lines), criu_lines
             with open("/proc/self/mountinfo") as f:
                 assert "/run/rekindle-criu" not in f.read()
     finally:
