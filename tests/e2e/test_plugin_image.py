@@ -328,12 +328,12 @@ def test_plugin_in_its_pod_restores_a_workload_whose_bind_source_only_the_host_h
             for i in range(1, 4):
                 assert f"count={i} " in (_http(src_ip, "/") or ""), pp.logs()
             st = book.wait("default", src.name, "server", {Phase.PUBLISHED, Phase.CHECKPOINT_FAILED}, 60)
-            assert st is not None and st.phase is Phase.PUBLISHED, (st, pp.logs())
+            assert st is not None and st.phase is Phase.PUBLISHED, f"{st and st.phase}: {st and st.reason}\n{pp.logs()}"
 
             dst = pod(f"dst-{name}", annotations={"rekindle.dev/restore": name})
             sandbox.run_container(dst, "server", COUNTER, command=SERVER, mounts=[mount])
             st = book.wait("default", dst.name, "server", {Phase.RESTORED, Phase.COLD_START}, 90)
-            assert st is not None and st.phase is Phase.RESTORED, (st, pp.logs())
+            assert st is not None and st.phase is Phase.RESTORED, f"{st and st.phase}: {st and st.reason}\n{pp.logs()}"
             dst_ip = cri.pod_ip(dst.id)
             _wait(lambda: _http(dst_ip, "/healthz") is not None, 30, "the restored server", pp.logs)
             assert "count=4 " in (_http(dst_ip, "/") or ""), pp.logs()  # the source's process, continued
