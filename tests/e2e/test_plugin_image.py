@@ -9,6 +9,9 @@ volume (kubelet_volumes.py: the key a symlink into ..data, mode from the
 chart's defaultMode), the ConfigMap environment variables. Then:
 containerd's log says the plugin connected, and a pod annotated
 rekindle.dev/checkpoint gets the control dir (REKINDLE_CONTROL_DIR) in its spec.
+A workload whose bind source is a host dir the plugin's pod does not mount (as a
+host-installed driver's libraries are) is checkpointed and restored warm by the
+plugin in its pod: CRIU runs in the host's mount namespace (runtime/hostview.py).
 """
 
 from __future__ import annotations
