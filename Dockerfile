@@ -19,7 +19,7 @@ RUN apt-get update \
 WORKDIR /src
 COPY . .
 RUN REKINDLE_CRIU_PREFIX=/opt/criu REKINDLE_CRIU_SKIP_CHECK=1 hack/build-criu.sh \
- && make build/rekindle-init \
+ && make build/rekindle-init build/hostexec/rekindle-hostexec \
  && python3 -m venv /opt/rekindle \
  && /opt/rekindle/bin/pip install --no-cache-dir '.[kubernetes]' \
  && /opt/rekindle/bin/rekindle --help >/dev/null
@@ -33,6 +33,8 @@ COPY --from=build /opt/criu/sbin/criu /usr/local/sbin/criu
 RUN criu --version
 COPY --from=build /opt/rekindle /opt/rekindle
 COPY --from=build /src/build/rekindle-init /usr/local/lib/rekindle/rekindle-init
+# CRIU in the host's mount namespace (runtime/hostview.py): the launcher and its shims
+COPY --from=build /src/build/hostexec /usr/local/lib/rekindle/hostexec
 ENV PATH=/opt/rekindle/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
     PYTHONDONTWRITEBYTECODE=1
 ENTRYPOINT ["rekindle"]

@@ -1,5 +1,5 @@
-# Builds the static in-container init and the end-to-end test server.
-#   make                                   build/rekindle-init, build/counter-server
+# Builds the static in-container init, the host-view launcher of CRIU and the end-to-end test server.
+#   make                                   build/rekindle-init, build/hostexec/, build/counter-server
 #   make install PREFIX=/var/lib/rekindle  installs $(PREFIX)/bin/rekindle-init
 #   make clean
 CC ?= cc
@@ -9,7 +9,8 @@ LDFLAGS ?=
 PREFIX ?= /var/lib/rekindle
 BUILD := build
 
-BINS := $(BUILD)/rekindle-init $(BUILD)/counter-server
+HOSTEXEC := $(BUILD)/hostexec
+BINS := $(BUILD)/rekindle-init $(HOSTEXEC)/rekindle-hostexec $(BUILD)/counter-server
 
 .PHONY: all install clean
 
@@ -20,6 +21,12 @@ $(BUILD):
 
 $(BUILD)/rekindle-init: runtime/init/rekindle-init.c | $(BUILD)
 	$(CC) $(CFLAGS) $(WARN) -static $(LDFLAGS) -o $@ $<
+
+# The launcher and its shims (links named after the programs CRIU runs by name: tar, gzip).
+$(HOSTEXEC)/rekindle-hostexec: runtime/hostexec/rekindle-hostexec.c | $(BUILD)
+	mkdir -p $(HOSTEXEC)/bin
+	$(CC) $(CFLAGS) $(WARN) -static $(LDFLAGS) -o $@ $<
+	for p in tar gzip; do ln -sfn ../rekindle-hostexec $(HOSTEXEC)/bin/$$p; done
 
 $(BUILD)/counter-server: tests/images/counter-server.c | $(BUILD)
 	$(CC) $(CFLAGS) $(WARN) -static $(LDFLAGS) -o $@ $<
@@ -33,4 +40,5 @@ install: $(BUILD)/rekindle-init
 
 clean:
 	rm -f $(BINS)
+	rm -rf $(HOSTEXEC)
 	-rmdir $(BUILD) 2>/dev/null || true

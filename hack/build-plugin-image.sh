@@ -8,10 +8,11 @@
 #
 # Steps: debootstrap a minbase bookworm rootfs with python3, util-linux,
 # iproute2, tar and CRIU's shared libraries (cached in build/plugin-image/base);
-# add CRIU (${CRIU:-/usr/local/sbin/criu}), the static init (make
-# build/rekindle-init) and the project with its Python dependencies (pip, from
-# the project's wheel); drop docs, locales and apt lists; pack it with
-# devtools/pack_rootfs.py as localhost/rekindle/plugin:<version>.
+# add CRIU (${CRIU:-/usr/local/sbin/criu}), the static init and the host-view
+# launcher (make build/rekindle-init build/hostexec/rekindle-hostexec) and the
+# project with its Python dependencies (pip, from the project's wheel); drop
+# docs, locales and apt lists; pack it with devtools/pack_rootfs.py as
+# localhost/rekindle/plugin:<version>.
 # Needs root, debootstrap, the Debian archive apt is configured with, and PyPI.
 set -euo pipefail
 
@@ -32,7 +33,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --import) address=$2; shift 2 ;;
     --ctr) ctr_bin=$2; shift 2 ;;
-    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
     *) echo "unknown argument: $1" >&2; exit 2 ;;
   esac
 done
@@ -71,8 +72,18 @@ missing=$(chroot "$rootfs" ldd /usr/local/sbin/criu | grep 'not found' || true)
 [ -z "$missing" ] || die "CRIU libraries missing in the image: $missing"
 
 # the static init, where the plugin looks for it (nri_plugin/config.py)
-make --no-print-directory build/rekindle-init
+make --no-print-directory build/rekindle-init build/hostexec/rekindle-hostexec
 install -D -m 0755 build/rekindle-init "$rootfs/usr/local/lib/rekindle/rekindle-init"
+# the launcher that runs this CRIU in the host's mount namespace (runtime/hostview.py), and its
+# shims: links named after what CRIU runs by name
+hostexec=/usr/local/lib/rekindle/hostexec
+install -D -m 0755 build/hostexec/rekindle-hostexec "$rootfs$hostexec/rekindle-hostexec"
+mkdir -p "$rootfs$hostexec/bin"
+for p in tar gzip; do
+  ln -sfn ../rekindle-hostexec "$rootfs$hostexec/bin/$p"
+  missing=$(chroot "$rootfs" sh -c "ldd \"\$(command -v $p)\"" | grep 'not found' || true)
+  [ -z "$missing" ] || die "$p libraries missing in the image: $missing"
+done
 
 # the project and its dependencies, for the rootfs's python3
 pyver=$(chroot "$rootfs" python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])')

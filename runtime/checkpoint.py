@@ -181,7 +181,7 @@ def checkpoint(req: CheckpointRequest, store: ArtifactStore, key: bytes, *,
             raise CriuError("dump", "TCP connections of the source were left in repair mode: "
                             + "; ".join(unrepaired), dump.log_path)
         with t.phase("host_files"):  # after the resume: the source does not wait on it
-            host_files = hostfiles.record(images, dump.mount_plan, info.spec_mounts)
+            host_files = hostfiles.record(images, dump.mount_plan, info.spec_mounts, view_of=info.init_pid)
         files: tuple[layout.BulkFile, ...] = ()
         if req.split:
             with t.phase("split"):

@@ -4,8 +4,11 @@ Contract:
 
 - :class:`DumpOptions` / :class:`RestoreOptions` hold every option Rekindle passes;
   :func:`criu_argv` turns one into argv (always ``-o <log> -v4``), :func:`run_criu` runs it
-  (optionally wrapped, e.g. by ``nsenter``) with a timeout and raises
-  ``CriuError(op, <last error lines of the log>, log_path)`` on any failure.
+  (optionally wrapped, e.g. by ``nsenter``, and started by a ``launcher``: ``runtime.hostview``'s,
+  which runs it in the runtime's mount namespace) with a timeout and raises
+  ``CriuError(op, <last error lines of the log>, log_path)`` on any failure. ``view_root`` is where
+  the plugin's files are in the view CRIU runs in (prefixed to the images, work, log and pidfile
+  paths in argv; the options and ``log_path`` keep the plugin's own paths).
 - Restore can leave the tree stopped (``--leave-stopped``: the caller confines it, then sends
   SIGCONT) and force LSM labels (``--lsm-profile``, ``--lsm-mount-context``).
 - TCP: ``--tcp-close`` by default (dump: established connections are not dumped; restore: they
@@ -65,6 +68,7 @@ class DumpOptions:
     ext_unix_sk: bool = False
     tcp_established: bool = False  # --tcp-established instead of --tcp-close
     ghost_limit: int | None = None
+    view_root: str = ""  # the plugin's tree in CRIU's view ("": CRIU shares the plugin's)
     extra: list[str] = field(default_factory=list)
 
 
@@ -84,6 +88,7 @@ class RestoreOptions:
     leave_stopped: bool = True  # the caller checks the log, fills bulk pages and confines, then resumes
     lsm_profile: str | None = None  # "apparmor:<profile>" / "selinux:<label>"
     lsm_mount_context: str | None = None
+    view_root: str = ""  # the plugin's tree in CRIU's view ("": CRIU shares the plugin's)
     extra: list[str] = field(default_factory=list)
 
 
@@ -93,12 +98,13 @@ def log_path(opts: DumpOptions | RestoreOptions) -> str:
 
 def criu_argv(opts: DumpOptions | RestoreOptions, criu: str = CRIU) -> list[str]:
     work = opts.work_dir or opts.images_dir
+    at = opts.view_root
     # File mappings are checked by size only: the image (by digest), the driver version, the
     # writable layer and the files from bind mounts (runtime.hostfiles) are matched before a
     # restore already, and CRIU's default build-id check reads every mapped library's ELF
     # section headers, which no loader ever faulted in (about 10 ms a library from disk; 0.27 s
     # of an LLM worker's 0.68 s CRIU restore on the H200).
-    common = ["-D", opts.images_dir, "-W", work, "-o", log_path(opts), "-v4", "--file-locks",
+    common = ["-D", at + opts.images_dir, "-W", at + work, "-o", at + log_path(opts), "-v4", "--file-locks",
               "--tcp-established" if opts.tcp_established else "--tcp-close", "--manage-cgroups=ignore",
               "--file-validation", "filesize"]
     if opts.shell_job:
@@ -118,7 +124,8 @@ def criu_argv(opts: DumpOptions | RestoreOptions, criu: str = CRIU) -> list[str]
         if opts.ghost_limit is not None:
             argv += ["--ghost-limit", str(opts.ghost_limit)]
     else:
-        argv = [criu, "restore", *common, "-d", "--pidfile", opts.pidfile, "--root", opts.root]
+        # --root and the external mounts' sources are the runtime's paths: never mapped.
+        argv = [criu, "restore", *common, "-d", "--pidfile", at + opts.pidfile, "--root", opts.root]
         for fd, key in opts.inherit_fds:
             argv += ["--inherit-fd", f"fd[{fd}]:{key}"]
         for kind, path in opts.join_ns:
@@ -140,11 +147,13 @@ def run_criu(
     pass_fds: Sequence[int] = (),
     timeout: float = 600.0,
     criu: str = CRIU,
+    launcher: Sequence[str] = (),
 ) -> float:
-    """Run criu (prefixed by ``wrapper``); return its wall time. CriuError on failure or timeout."""
+    """Run criu (prefixed by ``wrapper``, then ``launcher``); return its wall time. CriuError on
+    failure or timeout."""
     op = "dump" if isinstance(opts, DumpOptions) else "restore"
     os.makedirs(opts.work_dir or opts.images_dir, exist_ok=True)
-    argv = [*_dies_with_parent(), *wrapper, *_dies_with_parent(), *criu_argv(opts, criu)]
+    argv = [*_dies_with_parent(), *wrapper, *_dies_with_parent(), *launcher, *criu_argv(opts, criu)]
     lp = log_path(opts)
     log.info("criu %s: %s", op, " ".join(argv))
     t0 = time.monotonic()

@@ -9,7 +9,10 @@ Contract (the container's PID 1 is ``rekindle-init``; the tree to move is its si
   (``pipe:[ino]`` keys for ``--inherit-fd``), and the host source of ``/dev/shm`` when that is an
   external bind (CRIU does not save it; the caller tars it).
 - :func:`restore_into` restores an image into a running target container whose init waits in
-  restore mode. Before CRIU: the mount plan is mapped to the target's sources, every pid and thread
+  restore mode. CRIU runs in the mount namespace of the target's runtime (its shim's), where
+  its bind sources and rootfs are, even when the plugin has one of its own
+  (``runtime.hostview.criu_launch``: the plugin's CRIU, loader and libraries, nothing of the
+  host's). Before CRIU: the mount plan is mapped to the target's sources, every pid and thread
   id of the image is checked free in the target pid ns and the ns's ``ns_last_pid`` is raised above
   them (CRIU and its helpers are forked into that ns too, and would take them). CRIU then runs in
   the target's pid ns and cgroups (so the restored memory is charged to the target from the first
@@ -38,6 +41,7 @@ import time
 from dataclasses import dataclass
 
 from runtime import criu as criu_mod
+from runtime import hostview
 from runtime import namespaces as ns
 from runtime.criu_image import image_is_shell_job, image_pids
 from runtime.criu_log import unexpected_errors
@@ -204,41 +208,47 @@ def restore_into(
     (memory restored until then stays charged to the caller's cgroup).
     """
     t0 = time.monotonic()
-    externals = map_mounts(mount_plan, target)
     work = work_dir or images_dir
     os.makedirs(work, exist_ok=True)
     pidfile = os.path.join(work, "restore.pid")
     if os.path.exists(pidfile):
         os.unlink(pidfile)
-    hostname, domainname = ns.read_uts(target.init_pid)
-    _prepare_pid_ns(target, images_dir)
-    fds = _open_inherited(target, source_stdio)
-    try:
-        opts = RestoreOptions(
-            images_dir=images_dir,
-            root=target.rootfs,
-            pidfile=pidfile,
-            work_dir=work_dir,
-            inherit_fds=fds,
-            join_ns=[("ipc", "/proc/1/ns/ipc"), ("uts", "/proc/1/ns/uts")],
-            external_mounts=externals,
-            shell_job=image_is_shell_job(images_dir),
-            tcp_established=tcp_established,
-            leave_stopped=True,
-            lsm_profile=lsm.profile,
-            lsm_mount_context=lsm.mount_context,
-            # The mount-v2 engine copies sharing groups from the target rootfs, which fails
-            # (EINVAL) when CRIU runs in the plugin's pod and sees that mount as a propagated
-            # slave; the compatibility engine works from the host and from the pod alike.
-            extra=["--mntns-compat-mode"],
-        )
-        wrapper = ns.in_pid_ns_argv(target.init_pid, [])
-        if cgroups_first:
-            wrapper = ns.enter_cgroups_argv(target.cgroups.values(), wrapper)
-        criu_seconds = criu_mod.run_criu(opts, wrapper=wrapper, pass_fds=[fd for fd, _ in fds], timeout=timeout)
-    finally:
-        for fd, _ in fds:
-            os.close(fd)
+    with hostview.criu_launch(target.init_pid, criu_mod.CRIU) as launch:
+        externals = map_mounts(mount_plan, target, view_pid=launch.mounts_pid)
+        hostname, domainname = ns.read_uts(target.init_pid)
+        _prepare_pid_ns(target, images_dir)
+        fds = _open_inherited(target, source_stdio)
+        try:
+            opts = RestoreOptions(
+                images_dir=images_dir,
+                root=target.rootfs,
+                pidfile=pidfile,
+                work_dir=work_dir,
+                inherit_fds=fds,
+                join_ns=[("ipc", "/proc/1/ns/ipc"), ("uts", "/proc/1/ns/uts")],
+                external_mounts=externals,
+                shell_job=image_is_shell_job(images_dir),
+                tcp_established=tcp_established,
+                leave_stopped=True,
+                lsm_profile=lsm.profile,
+                lsm_mount_context=lsm.mount_context,
+                view_root=launch.root,
+                # The mount-v2 engine copies sharing groups from the target rootfs, which fails
+                # (EINVAL) when CRIU runs in the plugin's pod and sees that mount as a propagated
+                # slave; the compatibility engine works from the host and from the pod alike.
+                extra=["--mntns-compat-mode", *launch.extra],
+            )
+            # The launcher makes its own mount namespace and /proc (of the target's pid ns).
+            wrapper = (ns.in_pid_ns_argv(target.init_pid, []) if launch.same
+                       else ns.nsenter_argv(target.init_pid, ["pid"], []))
+            if cgroups_first:
+                wrapper = ns.enter_cgroups_argv(target.cgroups.values(), wrapper)
+            criu_seconds = criu_mod.run_criu(opts, wrapper=wrapper, pass_fds=[*(fd for fd, _ in fds), *launch.pass_fds],
+                                             timeout=timeout, launcher=launch.argv,
+                                             criu=hostview.criu_binary(launch, criu_mod.CRIU))
+        finally:
+            for fd, _ in fds:
+                os.close(fd)
     lp = criu_mod.log_path(opts)
     try:
         with open(pidfile) as f:

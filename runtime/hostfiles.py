@@ -25,7 +25,9 @@ Contract:
   that key can make one, and refusing would turn every artifact made before an upgrade into a
   cold start at once, for a check those artifacts never had.
 - Resolution never leaves a bind source: the source path itself is the runtime's (the spec,
-  opened as runc did), everything beneath it is resolved with ``runtime.openat2.open_beneath``
+  opened as runc did: resolved in the root of the container's runtime, ``view_of``, through
+  ``runtime.hostview``, so a source only the host has, such as its driver libraries, is found
+  when the plugin runs in a pod of its own), everything beneath it is resolved with ``runtime.openat2.open_beneath``
   (a symlink a tenant planted in a volume is followed only while it stays inside), opened
   ``O_PATH`` first and reopened for reading only when it is a regular file (no device or FIFO
   is ever opened for real).
@@ -49,6 +51,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from runtime import control as control_mod
+from runtime import hostview
 from runtime.criu_image import read_reg_files
 from runtime.digests import WORKERS, hash_fd
 from runtime.errors import RekindleError
@@ -162,10 +165,11 @@ _KINDS = {stat.S_IFDIR: "a directory", stat.S_IFLNK: "a symlink", stat.S_IFIFO: 
           stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a device", stat.S_IFBLK: "a device"}
 
 
-def _open_regular(source: str, path: str) -> int:
+def _open_regular(root: int, source: str, path: str) -> int:
     """A read fd of ``path`` beneath the bind source ``source`` ("" = the source itself),
-    never resolved outside it; OSError, or ValueError when it is not a regular file."""
-    top = os.open(source, os.O_PATH | os.O_CLOEXEC)
+    the source resolved in ``root`` (the runtime's), the path never outside the source;
+    OSError, or ValueError when it is not a regular file."""
+    top = hostview.open_in_root(root, source, os.O_PATH)
     try:
         fd = open_beneath(top, path, os.O_PATH) if path else os.dup(top)
     finally:
@@ -180,11 +184,13 @@ def _open_regular(source: str, path: str) -> int:
         os.close(fd)
 
 
-def _hash_all(jobs: Sequence[tuple[str, str]], cache: DigestCache) -> list[tuple[int, str] | str]:
-    """(size, digest), or the reason it could not be read, of each (source, path), in parallel."""
+def _hash_all(jobs: Sequence[tuple[str, str]], cache: DigestCache,
+              view_of: int | None = None) -> list[tuple[int, str] | str]:
+    """(size, digest), or the reason it could not be read, of each (source, path), in parallel,
+    sources resolved in the root of the runtime of the container whose init is ``view_of``."""
     def one(job: tuple[str, str]) -> tuple[int, str] | str:
         try:
-            fd = _open_regular(*job)
+            fd = _open_regular(root, *job)
         except (OSError, ValueError) as exc:
             return str(exc.strerror if isinstance(exc, OSError) and exc.strerror else exc)
         try:
@@ -195,8 +201,12 @@ def _hash_all(jobs: Sequence[tuple[str, str]], cache: DigestCache) -> list[tuple
             os.close(fd)
     if not jobs:
         return []
-    with ThreadPoolExecutor(max_workers=min(WORKERS, len(jobs)), thread_name_prefix="rekindle-hostfile") as pool:
-        return list(pool.map(one, jobs))
+    root = hostview.host_root(view_of)
+    try:
+        with ThreadPoolExecutor(max_workers=min(WORKERS, len(jobs)), thread_name_prefix="rekindle-hostfile") as pool:
+            return list(pool.map(one, jobs))
+    finally:
+        os.close(root)
 
 
 def _mib(n: int) -> str:
@@ -204,8 +214,9 @@ def _mib(n: int) -> str:
 
 
 def record(images_dir: str, plan: Sequence[MountPlanEntry], spec_mounts: Iterable[Mapping[str, Any]], *,
-           max_bytes: int = MAX_BYTES, cache: DigestCache = CACHE) -> tuple[HostFile, ...]:
-    """The bind-mounted files the dumped tree uses, hashed from the host (see the module doc)."""
+           max_bytes: int = MAX_BYTES, cache: DigestCache = CACHE, view_of: int | None = None) -> tuple[HostFile, ...]:
+    """The bind-mounted files the dumped tree uses, hashed from the host (see the module doc);
+    ``view_of``: the source container's init pid (its runtime resolved the spec's sources)."""
     started = time.monotonic()
     binds = _binds(plan, spec_mounts)
     wanted: dict[tuple[str, str], tuple[_Bind, int]] = {}  # (mount, path) -> (bind, size CRIU saw)
@@ -223,7 +234,7 @@ def record(images_dir: str, plan: Sequence[MountPlanEntry], spec_mounts: Iterabl
             f"more than the {_mib(max_bytes)} a restore would hash before it starts (largest: "
             + ", ".join(f"{posixpath.join(m, p)} {_mib(s)}" for (m, p), (_, s) in biggest) + ")")
     keys = sorted(wanted)
-    results = _hash_all([(wanted[k][0].source, k[1]) for k in keys], cache)
+    results = _hash_all([(wanted[k][0].source, k[1]) for k in keys], cache, view_of)
     out, problems = [], []
     for (mount, path), result in zip(keys, results):
         where = posixpath.join(mount, path) if path else mount
@@ -244,8 +255,9 @@ def record(images_dir: str, plan: Sequence[MountPlanEntry], spec_mounts: Iterabl
 
 
 def check(records: Sequence[HostFile] | None, spec_mounts: Iterable[Mapping[str, Any]], *, label: str = "",
-          max_bytes: int = MAX_BYTES, cache: DigestCache = CACHE) -> list[str]:
-    """Every reason the target's files (through its own bind mounts) differ from ``records``."""
+          max_bytes: int = MAX_BYTES, cache: DigestCache = CACHE, view_of: int | None = None) -> list[str]:
+    """Every reason the target's files (through its own bind mounts) differ from ``records``;
+    ``view_of``: the target's init pid (its runtime resolved the spec's sources)."""
     if records is None:
         log.warning("%s: made before host files were recorded; files from bind mounts are checked by "
                     "size only (by CRIU)", label or "artifact")
@@ -264,7 +276,7 @@ def check(records: Sequence[HostFile] | None, spec_mounts: Iterable[Mapping[str,
             continue
         jobs.append((source, r.path))
         checked.append(r)
-    for r, (source, _), result in zip(checked, jobs, _hash_all(jobs, cache)):
+    for r, (source, _), result in zip(checked, jobs, _hash_all(jobs, cache, view_of)):
         if isinstance(result, str):
             reasons.append(f"host file {r.in_container} ({source}): {result}")
         elif result[0] != r.size:

@@ -6,7 +6,8 @@ Contract:
   order (a destination reached through a symlink keeps the mount point it resolves to, inside
   the rootfs as runc resolves it).
 - :func:`map_mounts` (restore) resolves each key to the TARGET container's host source (bind:
-  the target spec's source at that destination; cgroup: the host dir the target's mount shows)
+  the target spec's source at that destination; cgroup: the host dir the target's mount shows,
+  as a path in the mount namespace of ``view_pid``, the one CRIU runs in: ``runtime.hostview``)
   and raises CriuError naming any entry without a counterpart.
 """
 
@@ -87,7 +88,7 @@ def host_path_of_mount(m: MountInfo, host_mounts: list[MountInfo]) -> str:
     return os.path.normpath(best.mount_point + "/" + m.root[len(best.root.rstrip("/")):])
 
 
-def map_mounts(plan: list[MountPlanEntry], target: ContainerInfo) -> list[str]:
+def map_mounts(plan: list[MountPlanEntry], target: ContainerInfo, view_pid: int | str = "self") -> list[str]:
     """``mnt[key]:host_source`` for every plan entry, resolved in the target container."""
     spec_binds = {os.path.normpath(m["destination"]): m for m in target.spec_mounts if _is_bind(m)}
     target_mi: list[MountInfo] | None = None
@@ -101,7 +102,7 @@ def map_mounts(plan: list[MountPlanEntry], target: ContainerInfo) -> list[str]:
             src = m["source"]
         else:
             if target_mi is None:
-                target_mi, host_mi = read_mountinfo(target.init_pid), read_mountinfo("self")
+                target_mi, host_mi = read_mountinfo(target.init_pid), read_mountinfo(view_pid)
             tm = [m for m in target_mi if m.mount_point == e.destination and m.fstype in ("cgroup", "cgroup2")]
             if not tm:
                 raise CriuError("restore", f"mount {e.key} ({e.destination}, {e.type}) has no counterpart in container {target.id}")

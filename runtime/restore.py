@@ -199,7 +199,8 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
                 if manifest.cuda is not None and cuda is None:
                     reasons.append("artifact holds CUDA state but this agent has no CUDA driver")
                 if not reasons:  # hashing is the costly check: only when nothing else refused
-                    reasons += hostfiles.check(manifest.host_files, target.spec_mounts, label=artifact.label)
+                    reasons += hostfiles.check(manifest.host_files, target.spec_mounts, label=artifact.label,
+                                                view_of=target.init_pid)
                 if reasons:
                     raise ArtifactRejected(artifact.label, "; ".join(reasons))
             with t.phase("stage"):

@@ -9,16 +9,21 @@ volume (kubelet_volumes.py: the key a symlink into ..data, mode from the
 chart's defaultMode), the ConfigMap environment variables. Then:
 containerd's log says the plugin connected, and a pod annotated
 rekindle.dev/checkpoint gets the control dir (REKINDLE_CONTROL_DIR) in its spec.
+A workload whose bind source is a host dir the plugin's pod does not mount (as a
+host-installed driver's libraries are) is checkpointed and restored warm by the
+plugin in its pod: CRIU runs in the host's mount namespace (runtime/hostview.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
 import subprocess
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -164,7 +169,16 @@ def _wait(pred: Callable[[], object], timeout: float, what: str, diag: Callable[
         pytest.fail(f"{exc}\n{diag()}")
 
 
-def test_plugin_from_image_registers_and_adjusts_annotated_pods(sandbox, pod, plugin_image, tmp_path):
+@dataclass
+class PluginPod:
+    cid: str
+    args: list[str]
+    logs: Callable[[], str]
+
+
+@contextlib.contextmanager
+def _plugin_pod(sandbox, plugin_image: str, tmp_path: Path) -> Iterator[PluginPod]:
+    """The chart's DaemonSet pod, run through CRI: connected to containerd and ready."""
     cri = sandbox.cri
     shutil.rmtree(STATE_DIR, ignore_errors=True)  # a run that died may have left it
     _ensure_shared(sandbox.dir)
@@ -220,7 +234,20 @@ def test_plugin_from_image_registers_and_adjusts_annotated_pods(sandbox, pod, pl
             get = plugin[probe]["httpGet"]
             url = f"http://{ip}:{ports[get['port']]}{get['path']}"
             _wait(lambda url=url: _status(url) == 200, 30, f"{probe} {url} to answer 200", plugin_logs)
+        yield PluginPod(cid, args, plugin_logs)
+        assert cri.container_status(cid).state is ContainerState.RUNNING, plugin_logs()
+    finally:
+        try:
+            cri.stop_pod(ppod.id)
+            cri.remove_pod(ppod.id)
+        finally:
+            shutil.rmtree(STATE_DIR, ignore_errors=True)
 
+
+def test_plugin_from_image_registers_and_adjusts_annotated_pods(sandbox, pod, plugin_image, tmp_path):
+    cri = sandbox.cri
+    with _plugin_pod(sandbox, plugin_image, tmp_path) as pp:
+        cid, args, plugin_logs = pp.cid, pp.args, pp.logs
         # An annotated pod gets the control dir, through the plugin in the image.
         p = pod(annotations={"rekindle.dev/checkpoint": "x"})
         wid = sandbox.run_container(p, "main", BUSYBOX, command=["/bin/sh", "-c", "exec sleep 3600"])
@@ -268,10 +295,58 @@ def test_plugin_from_image_registers_and_adjusts_annotated_pods(sandbox, pod, pl
         _wait(lambda: _http(dst_ip, "/healthz") is not None, 30, "the restored server", plugin_logs)
         assert "count=4 " in _http(dst_ip, "/"), plugin_logs()
 
-        assert cri.container_status(cid).state is ContainerState.RUNNING, plugin_logs()
+
+
+HOST_ONLY = Path("/var/lib/rekindle-test-hostlib")  # on the host; the plugin's pod does not mount it
+LIB = b"version-A of a host library\n" + bytes(range(256)) * 16
+
+
+@pytest.mark.parametrize("uses", ["bind-only", "mapped"])
+def test_plugin_in_its_pod_restores_a_workload_whose_bind_source_only_the_host_has(
+        sandbox, pod, plugin_image, tmp_path, uses):
+    """As the NVIDIA toolkit binds a host-installed driver's libraries (host /usr/lib/...) into GPU
+    containers: a bind source outside every mount of the plugin's pod. ``bind-only``: the tree
+    uses nothing from it (CRIU must still re-create the mount from the host path); ``mapped``: it
+    maps a library from it (hashed at checkpoint and before the restore, then remapped by CRIU)."""
+    from runtime.status import Phase, StatusBook
+    cri = sandbox.cri
+    lib = HOST_ONLY / uuid.uuid4().hex[:12]
+    lib.mkdir(parents=True)
+    (lib / "libhost.so").write_bytes(LIB)
+    mount = Mount("/hostlib", str(lib), readonly=True)
+    env = {"READY_AFTER_REQUESTS": "3"}
+    if uses == "mapped":
+        env.update({"MAP_FILE": "/hostlib/libhost.so", "WARMUP_MIB": "0"})
+    name = f"hostlib-{uses}"
+    try:
+        with _plugin_pod(sandbox, plugin_image, tmp_path) as pp:
+            seen = cri.exec_sync(pp.cid, ["python3", "-c", f"import os; print(os.path.exists({str(lib)!r}))"],
+                                 timeout=30)
+            assert seen.out.strip() == "False", ("the plugin's pod must not see the host dir", seen)
+            book = StatusBook(STATE_DIR)
+            src = pod(f"src-{name}", annotations={"rekindle.dev/checkpoint": name})
+            sandbox.run_container(src, "server", COUNTER, command=SERVER, env=env, mounts=[mount])
+            src_ip = cri.pod_ip(src.id)
+            _wait(lambda: _http(src_ip, "/healthz") is not None, 30, "the source server", pp.logs)
+            for i in range(1, 4):
+                assert f"count={i} " in (_http(src_ip, "/") or ""), pp.logs()
+            st = book.wait("default", src.name, "server", {Phase.PUBLISHED, Phase.CHECKPOINT_FAILED}, 60)
+            assert st is not None and st.phase is Phase.PUBLISHED, f"{st and st.phase}: {st and st.reason}\n{pp.logs()}"
+
+            dst = pod(f"dst-{name}", annotations={"rekindle.dev/restore": name})
+            sandbox.run_container(dst, "server", COUNTER, command=SERVER, mounts=[mount])
+            st = book.wait("default", dst.name, "server", {Phase.RESTORED, Phase.COLD_START}, 90)
+            assert st is not None and st.phase is Phase.RESTORED, f"{st and st.phase}: {st and st.reason}\n{pp.logs()}"
+            dst_ip = cri.pod_ip(dst.id)
+            _wait(lambda: _http(dst_ip, "/healthz") is not None, 30, "the restored server", pp.logs)
+            assert "count=4 " in (_http(dst_ip, "/") or ""), pp.logs()  # the source's process, continued
+            if uses == "mapped":
+                assert _http(dst_ip, "/mapped") == "mapped=version-A of a host library\n", pp.logs()
+            # CRIU ran through the launcher, in a private copy of the host's mount namespace
+            # (nothing of it reached the host's).
+            criu_lines = [ln for ln in cri.logs(pp.cid, "both") if "criu restore:" in ln]
+            assert criu_lines and all("rekindle-hostexec" in ln for ln in criu_lines), criu_lines
+            with open("/proc/self/mountinfo") as f:
+                assert "/run/rekindle-criu" not in f.read()
     finally:
-        try:
-            cri.stop_pod(ppod.id)
-            cri.remove_pod(ppod.id)
-        finally:
-            shutil.rmtree(STATE_DIR, ignore_errors=True)
+        shutil.rmtree(lib, ignore_errors=True)
