@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 from runtime import bulk
 from runtime import control as control_mod
+from runtime import frozen
 from runtime import hostfiles
 from runtime import layout
 from runtime import overlay
@@ -106,6 +107,9 @@ def checkpoint(req: CheckpointRequest, store: ArtifactStore, key: bytes, *,
         info = resolve_container(req.containerd_state, req.container_id)
         root = workload_root(info)
         tree = process_tree(root.host)
+    # What an agent that died mid-checkpoint left stopped runs again first.
+    if frozen.thaw_left_over(req.log_dir, req.container_id):
+        tree = process_tree(root.host)
     log.info("checkpoint %s/%s: container %s, workload %s (%d processes)",
              req.namespace, req.name, req.container_id[:12], root, len(tree))
     work_dir = os.path.join(req.log_dir, f"checkpoint-{req.namespace}-{req.name}-{int(time.time())}")
@@ -147,8 +151,9 @@ def checkpoint(req: CheckpointRequest, store: ArtifactStore, key: bytes, *,
                 log.info("CUDA process %d: %d new staging mapping(s) after the checkpoint: %s", h, len(new),
                          ", ".join(f"{a:#x}+{(b - a) >> 20}MiB" for a, b in new))
         tcp = tcpmode.TcpPlan(False, "not looked at")
-        # Processes the workload itself keeps stopped stay stopped after the dump.
+        # Processes the workload itself keeps stopped stay stopped after the dump (runtime.frozen).
         held = bulk.stopped(tree)
+        frozen.record(req.log_dir, req.container_id, [p for p in tree if p not in held])
         try:
             with t.phase("criu_dump"):
                 tcp = tcpmode.plan(_tree(root.host))
@@ -174,6 +179,7 @@ def checkpoint(req: CheckpointRequest, store: ArtifactStore, key: bytes, *,
             # CRIU leaves kept connections in repair mode when it leaves the tree stopped.
             unrepaired = tcpmode.repair_off(tcp.holders) if tcp.established else []
             bulk.signal_all([p for p in _tree(root.host) if p not in held], signal.SIGCONT)  # what CRIU left stopped
+            frozen.clear(req.log_dir, req.container_id)
             if cuda is not None and cuda_host and not req.exit_after:
                 with t.phase("cuda_resume_source"), _ends_source_on(RekindleError, root.host):
                     cuda.restore_all(cuda_host)

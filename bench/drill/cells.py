@@ -214,11 +214,6 @@ def checkpoint_cell(rig: Rig, wl: Workload, phase: str, fault: Fault) -> Cell:
     name = f"c-{slug(phase)}-{fault.value}"
     marker = f"/staging-default-{name}-"  # the checkpoint's private staging: CRIU's images dir
     mounts_before = observe.mount_table()
-    if fault is Fault.DISK_FULL:
-        room = rig.artifact_bytes or (wl.warmup_mib + wl.blob_mib + wl.shm_mib + 16) << 20
-        rig.disk.fit(room)  # the publish
-        # The private dump holds the artifact and, while it is split, a copy of what CRIU keeps.
-        rig.node_disk.fit(2 * room + (64 << 20))
     rig.tail.mark()
     # Inspect writes nothing and lasts milliseconds: a full store can only be there before it.
     early = (phase, fault) == ("inspect", Fault.DISK_FULL)
@@ -315,22 +310,22 @@ def restore_cell(rig: Rig, wl: Workload, base: str, ref: dict[str, str], row: st
     cell = Cell("restore", row, fault.value)
     t0 = time.monotonic()
     mounts_before = observe.mount_table()
-    if fault is Fault.DISK_FULL:
-        # A restore writes only to the node disk (its private copies: the artifact but its bulk
-        # pages); room for those, so the fault lands where it aims and not in the stage.
-        room = rig.staged_bytes(base) + (16 << 20)
-        for d in rig.disks:
-            d.fit(room)
     rig.tail.mark()
+    # Open and inspect write almost nothing and last milliseconds: a full disk can only be there before.
+    early = fault is Fault.DISK_FULL and row == "open/inspect"
+    early_inj = inject(fault, rig, "") if early else None
     dst = rig.start_pod(f"drill-r-{slug(row)}-{fault.value}", wl, {"rekindle.dev/restore": base})
     runs = [dst]
     marker = f"/restore-default-{base}-{dst.cid[:12]}-"
     who = f"default/{dst.name}:{CONTAINER}"
     try:
-        if not observe.wait_until(lambda: RESTORE_TRIGGERS[row](rig, dst, marker), 120.0):
+        if early_inj is not None:
+            inj = early_inj
+        elif not observe.wait_until(lambda: RESTORE_TRIGGERS[row](rig, dst, marker), 120.0):
             cell.error = f"the phase was never seen under way; plugin log:\n{rig.tail.text()[-2000:]}"
             return cell
-        inj = inject(fault, rig, marker, dst.pidns)
+        else:
+            inj = inject(fault, rig, marker, dst.pidns)
         cell.injected = {"after_s": round(inj.seconds, 3), **inj.seen}
         cell.landed = landed(RESTORE_PHASES, rig.tail.phases(inj.at))
         st = rig.wait_status(dst, {Phase.RESTORED, Phase.COLD_START}, SETTLE_TIMEOUT)

@@ -74,6 +74,17 @@ class StoreDisk:
         size = f"{self.size_mib}m" if room is None else f"{-(-(self.used() + room) // (1 << 20))}m"
         subprocess.run(["mount", "-o", f"remount,size={size}", str(self.path)], check=True)
 
+    def fill_now(self) -> int:
+        """Shrink the disk to what it holds plus a little, then take the rest: the fill takes
+        hold at once, whatever the phase writes meanwhile (a remount below what is already used
+        fails: then again, from what is used by now)."""
+        for _ in range(10):
+            size = -(-(self.used() + (8 << 20)) // (1 << 20))
+            if subprocess.run(["mount", "-o", f"remount,size={size}m", str(self.path)],
+                              capture_output=True).returncode == 0:
+                break
+        return self.fill()
+
     def fill(self) -> int:
         """Take every free byte of the store; returns how many were taken."""
         fd = os.open(self.fill_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
@@ -137,7 +148,7 @@ def inject(fault: Fault, rig: Any, marker: str, pidns: int = 0) -> Injected:
         rig.sandbox.restart()
         rig.plugin.wait_log("synchronized:", count=synced + 1, timeout=90)
         return Injected(fault, at, time.monotonic() - t0, {"reconnected_after_s": round(time.monotonic() - t0, 2)})
-    taken = {d.label: d.fill() for d in rig.disks}
+    taken = {d.label: d.fill_now() for d in rig.disks}
     at = rig.tail.size()
     return Injected(fault, at, time.monotonic() - t0, {"filled_bytes": taken})
 
