@@ -40,6 +40,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from runtime import bulk
+from runtime import stream
 from runtime import control as control_mod
 from runtime import hostfiles
 from runtime import layout
@@ -184,6 +185,7 @@ def checkpoint(req: CheckpointRequest, store: ArtifactStore, key: bytes, *,
         if req.split:
             with t.phase("split"):
                 files, _stats = bulk.split(staging.path, huge, min_run=req.bulk_min_run)
+                stream.write_piece_lists(staging.path, files)  # what a streamed restore verifies by
         plan = layout.RestorePlan(
             stdio=tuple(dump.stdio), shell_job=dump.shell_job,
             mounts=tuple(dump.mount_plan), shm=bool(dump.shm_source), bulk=files,
