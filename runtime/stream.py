@@ -38,6 +38,7 @@ before use; a file of one piece needs none (its digest is the piece's).
 from __future__ import annotations
 
 import bisect
+import functools
 import ctypes
 import logging
 import mmap
@@ -56,6 +57,7 @@ from runtime import criu_image as img
 from runtime import uffd
 from runtime.artifact import Artifact
 from runtime.containers import ContainerInfo
+from runtime.criu import CRIU
 from runtime.criu_proto import pagemap_pb2
 from runtime.control import ControlDir
 from runtime.digests import PIECE, WORKERS, combine_pieces, new_hash, piece_ranges
@@ -68,7 +70,7 @@ log = logging.getLogger(__name__)
 SOCKET_NAME = "lazy-pages.socket"
 RESTORE_FINISHED = 0x52535446  # "RSTF"
 DIGEST = 32  # BLAKE3-256
-MAX_PIECES = 1 << 20  # 64 TiB of one process: a longer list is corruption
+CHUNK = 1 << 20
 # flags of a VMA CRIU registers with userfaultfd (criu/include/vma.h vma_entry_can_be_lazy)
 MAP_PRIVATE, MAP_ANONYMOUS, MAP_LOCKED, MAP_HUGETLB = 0x02, 0x20, 0x2000, 0x40000
 _NOT_LAZY_STATUS = img.VMA_AREA_VDSO | img.VMA_AREA_VVAR | img.VMA_AREA_VSYSCALL
@@ -411,6 +413,7 @@ class Server:
             pass
 
     def start(self) -> None:
+        self._t0 = time.monotonic()  # the serve's seconds count from here (faults before: CRIU's)
         self._installing = True
         for i in range(self.threads):
             self._spawn(f"rekindle-stream-{i}", self._install_loop)
@@ -512,14 +515,15 @@ class Server:
                 os.posix_fadvise(fd, p.offset, p.length, os.POSIX_FADV_WILLNEED)
             except OSError:
                 pass
-        got = 0
-        while got < p.length:
-            n = os.preadv(fd, [view[got:p.length]], p.offset + got)
-            if n <= 0:
-                raise StreamError(f"bulk file shrank while read (at {p.offset + got})")
-            got += n
-        digest = new_hash()
-        digest.update(view[:p.length])
+        digest, got = new_hash(), 0
+        while got < p.length:  # hashed 1 MiB at a time, while still in the core's cache
+            want = min(p.length, got + CHUNK)
+            while got < want:
+                n = os.preadv(fd, [view[got:want]], p.offset + got)
+                if n <= 0:
+                    raise StreamError(f"bulk file shrank while read (at {p.offset + got})")
+                digest.update(view[got:got + n])
+                got += n
         if digest.digest() != p.digest:
             raise StreamError(f"piece at {p.offset} of bulk file {p.file} does not match its digest")
         with self.counters.lock:
@@ -733,9 +737,24 @@ def _moved(ranges: list[tuple[int, int, int, int]], start: int, end: int,
     return sorted(out)
 
 
-def unsupported() -> str | None:
-    """Why this node cannot stream a restore (None: it can)."""
-    return uffd.probe()
+@functools.cache
+def _criu_lacks(criu: str) -> str | None:
+    """Why ``criu`` cannot hand uffds over with the events the server needs (None: it can);
+    asked once per process (CRIU and the kernel do not change under a running agent)."""
+    try:
+        p = subprocess.run([criu, "check", "--feature", "uffd-noncoop"], capture_output=True, text=True,
+                           timeout=30)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"{criu} check --feature uffd-noncoop: {exc}"
+    if p.returncode != 0:
+        return f"{criu} lacks non-cooperative userfaultfd: {(p.stdout + p.stderr).strip()[-200:]}"
+    return None
+
+
+def unsupported(criu: str = CRIU) -> str | None:
+    """Why this node cannot stream a restore (None: it can): the kernel's userfaultfd with the
+    FORK, REMAP, REMOVE and UNMAP events, and CRIU's ``--lazy-pages`` with them."""
+    return uffd.probe() or _criu_lacks(criu)
 
 
 # --- one streamed restore, as runtime.restore drives it -------------------------------------------

@@ -53,3 +53,109 @@ def test_streamed_restore_serves_the_memory_while_the_process_runs(sandbox, pod,
     log = plugin.log()
     assert "stream: 200.0 MiB verified" in log or "MiB verified" in log, log[-3000:]
     assert "the bulk path instead of the streamed one" not in log
+
+
+def _holders(marker: str) -> list[str]:
+    out = []
+    for pid in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        if "runtime.stream_holder" in argv and marker in argv:
+            out.append(pid)
+    return out
+
+
+def test_plugin_killed_while_it_serves_kills_the_tree_and_the_pod_starts_cold_once(sandbox, pod, streaming):
+    """The agent is SIGKILLed while the restored process runs with most of its memory not served
+    yet (faults only: no install thread). The holder keeps the uffds, so the process blocks on
+    its next fault instead of reading zero pages; the holder kills it and tells the init, which
+    starts the original command once. Nothing of the restore is left."""
+    plugin = streaming
+    plugin.kill()
+    plugin.env = {"REKINDLE_RESTORE_PATH": "stream", "REKINDLE_STREAM_THREADS": "0"}
+    plugin.start()
+    _checkpoint(sandbox, pod, plugin, "served-then-killed", 256)
+    b = pod("dst-served-then-killed", annotations={"rekindle.dev/restore": "served-then-killed"})
+    cid = sandbox.run_container(b, "server", COUNTER, command=SERVER, env={"WARMUP_MIB": "256", "WARMUP_PASSES": "1"})
+    ip = sandbox.cri.pod_ip(b.id)
+    wait_status(plugin, "default", b.name, "server", {"restoring"}, timeout=30)
+    # The restored process answers while its warm-up memory is still unserved.
+    wait_for(lambda: fields(get(ip, "/", 1.0))["count"] == "4", 60, "the restored process to answer",
+             interval=0.05, ignore=(OSError,))
+    assert "stream: " not in plugin.log()  # the serve has not ended
+    assert _holders(b.uid)
+    plugin.kill()
+    ctl = plugin.control_dir(b.uid, "server")
+    wait_for(lambda: (ctl / "cold-start").exists(), 30, "the init's cold start")
+    assert "the agent went away while it served" in (ctl / "cold-start").read_text()
+    # Whatever answers now is the cold start (count 1), never the restored tree on zero pages.
+    wait_http(ip, timeout=60)
+    assert fields(get(ip))["count"] == "1"
+    assert "verify=ok" in get(ip, "/verify")
+    wait_for(lambda: not _holders(b.uid), 10, "the holder to exit")
+    time.sleep(1)  # a second cold start or a leftover would show up by now
+    out = sandbox.cri.exec_sync(cid, ["/bin/sh", "-c", "ps -o comm | grep -cx counter-server"], timeout=10)
+    assert out.out.strip() == "1", out
+    logs = "\n".join(sandbox.cri.logs(cid))
+    assert "verify=bad" not in logs and logs.count("cold start:") <= 1, logs[-2000:]
+
+
+# A server holding 160 MiB of seeded bytes; GET /verify forks a child that hashes them (the
+# child's memory arrives through the uffd of the FORK event) and the parent hashes them too.
+FORKING = r"""
+import hashlib, os, random, socket
+data = bytearray(random.Random(7).randbytes(160 << 20))
+want = hashlib.sha256(data).hexdigest()
+srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+srv.bind(("0.0.0.0", 8080))
+srv.listen(8)
+open(os.environ["REKINDLE_CONTROL_DIR"] + "/ready-for-checkpoint", "w").close()
+while True:
+    conn, _ = srv.accept()
+    conn.recv(4096)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.write(w, hashlib.sha256(data).hexdigest().encode())
+        os._exit(0)
+    os.close(w)
+    child = os.read(r, 100).decode()
+    os.close(r)
+    os.waitpid(pid, 0)
+    body = f"parent={'ok' if hashlib.sha256(data).hexdigest() == want else 'bad'} " \
+           f"child={'ok' if child == want else 'bad'} pid={os.getpid()}\n"
+    conn.sendall(b"HTTP/1.0 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body.encode()))
+    conn.close()
+"""
+
+
+def test_a_tree_that_forks_after_a_streamed_restore_gets_its_memory_in_the_child_too(sandbox, pod, streaming):
+    import sys
+    from devtools.gpu import host_python_mounts
+    plugin = streaming
+    plugin.kill()
+    # Faults only (no install thread): the fork surely comes while the parent's pages are
+    # missing, so the child's pages can only come through the FORK event's uffd.
+    plugin.env = {"REKINDLE_RESTORE_PATH": "stream", "REKINDLE_STREAM_THREADS": "0"}
+    plugin.start()
+    host_usr = "localhost/rekindle/host-usr:1"
+    env = {"PATH": "/usr/bin:/bin"}
+    a = pod("src-forking", annotations={"rekindle.dev/checkpoint": "forking"})
+    sandbox.run_container(a, "app", host_usr, command=[sys.executable, "-c", FORKING],
+                          mounts=host_python_mounts(), env=env)
+    st = wait_status(plugin, "default", a.name, "app", {"published", "checkpoint-failed"}, timeout=120)
+    assert st["phase"] == "published", st
+    b = pod("dst-forking", annotations={"rekindle.dev/restore": "forking"})
+    sandbox.run_container(b, "app", host_usr, command=[sys.executable, "-c", FORKING],
+                          mounts=host_python_mounts(), env=env)
+    ip = sandbox.cri.pod_ip(b.id)
+    wait_status(plugin, "default", b.name, "app", {"restoring"}, timeout=30)
+    got = wait_for(lambda: get(ip, "/verify", 60.0), 120, "the restored tree to answer", interval=0.05,
+                   ignore=(OSError,))
+    assert "parent=ok child=ok" in got, got
+    wait_for(lambda: "forked;" in plugin.log(), 10, "the FORK event in the plugin log")
+    assert "parent=ok child=ok" in get(ip, "/verify", 60.0)  # a second child, after the first left

@@ -180,3 +180,12 @@ def test_an_install_never_overwrites_a_page_already_there(served) -> None:
     # the first page is there, the next one of another piece's range is not: only that one goes in
     assert uffd.copy(child.fd, child.addr, src, uffd.PAGE) == 0
     assert child.ask("byte 0") == str(data[0])
+
+
+def test_a_criu_without_the_hand_off_makes_the_stream_path_fall_back_with_the_reason(tmp_path) -> None:
+    fake = tmp_path / "criu"
+    fake.write_text("#!/bin/sh\necho 'uffd-noncoop is not supported' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    why = stream.unsupported(str(fake))
+    assert why is not None and "non-cooperative userfaultfd" in why and "not supported" in why
+    assert stream.unsupported() is None  # this node's CRIU and kernel have it
