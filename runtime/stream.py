@@ -63,6 +63,7 @@ from runtime.control import ControlDir
 from runtime.digests import PIECE, WORKERS, combine_pieces, new_hash, piece_ranges
 from runtime.errors import RekindleError
 from runtime.layout import BulkFile
+from runtime.namespaces import enter_cgroups_argv
 from runtime.pagecache import is_cached
 
 log = logging.getLogger(__name__)
@@ -260,16 +261,20 @@ def _recv_exact(conn: socket.socket, n: int) -> bytes:
 # --- the holder ----------------------------------------------------------------------------------
 
 class Holder:
-    """The second holder of every uffd (``runtime.stream_holder``), in its own session so that
-    it outlives this process. :meth:`hold` hands it uffds; :meth:`done` lets it close them."""
+    """The second holder of every uffd (``runtime.stream_holder``), in its own session and in
+    the target's cgroups, so that it outlives this process and this process's container. :meth:`hold` hands it uffds; :meth:`done` lets it close them."""
 
-    def __init__(self, pidns: int, init_pid: int, control_dir: str | None) -> None:
+    def __init__(self, pidns: int, init_pid: int, control_dir: str | None, cgroups: Sequence[str] = ()) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock = ours
         argv = [sys.executable, "-m", "runtime.stream_holder", "--fd", str(theirs.fileno()),
                 "--pidns", str(pidns), "--init-pid", str(init_pid)]
         if control_dir is not None:
             argv += ["--control", control_dir]
+        if cgroups:
+            # In the target's cgroups: it lives as long as the pod does, not as the agent's
+            # container (a DaemonSet pod deleted mid-serve takes the agent's whole cgroup along).
+            argv = enter_cgroups_argv(cgroups, argv)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         try:
             self.proc = subprocess.Popen(argv, pass_fds=(theirs.fileno(),), start_new_session=True,
@@ -804,7 +809,8 @@ class Session:
               threads: int, progress: Callable[[int], None] | None = None) -> Session:
         from runtime.stream_holder import kill_namespace, now_ticks
         pidns, init_pid = target.namespaces["pid"].inode, target.init_pid
-        holder = Holder(pidns, init_pid, str(control.path) if control is not None else None)
+        holder = Holder(pidns, init_pid, str(control.path) if control is not None else None,
+                        cgroups=list(target.cgroups.values()))
         try:
             listener = Listener(work_dir)
         except OSError:
