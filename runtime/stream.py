@@ -299,6 +299,15 @@ class Holder:
                 pass
         self.close()
 
+    def abort(self) -> None:
+        """The serve failed: the holder kills what is left; the caller tells the init."""
+        with self._lock:
+            try:
+                self.sock.sendall(b"X")
+            except OSError:
+                pass
+        self.close()
+
     def close(self) -> None:
         self.sock.close()
         try:
@@ -460,7 +469,7 @@ class Server:
             if self.failure is None:
                 self.holder.done()
             else:
-                self.holder.close()  # the holder kills what is left and tells the init
+                self.holder.abort()  # the holder kills what is left; our caller tells the init
             self.holder = None
         with self.table:
             for t in self.targets:

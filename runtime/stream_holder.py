@@ -8,7 +8,8 @@ unix socket from the agent:
 
     agent -> holder   "F" + uffds (SCM_RIGHTS)    hold these too; answers "A"
     agent -> holder   "D"                         all is installed: close every copy, exit 0
-    EOF before "D"                                the agent is gone (or gave up) mid-serve
+    agent -> holder   "X"                         the agent gave up (and tells the init itself)
+    EOF before "D"                                the agent is gone mid-serve
 
 On EOF before "D", the tasks whose pages are not all there block on their next fault (their
 uffds stay open here); the holder SIGKILLs every process of the restored pid namespace (but
@@ -70,6 +71,7 @@ def now_ticks() -> int:
 
 def serve(sock: socket.socket, pidns: int, init_pid: int, control: str | None) -> int:
     held: list[int] = []
+    why = REASON
     try:
         while True:
             msg, fds, _flags, _addr = socket.recv_fds(sock, 1, 64)
@@ -78,6 +80,10 @@ def serve(sock: socket.socket, pidns: int, init_pid: int, control: str | None) -
                 sock.sendall(b"A")
             elif msg == b"D":
                 return 0
+            elif msg == b"X":
+                control = None  # the agent writes restore-failed with its reason
+                why = "the agent gave up the serve"
+                break
             elif msg == b"":
                 break
     except OSError as exc:
@@ -85,7 +91,7 @@ def serve(sock: socket.socket, pidns: int, init_pid: int, control: str | None) -
     # The agent is gone before the last piece: nothing it did not serve may be read.
     before = now_ticks()
     killed = kill_namespace(pidns, init_pid, before)
-    log.error("uffd holder: %s; killed %s", REASON, killed)
+    log.error("uffd holder: %s; killed %s", why, killed)
     if control is not None:
         ctl = control_mod.ControlDir(Path(control))
         try:

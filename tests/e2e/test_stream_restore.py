@@ -159,3 +159,30 @@ def test_a_tree_that_forks_after_a_streamed_restore_gets_its_memory_in_the_child
     assert "parent=ok child=ok" in got, got
     wait_for(lambda: "forked;" in plugin.log(), 10, "the FORK event in the plugin log")
     assert "parent=ok child=ok" in get(ip, "/verify", 60.0)  # a second child, after the first left
+
+
+def test_a_flipped_byte_in_a_streamed_piece_kills_the_running_tree_and_the_pod_starts_cold(sandbox, pod, streaming):
+    """The tree already runs when the install threads reach the third piece, which does not match
+    its digest: none of its bytes is installed, the tree is killed, the init starts cold once."""
+    plugin = streaming
+    _checkpoint(sandbox, pod, plugin, "flipped-piece", 200)
+    bulk = sorted((plugin.store / "default" / "flipped-piece" / "bulk").glob("pages-*.bulk"))[0]
+    with open(bulk, "r+b") as f:
+        f.seek(130 << 20)
+        byte = f.read(1)
+        f.seek(130 << 20)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    b = pod("dst-flipped-piece", annotations={"rekindle.dev/restore": "flipped-piece"})
+    cid = sandbox.run_container(b, "server", COUNTER, command=SERVER, env={"WARMUP_MIB": "200", "WARMUP_PASSES": "1"})
+    st = wait_status(plugin, "default", b.name, "server", {"restored", "cold-start"}, timeout=120)
+    assert st["phase"] == "cold-start" and "does not match its digest" in st["reason"], st
+    ctl = plugin.control_dir(b.uid, "server")
+    assert "does not match its digest" in (ctl / "cold-start").read_text()
+    ip = sandbox.cri.pod_ip(b.id)
+    wait_http(ip, timeout=60)
+    assert fields(get(ip))["count"] == "1"
+    assert "verify=ok" in get(ip, "/verify")
+    time.sleep(1)
+    out = sandbox.cri.exec_sync(cid, ["/bin/sh", "-c", "ps -o comm | grep -cx counter-server"], timeout=10)
+    assert out.out.strip() == "1", out
+    wait_for(lambda: not _holders(b.uid), 10, "the holder to exit")
