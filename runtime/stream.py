@@ -335,6 +335,7 @@ class _Target:
     pending: set[int]  # pieces not yet installed here
     name: str
     alive: bool = True
+    moves: int = 0  # REMAP events seen: an install that overlapped one is redone
 
 
 @dataclass(frozen=True)
@@ -390,6 +391,7 @@ class Server:
         self._stop = threading.Event()
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self._faults: list[tuple[_Target, int]] = []
+        self._woken: set[tuple[int, int]] = set()  # (target, page) woken with its piece already in
         self._fault_cv = threading.Condition()
         self._events_read = threading.Condition()  # notified after each batch of events is read
         self._next = 0
@@ -398,6 +400,7 @@ class Server:
         self._t0 = time.monotonic()
         self._local = threading.local()
         self._installing = False
+        self._installers = 0  # install threads running
         for name, fn in (("rekindle-uffd-events", self._read_events), ("rekindle-uffd-faults", self._serve_faults)):
             self._spawn(name, fn)
 
@@ -430,6 +433,8 @@ class Server:
         self._t0 = time.monotonic()  # the serve's seconds count from here (faults before: CRIU's)
         self._installing = True
         for i in range(self.threads):
+            with self.table:
+                self._installers += 1
             self._spawn(f"rekindle-stream-{i}", self._install_loop)
         self._check_done()
 
@@ -583,6 +588,7 @@ class Server:
         installed = 0
         with self.table:
             segs = self._segments(t, p)
+            moves = t.moves
         i = 0
         while i < len(segs):
             if self._stop.is_set():
@@ -602,11 +608,20 @@ class Server:
             except uffd.Gone:
                 i += 1  # unmapped since, or the process exited
         with self.table:
-            t.pending.discard(p.id)
+            if t.moves == moves:  # else part of it may have moved away before its copy: again
+                t.pending.discard(p.id)
         with self.counters.lock:
             self.counters.installed += installed
 
     def _install_loop(self) -> None:
+        try:
+            self._install_pieces()
+        finally:
+            with self.table:
+                self._installers -= 1
+        self._check_done()
+
+    def _install_pieces(self) -> None:
         while not self._stop.is_set():
             with self.table:
                 if self._next < len(self.pieces):
@@ -628,7 +643,6 @@ class Server:
                 with self.table:
                     self._busy -= 1
             self._check_done()
-        self._check_done()
 
     # -- events and faults
 
@@ -652,6 +666,15 @@ class Server:
                 continue
             page = address & ~(uffd.PAGE - 1)
             pid = self._piece_at(t, page)
+            if pid is not None:
+                with self.table:
+                    key = (id(t), page)
+                    if pid not in t.pending:
+                        if key in self._woken:  # woken once and back: missing after all, install again
+                            self._woken.discard(key)
+                            t.pending.add(pid)
+                        else:  # likely a fault queued as its piece went in: a wake is all it needs
+                            self._woken.add(key)
             while True:
                 try:
                     if pid is None:
@@ -719,6 +742,17 @@ class Server:
         elif ev.kind == uffd.EVENT_REMAP:
             with self.table:
                 t.ranges = _moved(t.ranges, ev.start, ev.end, ev.to)
+                t.moves += 1
+                # what moved is installed again where it is now (pages already there: EEXIST)
+                for vaddr, length, f, off in t.ranges:
+                    if ev.to < vaddr + length and vaddr < ev.to + (ev.end - ev.start):
+                        t.pending.update(p.id for p in self.pieces
+                                         if p.file == f and p.offset < off + length and off < p.offset + p.length)
+                respawn = self._installing and self.threads > 0 and self._installers == 0 and bool(t.pending)
+                if respawn:
+                    self._installers += 1
+            if respawn:  # the install threads were done already
+                self._spawn("rekindle-stream-again", self._install_loop)
         elif ev.kind in (uffd.EVENT_REMOVE, uffd.EVENT_UNMAP):
             with self.table:
                 t.ranges = _cut(t.ranges, ev.start, ev.end)
