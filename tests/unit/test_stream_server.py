@@ -46,6 +46,16 @@ CHILD = textwrap.dedent("""
         elif cmd[0] == "discard":  # MADV_DONTNEED the first page: it must read zero after
             m.madvise(mmap.MADV_DONTNEED, 0, uffd.PAGE)
             out = m[:8].hex()
+        elif cmd[0] == "move":  # mremap the whole region elsewhere (REMAP), then hash it there
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.mmap.restype = libc.mremap.restype = ctypes.c_void_p
+            libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+            libc.mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+            size = length + uffd.PAGE
+            spot = libc.mmap(None, size, 0, 0x22, -1, 0)  # PROT_NONE, MAP_PRIVATE|MAP_ANONYMOUS
+            new = libc.mremap(addr, size, size, 3, spot)  # MREMAP_MAYMOVE|MREMAP_FIXED
+            assert new == spot, ctypes.get_errno()
+            out = blake3.blake3(ctypes.string_at(new, length)).hexdigest()
         elif cmd[0] == "fork":
             r, w = os.pipe()
             pid = os.fork()
@@ -189,3 +199,11 @@ def test_a_criu_without_the_hand_off_makes_the_stream_path_fall_back_with_the_re
     why = stream.unsupported(str(fake))
     assert why is not None and "non-cooperative userfaultfd" in why and "not supported" in why
     assert stream.unsupported() is None  # this node's CRIU and kernel have it
+
+
+def test_a_region_moved_by_mremap_mid_serve_is_served_where_it_is_now(served) -> None:
+    length = 8 << 20
+    child, server, data, _ = served(length, threads=0)
+    server.start()
+    assert child.ask("move") == blake3.blake3(data).hexdigest()
+    assert server.finished.wait(10)
