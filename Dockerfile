@@ -21,7 +21,7 @@ COPY . .
 RUN REKINDLE_CRIU_PREFIX=/opt/criu REKINDLE_CRIU_SKIP_CHECK=1 hack/build-criu.sh \
  && make build/rekindle-init \
  && python3 -m venv /opt/rekindle \
- && /opt/rekindle/bin/pip install --no-cache-dir . \
+ && /opt/rekindle/bin/pip install --no-cache-dir '.[kubernetes]' \
  && /opt/rekindle/bin/rekindle --help >/dev/null
 
 FROM ${BASE}

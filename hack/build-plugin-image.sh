@@ -82,7 +82,7 @@ site=/opt/rekindle/site-packages
 "$py" -m pip install --quiet --no-compile --target "$rootfs$site" \
   --python-version "$pyver" --implementation cp --only-binary=:all: \
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform linux_x86_64 \
-  "$work"/wheels/rekindle-*.whl
+  "$(echo "$work"/wheels/rekindle-*.whl)[kubernetes]"  # the optional client: Events (--events)
 rm -rf "$rootfs$site/bin"
 echo "$site" >"$rootfs/usr/lib/python3/dist-packages/rekindle.pth"
 cat >"$rootfs/usr/local/bin/rekindle" <<'PY'

@@ -35,7 +35,7 @@ strip_gogo "$src/github.com/containerd/containerd/api/services/containers/v1/con
 "$PY" -m grpc_tools.protoc -I . --python_out=. --grpc_python_out=. \
     runtime/containerd/proto/cri_api.proto runtime/containerd/proto/containers.proto
 
-# CRIU's image schemas (pagemap, mm, vma, pstree and their options), from CRIU's source package
+# CRIU's image schemas (pagemap, mm, vma, pstree, core and their options), from CRIU's source package
 # as apt fetches it (the deb-src entries of hack/lib/apt-sources.sh). Imports between the
 # generated modules are made package-relative.
 . hack/versions.env
@@ -46,8 +46,12 @@ tar -xf "$work/$file" -C "$work"
 imgs=$(find "$work" -maxdepth 3 -type d -path '*/criu-*/images' | head -n1)
 out=runtime/criu_proto
 mkdir -p "$out"
+# core.proto (each thread's registers, sigaltstack and rseq area: criu_image.written_after_restore)
+# and what it imports.
+core="core core-x86 core-arm core-aarch64 core-ppc64 core-s390 core-mips core-loongarch64 core-riscv64
+      rlimit timer creds sa siginfo rseq"
 "$PY" -m grpc_tools.protoc -I "$imgs" --python_out="$out" \
     "$imgs/opts.proto" "$imgs/vma.proto" "$imgs/mm.proto" "$imgs/pagemap.proto" "$imgs/pstree.proto" \
-    "$imgs/fown.proto" "$imgs/regfile.proto"
-sed -i -E 's/^import ([a-z_]+_pb2) as /from . import \1 as /' "$out"/*_pb2.py
+    "$imgs/fown.proto" "$imgs/regfile.proto" $(for p in $core; do echo "$imgs/$p.proto"; done)
+sed -i -E 's/^import ([a-z0-9_]+_pb2) as /from . import \1 as /' "$out"/*_pb2.py
 echo "generated: $(ls nri_plugin/proto/*_pb2.py runtime/containerd/proto/*_pb2*.py "$out"/*_pb2.py | tr '\n' ' ')"

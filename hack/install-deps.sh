@@ -9,7 +9,8 @@
 #   - containerd 2.1.9 from sid, extracted (not installed) under /opt/rekindle/containerd-2.1;
 #   - runc, CNI plugins (/usr/lib/cni), iptables, iproute2, util-linux, busybox-static,
 #     build-essential (static glibc for the init), python3-venv;
-#   - CRIU >= 4.2 (built by hack/build-criu.sh when missing or older).
+#   - CRIU >= 4.2 (built by hack/build-criu.sh when missing or older);
+#   - promtool from trixie (tests: the chart's alert rules).
 # Versions: hack/versions.env (each overridable from the environment). Needs root.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -99,6 +100,13 @@ if [ "$(cat "$prefix21/.version" 2>/dev/null || true)" != "$REKINDLE_CONTAINERD2
     mv "$prefix21.new" "$prefix21"
 fi
 
+# --- promtool (the chart's alert rules are tested with `promtool test rules`) ---------------
+if [ "$(installed_version promtool)" != "$REKINDLE_PROMTOOL_VERSION" ]; then
+    apt_update
+    say "installing promtool=$REKINDLE_PROMTOOL_VERSION"
+    apt-get install -y -q --no-install-recommends "promtool=$REKINDLE_PROMTOOL_VERSION" >/dev/null
+fi
+
 # --- CRIU ----------------------------------------------------------------------------------
 criu_version() { criu --version 2>/dev/null | awk '/^Version:/ {print $2}'; }
 cv=$(criu_version || true)
@@ -118,4 +126,4 @@ for plugin in bridge host-local loopback portmap; do
 done
 [ -e /usr/lib/x86_64-linux-gnu/libc.a ] || [ -n "$(find /usr/lib -name libc.a -print -quit)" ] \
     || die "static libc (libc6-dev) missing"
-say "containerd $(containerd --version | awk '{print $3}'), containerd-2.1 $("$prefix21/usr/bin/containerd" --version | awk '{print $3}'), $(runc --version | head -n1), criu $cv, CNI in /usr/lib/cni"
+say "containerd $(containerd --version | awk '{print $3}'), containerd-2.1 $("$prefix21/usr/bin/containerd" --version | awk '{print $3}'), $(runc --version | head -n1), criu $cv, $(promtool --version | head -n1 | awk '{print "promtool", $3}'), CNI in /usr/lib/cni"

@@ -4,7 +4,8 @@
 #   hack/setup.sh          (as root; hack/demo.sh and hack/test.sh run it first)
 #
 # Runs hack/install-deps.sh, creates .venv (python3 -m venv) with the package installed
-# editable plus its test extras, then runs `make` when a top-level Makefile exists.
+# editable plus its test extras, then runs `make` when a top-level Makefile exists and
+# hack/build-zdtm.sh (CRIU's zdtm tests that tests/e2e/zdtm runs).
 # Idempotent: a second run only re-checks. Set REKINDLE_SKIP_DEPS=1 to skip the system part.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -30,4 +31,6 @@ if [ -f "$root/Makefile" ]; then
     step "building native parts (make)"
     make -C "$root" --no-print-directory
 fi
+step "zdtm tests for the e2e suite (hack/build-zdtm.sh)"
+"$root/hack/build-zdtm.sh"
 step "done; activate with: . ${venv#"$root"/}/bin/activate"

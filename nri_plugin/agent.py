@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
 from runtime import checkpoint as checkpoint_flow
-from runtime import housekeeping, store_gc
+from runtime import housekeeping, overlay_pending, store_gc
 from runtime import control
 from runtime import restore as restore_flow
 from runtime.compat import NodeFacts
@@ -45,7 +45,7 @@ from .imageids import ImageIds
 from .prefetch import Prefetcher
 from .health import HEARTBEAT, Health
 from .jobs import Jobs, Skipped, Work
-from .metrics import Metrics
+from .metrics import BuildInfo, Metrics
 from .outcomes import Reporter
 from .policy import AfterCheckpoint, ReadyProbe
 from .probes import ProbeSlots
@@ -58,6 +58,7 @@ if TYPE_CHECKING:  # imported where used: the Kubernetes client only with --even
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+ExitCode = Callable[[str], "int | None"]  # container id -> its exit code once exited
 
 
 def install_init(settings: Settings) -> None:
@@ -109,6 +110,7 @@ class NodeEngine:
         self.running = running  # pod sandbox id -> [(container id, name)] running or created
         self.generations = GenerationBook(settings.state_dir)
         self.prefetcher: Prefetcher | None = None  # set by run_plugin
+        self.exit_code: ExitCode | None = None      # set by _engine when containerd answers
 
     def _source_rules(self, work: Work) -> None:
         """Right before a checkpoint: the rules of ``guards`` that only now have an answer."""
@@ -144,11 +146,14 @@ class NodeEngine:
             log_dir=os.path.join(self.settings.state_dir, "logs"),
             path=restore_flow.RestorePath(self.settings.restore_path),
             max_layer_bytes=self.settings.max_layer_bytes,
-            threads=self.settings.fill_threads)
+            threads=self.settings.fill_threads, undo_dir=undo_dir(self.settings))
         prefetcher = self.prefetcher
         staged = (lambda art: prefetcher.take(work.pod_uid, art)) if prefetcher is not None else None
         return restore_flow.restore(req, self.store, self.key, self.facts, control=work.control, cuda=self.cuda,
                                     generations=self.generations, progress=work.progress, staged=staged)
+
+    def recover(self, work: Work) -> list[str] | None:
+        return restore_flow.recover_rootfs(undo_dir(self.settings), work.container_id, work.pid, work.control)
 
     def _patiently(self, ask: Callable[[], T], what: str) -> T:
         """``ask()``, asked again for up to ``image_id_wait`` seconds while containerd does not
@@ -177,17 +182,37 @@ class NodeEngine:
             found = self.image_ref(image)
         return found or ""
 
+    exit_wait = 5.0  # how long containerd may take to report an exit it has seen
+
+    def exit_status(self, work: Work) -> int | None:
+        """The exit code of a container whose process is gone, as containerd reports it (None if
+        it does not say in time)."""
+        ask = self.exit_code
+        if ask is None:
+            return None
+        deadline = time.monotonic() + self.exit_wait
+        while True:
+            try:
+                code = ask(work.container_id)
+            except CRIError as exc:
+                log.debug("exit code of %s unavailable: %s", work.container_id[:12], exc)
+                code = None
+            if code is not None or time.monotonic() >= deadline:
+                return code
+            time.sleep(0.1)
+
     async def probe(self, netns: str, probe: ReadyProbe) -> bool:
         return await run_probe(netns, probe.kind.value, probe.host, probe.port, probe.path)
 
 
-def _clients(settings: Settings) -> tuple[SpecAccess | None, ImageRef | None, guards.RunningContainers | None]:
-    """containerd spec access, an image-digest lookup and a pod's live containers, when the
-    socket is there."""
+def _clients(settings: Settings) -> tuple[SpecAccess | None, ImageRef | None, guards.RunningContainers | None,
+                                          ExitCode | None]:
+    """containerd spec access, an image-digest lookup, a pod's live containers and a
+    container's exit code, when the socket is there."""
     if not os.path.exists(settings.containerd_socket):
         log.warning("no containerd socket at %s: entrypoint swap on NRI < 0.10 disabled",
                     settings.containerd_socket)
-        return None, None, None
+        return None, None, None, None
     from runtime.containerd.client import ContainerdClient
     from runtime.containerd.cri_lookup import CriLookup
     specs = ContainerdClient(settings.containerd_socket, namespace=settings.containerd_namespace)
@@ -200,7 +225,7 @@ def _clients(settings: Settings) -> tuple[SpecAccess | None, ImageRef | None, gu
             log.debug("image digest of %s unavailable: %s", image, exc)
             return ""
 
-    return specs, image_ref, cri.live_containers
+    return specs, image_ref, cri.live_containers, cri.exit_code
 
 
 def _engine(settings: Settings) -> tuple[ArtifactStore, bytes, NodeFacts, NodeEngine, SpecAccess | None,
@@ -210,20 +235,32 @@ def _engine(settings: Settings) -> tuple[ArtifactStore, bytes, NodeFacts, NodeEn
     store = ArtifactStore(settings.store)
     cuda = _cuda()
     facts = NodeFacts.detect(cuda=node_cuda(cuda))
-    specs, image_ref, running = _clients(settings)
+    specs, image_ref, running, exit_code = _clients(settings)
     engine = NodeEngine(settings, store, key, cuda, facts, image_ref, running)
+    engine.exit_code = exit_code
     return store, key, facts, engine, specs, image_ref
 
 
-def _reporting(settings: Settings, status: StatusBook) -> tuple[Metrics, Health, HttpEndpoint | None,
-                                                                KubeReporter | None]:
+def _reporting(settings: Settings, status: StatusBook, facts: NodeFacts | None = None
+               ) -> tuple[Metrics, Health, HttpEndpoint | None, KubeReporter | None]:
     """Metrics, health, the HTTP endpoint (bound now: a port in use stops the plugin) and the
     Kubernetes reporter (configured now: no service account with --events stops it too)."""
-    metrics = Metrics(store_path=settings.store)
+    build = BuildInfo(criu=(facts.criu_version or "") if facts else "",
+                      driver=facts.cuda.driver_version if facts and facts.cuda else "")
+    metrics = Metrics(store_path=settings.store, build=build)
     health = Health()
     reporter = Reporter([metrics])
     kube = None
+    missing = None
     if settings.events:
+        from .events_k8s import client_missing
+        missing = client_missing()
+    if missing is not None:
+        # The client is an optional extra: without it the plugin runs, with Events off.
+        from .events_k8s import INSTALL_HINT
+        log.warning("--events is on but the Kubernetes client cannot be imported (%s): no Events and no "
+                    "rekindle.dev/Restored condition will be reported; %s", missing, INSTALL_HINT)
+    elif settings.events:
         from .events_k8s import KubeReporter, connect
         kube = KubeReporter(connect(settings.kubeconfig), settings.node_name, on_sent=metrics.report_sent,
                             on_drop=metrics.report_dropped).start()
@@ -257,7 +294,7 @@ def run_plugin(settings: Settings, max_parallel: int = 2) -> int:
     status = StatusBook(settings.state_dir)
     log.info("node %s: kernel %s, CRIU %s, CUDA %s", facts.hostname, facts.kernel, facts.criu_version,
              facts.cuda.driver_version if facts.cuda else "none")
-    metrics, health, endpoint, kube = _reporting(settings, status)
+    metrics, health, endpoint, kube = _reporting(settings, status, facts)
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
@@ -304,6 +341,11 @@ def run_plugin(settings: Settings, max_parallel: int = 2) -> int:
 HOUSEKEEPING_EVERY = 600.0
 
 
+def undo_dir(settings: Settings) -> str:
+    """Where restores keep their rootfs undo journals (runtime.overlay_pending)."""
+    return os.path.join(settings.state_dir, "rootfs-undo")
+
+
 def _housekeep_once(settings: Settings, store: ArtifactStore, metrics: Metrics | None = None) -> list[str]:
     """One round; each step on its own (one that fails skips no other). The failed steps' names."""
     logs = os.path.join(settings.state_dir, "logs")
@@ -318,6 +360,7 @@ def _housekeep_once(settings: Settings, store: ArtifactStore, metrics: Metrics |
 
     steps = [housekeeping.Step("store_sweep", sweep_store),
              housekeeping.Step("restore_copies", lambda: housekeeping.sweep_restore_copies(logs)),
+             housekeeping.Step("rootfs_journals", lambda: overlay_pending.sweep(undo_dir(settings))),
              housekeeping.Step("logs", lambda: housekeeping.rotate_logs(logs)),
              housekeeping.Step("status", lambda: housekeeping.expire_status(settings.state_dir))]
     return housekeeping.run_steps(steps, metrics.housekeeping_failed if metrics is not None else None)
@@ -351,11 +394,15 @@ def checkpoint_once(settings: Settings, container_id: str, namespace: str, name:
     return checkpoint_flow.checkpoint(req, store, key, control=_control_of(settings, container_id), cuda=engine.cuda)
 
 
-def restore_once(settings: Settings, container_id: str, namespace: str, name: str) -> dict[str, float]:
+def restore_once(settings: Settings, container_id: str, namespace: str, name: str,
+                 image: str) -> dict[str, float]:
+    """The CLI's restore into a target the caller checked (``restore_target``): the same checks
+    as the plugin's, the image and its digest included."""
     store, key, facts, engine, specs, image_ref = _engine(settings)
     req = restore_flow.RestoreRequest(
         containerd_state=settings.containerd_state, container_id=container_id, namespace=namespace,
-        name=name, image="", image_ref="", log_dir=os.path.join(settings.state_dir, "logs"),
-        path=restore_flow.RestorePath(settings.restore_path))
+        name=name, image=image, image_ref=engine._image_id(image), log_dir=os.path.join(settings.state_dir, "logs"),
+        path=restore_flow.RestorePath(settings.restore_path), max_layer_bytes=settings.max_layer_bytes,
+        threads=settings.fill_threads, undo_dir=undo_dir(settings))
     return restore_flow.restore(req, store, key, facts, control=_control_of(settings, container_id),
-                                cuda=engine.cuda, check_image=False, generations=engine.generations)
+                                cuda=engine.cuda, generations=engine.generations)

@@ -3,8 +3,16 @@
 Subcommands: plugin, checkpoint, restore, artifacts (list|inspect|delete|prune), status, doctor,
 nri-toggle, cuda-checkpoint. Every command that prints takes ``-o text|json`` (``--json`` is
 ``-o json``), except cuda-checkpoint, which keeps NVIDIA's flags and prints one word.
-Exit codes: 0 success, 1 failure, 2 usage error. Errors print one line (``rekindle: error:
-...``); ``-v`` adds tracebacks.
+Exit codes: 0 success, 1 failure, 2 usage error. An error is one line on stderr
+(``rekindle: error: ...``; a usage error also shows the usage); with ``-o json`` it is one JSON
+object on stdout instead, ``{"error": "...", "exit_code": N}``, so that a script reading stdout
+always gets JSON. Log lines: warnings and errors only, except for ``plugin`` (info); ``-v``
+(or ``$REKINDLE_LOG_LEVEL=debug``) shows every level and adds tracebacks.
+
+``restore`` checks before it touches anything, cheapest first: its arguments, the key, the
+artifact (present, signed), then the target (a container the plugin prepared, whose init waits
+in restore mode: ``restore_target``); only then does it start the engine (CUDA, containerd),
+which checks the node, the image and privileges as the plugin does.
 
 The HMAC key: every command uses the plugin's key, ``--hmac-key-file``, else
 ``$REKINDLE_HMAC_KEY_FILE`` (the chart sets it in the plugin's pod), else ``<state-dir>/hmac.key``.
@@ -14,13 +22,15 @@ Only ``plugin --create-key`` may create it; anywhere else a missing key is one e
 from __future__ import annotations
 
 import argparse
+import contextvars
 import json
 import logging
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from runtime.errors import KeyMissing, RekindleError
 
@@ -35,6 +45,34 @@ if TYPE_CHECKING:
 log = logging.getLogger("rekindle")
 
 KEY_ENV = "REKINDLE_HMAC_KEY_FILE"  # the chart sets it in the plugin's pod, so every command finds the key
+# containerd's identifier rule (its "identifiers" package); CRI ids are 64 hex digits.
+CONTAINER_ID = re.compile(r"[A-Za-z0-9]+(?:[._-][A-Za-z0-9]+)*")
+MAX_CONTAINER_ID = 76
+
+
+class UsageError(SystemExit):
+    """A bad command line: ``prog`` is the (sub)command, ``usage`` its usage text. A SystemExit
+    with status 2, as argparse's own, for callers of ``build_parser`` other than main()."""
+
+    def __init__(self, prog: str, message: str, usage: str = "") -> None:
+        super().__init__(2)
+        self.prog = prog
+        self.message = message
+        self.usage = usage
+
+
+# Set by main(): usage errors are raised for it to report (JSON under -o json); any other caller
+# of build_parser() gets argparse's own behaviour (usage and error on stderr, exit 2).
+_RAISE_USAGE: contextvars.ContextVar[bool] = contextvars.ContextVar("rekindle_raise_usage", default=False)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors main() reports itself. Subparsers are made of the same class."""
+
+    def error(self, message: str) -> NoReturn:
+        if not _RAISE_USAGE.get():
+            super().error(message)
+        raise UsageError(self.prog, message, usage=self.format_usage())
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -118,7 +156,7 @@ def _positive(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from .config import Settings
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="rekindle",
         description="Start GPU inference pods warm: checkpoint a loaded pod, restore new pods from it "
                     "(containerd NRI plugin + node tools).")
@@ -246,8 +284,22 @@ def cmd_plugin(args: argparse.Namespace) -> int:
     return run_plugin(settings, max_parallel=args.max_parallel)
 
 
+def _check_names(args: argparse.Namespace) -> None:
+    """The arguments that name things, checked before anything is read or asked."""
+    from runtime import names
+    cmd = f"rekindle {args.command}"
+    if not names.is_dns_label(args.namespace):
+        raise UsageError(cmd, f"--namespace {args.namespace!r} is not a Kubernetes namespace name")
+    if not names.is_artifact_name(args.name):
+        raise UsageError(cmd, f"--name {args.name!r} is not an artifact name (lower-case letters, digits, "
+                              "'-' and '.', at most 63)")
+    if len(args.container_id) > MAX_CONTAINER_ID or not CONTAINER_ID.fullmatch(args.container_id):
+        raise UsageError(cmd, f"--container-id {args.container_id!r} is not a containerd container id")
+
+
 def cmd_checkpoint(args: argparse.Namespace) -> int:
     from .agent import checkpoint_once
+    _check_names(args)
     t0 = time.monotonic()
     timings = checkpoint_once(_settings(args), args.container_id, args.namespace, args.name, exit_after=args.exit)
     total = time.monotonic() - t0
@@ -262,9 +314,19 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
 
 
 def cmd_restore(args: argparse.Namespace) -> int:
-    from .agent import restore_once
+    from runtime.store import ArtifactStore
+
+    from . import restore_target
+    _check_names(args)
+    settings = _settings(args)
+    settings.check()
+    with ArtifactStore(settings.store).open(args.namespace, args.name, _key(settings)):
+        pass  # there, and signed with the plugin's key
+    # Before anything touches the container: is it a target the plugin prepared?
+    target = restore_target.check(settings.containerd_state, settings.state_dir, args.container_id)
+    from .agent import restore_once  # the engine: CUDA, containerd, the node's facts
     t0 = time.monotonic()
-    timings = restore_once(_settings(args), args.container_id, args.namespace, args.name)
+    timings = restore_once(settings, args.container_id, args.namespace, args.name, image=target.image)
     total = time.monotonic() - t0
     if _json(args):
         print(json.dumps({"namespace": args.namespace, "name": args.name, "container_id": args.container_id,
@@ -305,7 +367,7 @@ def cmd_artifacts(args: argparse.Namespace) -> int:
         return 0
     if args.action == "prune":
         if args.older_than is None and args.keep_last is None and not args.leftovers:
-            raise SystemExit("rekindle artifacts prune: say what to prune: --older-than, --keep-last or --leftovers")
+            raise UsageError("rekindle artifacts prune", "say what to prune: --older-than, --keep-last or --leftovers")
         done = store_gc.prune(store, args.namespace, older_than=args.older_than, keep_last=args.keep_last)
         swept = store_gc.sweep(store, args.namespace) if args.leftovers else []
         if _json(args):
@@ -445,25 +507,55 @@ def _describe(exc: RekindleError, args: argparse.Namespace) -> str:
     return f"{exc} (pass --create-key to create one, or mount the chart's Secret there)"
 
 
+def _wants_json(argv: Sequence[str]) -> bool:
+    """Whether the command line asks for JSON output, read before (and whether or not) it parses."""
+    for i, arg in enumerate(argv):
+        if arg in ("--json", "-ojson", "--output=json"):
+            return True
+        if arg in ("-o", "--output") and argv[i + 1:i + 2] == ["json"]:
+            return True
+    return False
+
+
+def _fail(message: str, code: int, as_json: bool, prog: str = "rekindle", usage: str = "") -> int:
+    """The one error report: a JSON object on stdout under -o json, else a line on stderr."""
+    if as_json:
+        print(json.dumps({"error": message, "exit_code": code}))
+    else:
+        print(f"{usage}{prog}: error: {message}", file=sys.stderr)
+    return code
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
-    # Pass-through subcommands own their flags (--help included).
+    # Pass-through subcommands own their flags (--help included) and their errors.
     if argv and argv[0] in ("nri-toggle", "cuda-checkpoint"):
         args = argparse.Namespace(func=cmd_passthrough, rest=argv[1:], verbose=False,
                                   target={"nri-toggle": "runtime.nritoggle",
                                           "cuda-checkpoint": "runtime.cuda_cli"}[argv[0]])
         logs.setup(verbose=False, fmt="text")
-    else:
-        args = parser.parse_args(argv)
-        verbose = args.verbose or os.environ.get("REKINDLE_LOG_LEVEL", "").lower() == "debug"
-        logs.setup(verbose=verbose, fmt=args.log_format)
+        logging.getLogger().setLevel(logging.WARNING)
+        return int(args.func(args) or 0)
+    as_json = _wants_json(argv)
+    token = _RAISE_USAGE.set(True)
+    try:
+        args = build_parser().parse_args(argv)
+    except UsageError as exc:
+        return _fail(exc.message, 2, as_json, exc.prog, exc.usage)
+    finally:
+        _RAISE_USAGE.reset(token)
+    verbose = args.verbose or os.environ.get("REKINDLE_LOG_LEVEL", "").lower() == "debug"
+    logs.setup(verbose=verbose, fmt=args.log_format)
+    if not verbose and args.command != "plugin":
+        logging.getLogger().setLevel(logging.WARNING)  # a tool's output is its result, not its progress
+    as_json = _json(args)
     try:
         return int(args.func(args) or 0)
-    except RekindleError as exc:
+    except UsageError as exc:
+        return _fail(exc.message, 2, as_json, exc.prog, exc.usage)
+    except (RekindleError, OSError) as exc:
         if args.verbose:
             log.exception("failed")
-        print(f"rekindle: error: {_describe(exc, args)}", file=sys.stderr)
-        return 1
+        return _fail(_describe(exc, args) if isinstance(exc, RekindleError) else str(exc), 1, as_json)
     except KeyboardInterrupt:
         return 130

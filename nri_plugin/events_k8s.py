@@ -18,6 +18,9 @@ The Event is the legacy core/v1 shape the kubelet writes (``source``, first/last
 involvedObject names the container (``spec.containers{NAME}``). Configuration: in-cluster
 service account (the chart mounts a token only with ``events.enabled``), or a kubeconfig file.
 RBAC: create/patch events; get and patch pods/status.
+
+The client is an optional dependency (``rekindle[kubernetes]``; the plugin image has it): it is
+imported only where it is used, and ``client_missing`` says whether it can be.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ SMP = "application/strategic-merge-patch+json"
 EVENTS: dict[OutcomeKind, tuple[str, str]] = {
     OutcomeKind.RESTORED: ("Normal", "Restored"),
     OutcomeKind.COLD_START: ("Warning", "ColdStart"),
+    OutcomeKind.RESTORE_EXITED: ("Warning", "RestoreExited"),
     OutcomeKind.PUBLISHED: ("Normal", "CheckpointPublished"),
     OutcomeKind.CHECKPOINT_FAILED: ("Warning", "CheckpointFailed"),
     OutcomeKind.SKIPPED: ("Normal", "Skipped"),
@@ -104,7 +108,7 @@ def condition_reason(outcome: Outcome) -> str:
 
 def condition_patch(outcome: Outcome, now: datetime.datetime) -> dict[str, Any] | None:
     """The status patch for a restore's outcome (None for anything else)."""
-    if outcome.kind not in (OutcomeKind.RESTORED, OutcomeKind.COLD_START):
+    if outcome.kind not in (OutcomeKind.RESTORED, OutcomeKind.COLD_START, OutcomeKind.RESTORE_EXITED):
         return None
     return {
         "metadata": {"uid": outcome.pod_uid},  # precondition: never patch a newer pod of that name
@@ -124,6 +128,19 @@ def reports_for(outcome: Outcome, node: str, now: datetime.datetime) -> list[Rep
     if patch is not None and outcome.pod_uid:
         out.append(Report("condition", outcome.namespace, outcome.pod, patch))
     return out
+
+
+INSTALL_HINT = "pip install 'rekindle[kubernetes]' (the plugin image has it)"
+
+
+def client_missing() -> str | None:
+    """Why the Kubernetes client cannot be imported here; None when it can."""
+    try:
+        import kubernetes.client  # noqa: F401
+        import kubernetes.config  # noqa: F401
+    except ImportError as exc:
+        return str(exc) or type(exc).__name__
+    return None
 
 
 class Unavailable(Exception):

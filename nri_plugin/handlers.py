@@ -180,7 +180,8 @@ class RekindlePlugin:
     def _precheck_restore(self, pod: api.PodSandbox, ctr: api.Container, intent: Intent) -> Manifest:
         """Cheap checks only (reads the manifest, not the images): this runs inside the handler."""
         prev = self.status.read(pod.namespace, pod.name, ctr.name)
-        if prev and prev.pod_uid == pod.uid and prev.phase in (Phase.COLD_START, Phase.RESTORED, Phase.RESTORING):
+        if prev and prev.pod_uid == pod.uid and prev.phase in (Phase.COLD_START, Phase.RESTORED, Phase.RESTORING,
+                                                                 Phase.RESTORE_EXITED):
             raise RekindleError(f"a restore was already attempted for this pod ({prev.phase.value}"
                                 f"{': ' + prev.reason if prev.reason else ''}); not retrying")
         with self.store.open(pod.namespace, intent.artifact, self.key) as artifact:

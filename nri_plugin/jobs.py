@@ -11,7 +11,13 @@ Outcomes always reach the container through its control dir, exactly once:
   checkpoint: ``snapshot-complete`` or ``checkpoint-failed`` (also when the engine declines
               with ``Skipped``: the artifact exists, or the pod runs other containers);
   restore:    ``restore-pid`` + ``restore-complete``, or ``restore-failed`` (the init then starts
-              the original command — the cold start).
+              the original command — the cold start). A restore cut short by the agent's death
+              is failed by the next agent after ``Engine.recover`` rolled back its rootfs
+              changes (``rootfs-pending`` keeps the init from starting cold meanwhile).
+A restore's outcome is ``restored`` only once the process runs: the container's init, which
+adopted the restored process and exits with it, must still live ``settle`` seconds after the
+tree was resumed (the CUDA restore, which runs after the resume, counts). If it dies first, the outcome is ``restore-exited`` with the exit status
+containerd reports (a workload that crashes on resume, e.g. on a pod it does not expect).
 and to the status record: the phase, the reason, the timings (with ``total``: the engine call),
 the artifact's size, and while the engine runs its live progress (``nri_plugin.progress``).
 Each task runs with the container and artifact bound to the log context, and engine calls run
@@ -24,8 +30,10 @@ import asyncio
 import contextvars
 import functools
 import logging
+import os
+import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -45,6 +53,10 @@ READY_POLL = 0.2
 PROBE_INTERVAL = 1.0
 # Whole-probe deadline on top of the engine's own (1 s): a probe never holds its slot longer.
 PROBE_DEADLINE = 2.0
+# A restored process that lives this long after the restore counts as running: the init adopts
+# it within 50 ms of restore-complete, and a process that trips over its new pod (another
+# hostname, address or mount) does so as soon as it runs.
+RESTORE_SETTLE = 1.0
 
 
 @dataclass
@@ -85,16 +97,22 @@ class Skipped(RekindleError):
 class Engine(Protocol):
     def checkpoint(self, work: Work) -> dict[str, float]: ...
     def restore(self, work: Work) -> dict[str, float]: ...
+    # A restore cut short by the agent's death: undo what it changed (None: nothing was pending;
+    # else the problems met, none when the container is as before the restore).
+    def recover(self, work: Work) -> list[str] | None: ...
     async def probe(self, netns: str, probe: ReadyProbe) -> bool: ...
+    def exit_status(self, work: Work) -> int | None: ...
 
 
 class Jobs:
     def __init__(self, engine: Engine, status: StatusBook, max_parallel: int = 2,
-                 probes: ProbeSlots | None = None) -> None:
+                 probes: ProbeSlots | None = None, settle: float = RESTORE_SETTLE) -> None:
         self.engine = engine
+        self.settle = settle
         self.status = status
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._running: set[str] = set()  # container ids whose engine call is under way
+        self._resuming: set[str] = set()  # container ids whose cut-short restore is being undone
         self._slots = asyncio.Semaphore(max_parallel)
         self._pool = ThreadPoolExecutor(max_parallel, thread_name_prefix="rekindle-engine")
         self._probes = probes or ProbeSlots()
@@ -103,10 +121,13 @@ class Jobs:
         if work.container_id in self._tasks:
             return
         run = self._checkpoint if work.intent.role is Role.CHECKPOINT else self._restore
+        self._start_task(work, run(work))
+
+    def _start_task(self, work: Work, coro: Coroutine[object, object, None]) -> None:
         ctx = contextvars.copy_context()
         ctx.run(logs.bind, namespace=work.namespace, pod=work.pod, container=work.container,
                 container_id=work.container_id, artifact=work.artifact)
-        task = asyncio.get_running_loop().create_task(run(work), name=f"rekindle-{work.container_id[:12]}",
+        task = asyncio.get_running_loop().create_task(coro, name=f"rekindle-{work.container_id[:12]}",
                                                       context=ctx)
         self._tasks[work.container_id] = task
         task.add_done_callback(functools.partial(self._forget, work.container_id))
@@ -131,16 +152,41 @@ class Jobs:
             return
         outcome = any(work.control.exists(n) for n in
                       (control.RESTORE_COMPLETE, control.RESTORE_FAILED, control.COLD_START))
-        if outcome:
+        if (outcome and not work.control.exists(control.ROOTFS_PENDING)) or work.container_id in self._resuming:
             return
-        if prev is not None and prev.phase is Phase.RESTORING:
-            reason = "the agent restarted during the restore"
-            work.control.write(control.RESTORE_FAILED, reason)
-            self._set(work, Phase.COLD_START, reason)
-            log.warning("%s: %s; cold start", work.who, reason)
+        if outcome or (prev is not None and prev.phase is Phase.RESTORING):
+            # Cut short: its rootfs changes are rolled back (in the pool: they may take long)
+            # before restore-failed lets the init start cold; a completed one keeps them.
+            self._resuming.add(work.container_id)
+            self._loop.call_soon_threadsafe(self._start_task, work, self._fail_cut_short(work))
             return
         log.info("%s: starting restore after plugin restart", work.who)
         self._call_soon(work)
+
+    async def _fail_cut_short(self, work: Work) -> None:
+        try:
+            ctx = contextvars.copy_context()
+            problems = await asyncio.get_running_loop().run_in_executor(
+                self._pool, ctx.run, self.engine.recover, work)
+        except Exception as exc:  # noqa: BLE001 - reported to the pod like any failure
+            log.error("%s: recovering the cut-short restore failed", work.who, exc_info=True)
+            problems = [str(exc) or type(exc).__name__]
+        finally:
+            self._resuming.discard(work.container_id)
+        if work.control.exists(control.RESTORE_COMPLETE):  # it had completed: its journal is dropped
+            prev = self.status.read(work.namespace, work.pod, work.container)
+            if prev is None or prev.phase is Phase.RESTORING:
+                self._set(work, Phase.RESTORED, "restored; the agent restarted before it recorded it")
+            return
+        if work.control.exists(control.RESTORE_FAILED) or work.control.exists(control.COLD_START):
+            return  # already failed
+        reason = "the agent restarted during the restore"
+        if problems:
+            reason += ("; its rootfs changes could not all be rolled back, so the container will not "
+                       "start cold on them: " + "; ".join(problems[:3]))
+        work.control.write(control.RESTORE_FAILED, reason + "\n")
+        self._set(work, Phase.COLD_START, reason)
+        log.warning("%s: %s; cold start", work.who, reason)
 
     def _call_soon(self, work: Work) -> None:
         # Synchronize runs in a worker thread; tasks belong to the loop.
@@ -153,7 +199,8 @@ class Jobs:
     def cancel(self, container_id: str, reason: str) -> None:
         """Stop waiting for a container. Engine work already running is left to finish: its
         thread cannot be interrupted, and its outcome must still be recorded (an exit-after
-        checkpoint stops its own source, which is what triggers this)."""
+        checkpoint stops its own source, which is what triggers this; so does a restored
+        process that dies while its restore settles)."""
         task = self._tasks.get(container_id)
         if task is None or task.done():
             return
@@ -208,10 +255,59 @@ class Jobs:
     async def _restore(self, work: Work) -> None:
         self._set(work, Phase.RESTORING, "")
         # On failure the init reads restore-failed and starts the original command: the cold start.
-        if await self._run(self.engine.restore, work, Phase.RESTORING, Phase.RESTORED, Phase.COLD_START,
-                           control.RESTORE_FAILED):
-            log.info("%s: restored from %s (%s)", work.who, work.artifact, _fmt(work.timings),
-                     extra={"phase": "restored", "seconds": work.timings.get("total")})
+        # On success the record stays restoring until the process is seen to run.
+        if not await self._run(self.engine.restore, work, Phase.RESTORING, Phase.RESTORING, Phase.COLD_START,
+                               control.RESTORE_FAILED):
+            return
+        self._running.add(work.container_id)  # its exit (a StopContainer) must not cut the watch short
+        # The settle counts from the resume: the process already ran through the CUDA restore.
+        wait = max(0.0, self.settle - work.timings.get("cuda_restore", 0.0))
+        try:
+            died = await self._died(work, wait)
+        finally:
+            self._running.discard(work.container_id)
+        if died is not None:
+            log.warning("%s: %s", work.who, died, extra={"phase": Phase.RESTORE_EXITED.value})
+            self._set(work, Phase.RESTORE_EXITED, died)
+            return
+        self._set(work, Phase.RESTORED, "")
+        log.info("%s: restored from %s (%s)", work.who, work.artifact, _fmt(work.timings),
+                 extra={"phase": "restored", "seconds": work.timings.get("total")})
+
+    async def _died(self, work: Work, wait: float) -> str | None:
+        """Why the restored process is not running ``wait`` seconds after the restore, or None
+        if it is. Watches the container's init (a pidfd: no polling), which exits with it."""
+        if work.pid <= 0 or wait <= 0:
+            return None
+        loop = asyncio.get_running_loop()
+        try:
+            fd = os.pidfd_open(work.pid)
+        except ProcessLookupError:
+            fd = -1
+        except OSError as exc:  # no pidfd here: the process cannot be watched, take the restore
+            log.warning("%s: cannot watch the restored container's init (%s)", work.who, exc)
+            return None
+        if fd >= 0:
+            gone: asyncio.Future[None] = loop.create_future()
+
+            def exited() -> None:
+                if not gone.done():
+                    gone.set_result(None)
+            loop.add_reader(fd, exited)
+            try:
+                await asyncio.wait_for(gone, wait)
+            except TimeoutError:
+                return None  # it runs
+            finally:
+                loop.remove_reader(fd)
+                os.close(fd)
+        try:
+            code = await loop.run_in_executor(self._pool, contextvars.copy_context().run,
+                                              self.engine.exit_status, work)
+        except Exception as exc:  # noqa: BLE001 - the death is reported either way
+            log.warning("%s: no exit status: %s", work.who, exc)
+            code = None
+        return "the restored process exited right after the restore (" + _exit_text(code) + ")"
 
     async def _run(self, fn: Callable[[Work], dict[str, float]], work: Work, running: Phase, ok: Phase, failed: Phase, failure_file: str) -> bool:
         """Run one engine call; record and report its outcome (the file tells the container)."""
@@ -255,6 +351,17 @@ class Jobs:
             role=work.intent.role.value, artifact=work.artifact, phase=phase, reason=reason,
             container_id=work.container_id, pod_uid=work.pod_uid, timings=dict(work.timings),
             progress=progress, bytes=work.bytes))
+
+
+def _exit_text(code: int | None) -> str:
+    if code is None:
+        return "exit status unknown"
+    if code > 128 and code - 128 < signal.NSIG:
+        try:
+            return f"exit status {code}: {signal.Signals(code - 128).name}"
+        except ValueError:
+            pass
+    return f"exit status {code}"
 
 
 def _fmt(timings: dict[str, float]) -> str:

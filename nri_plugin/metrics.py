@@ -7,12 +7,17 @@ of this code), never from free text, so the series stay bounded.
 
 Exposed by ``nri_plugin.httpd`` at ``/metrics``:
 
-  rekindle_restore_duration_seconds{phase}        histogram (phase "total": the whole restore)
-  rekindle_checkpoint_duration_seconds{phase}     histogram (phase "total": ready to published)
+  rekindle_build_info{version,criu,driver}        gauge, always 1: the plugin's version, CRIU's, the
+                                                  CUDA driver's ("none" on a node without one)
+  rekindle_restore_duration_seconds               histogram: whole restores
+  rekindle_checkpoint_duration_seconds            histogram: whole checkpoints (ready to published)
+  rekindle_restore_phase_duration_seconds{phase}      histogram, one series per phase of a restore
+  rekindle_checkpoint_phase_duration_seconds{phase}   histogram, one series per phase of a checkpoint
   rekindle_outcomes_total{outcome,reason}         counter (reason: outcomes.ReasonClass)
   rekindle_restored_bytes_total                   counter: artifact bytes restored
   rekindle_published_bytes_total                  counter: artifact bytes published
-  rekindle_store_free_bytes                       gauge, read at scrape time
+  rekindle_store_free_bytes                       gauge, read at scrape time (free to non-root)
+  rekindle_store_size_bytes                       gauge, read at scrape time (the filesystem's size)
   rekindle_nri_connected, rekindle_nri_synchronized   gauges (0/1)
   rekindle_nri_handler_duration_seconds{handler}  histogram
   rekindle_nri_handler_failures_total{handler,kind}   counter (kind: error, overrun)
@@ -20,16 +25,25 @@ Exposed by ``nri_plugin.httpd`` at ``/metrics``:
   rekindle_kubernetes_reports_dropped_total{reason}   counter (queue_full, api_unavailable, rejected)
   rekindle_housekeeping_failures_total{step}      counter (store_sweep, restore_copies, logs, status)
   rekindle_store_bad_leftovers                    gauge: leftovers past the walk's bounds, last sweep
+
+The totals and the phases are separate families, so that a sum over a family's series never
+adds a whole flow to its own parts. No ``*_created`` series: a scraper gets nothing from them
+but twice the series of every counter and histogram.
 """
 
 from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
+from importlib import metadata
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
 from .outcomes import Outcome, OutcomeKind
+
+# Process-wide in prometheus_client; nothing of ours wants them.
+disable_created_metrics()  # type: ignore[no-untyped-call]
 
 # Seconds: handler replies are due within 2 s; restores of GPU artifacts take minutes.
 HANDLER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 1.6, 2.0, 5.0)
@@ -37,14 +51,42 @@ HOUSEKEEPING_STEPS = ("store_sweep", "restore_copies", "logs", "status")  # nri_
 FLOW_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
 
 
+def package_version() -> str:
+    try:
+        return metadata.version("rekindle")
+    except metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown"
+
+
+@dataclass(frozen=True)
+class BuildInfo:
+    """What runs on this node; one value per label per process, so one series."""
+
+    version: str = ""
+    criu: str = ""
+    driver: str = ""  # the CUDA driver's version, "" when the node has none
+
+    def labels(self) -> tuple[str, str, str]:
+        return (self.version or package_version(), self.criu or "unknown", self.driver or "none")
+
+
 class Metrics:
-    def __init__(self, store_path: str | None = None, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, store_path: str | None = None, registry: CollectorRegistry | None = None,
+                 build: BuildInfo = BuildInfo()) -> None:
         r = self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        self.build_info = Gauge("rekindle_build_info", "1, labelled with the versions running on this node",
+                                ["version", "criu", "driver"], registry=r)
+        self.build_info.labels(*build.labels()).set(1)
         self.restore_seconds = Histogram(
-            "rekindle_restore_duration_seconds", "Duration of restores, by phase ('total': all of it)",
-            ["phase"], buckets=FLOW_BUCKETS, registry=r)
+            "rekindle_restore_duration_seconds", "Duration of whole restores", buckets=FLOW_BUCKETS, registry=r)
         self.checkpoint_seconds = Histogram(
-            "rekindle_checkpoint_duration_seconds", "Duration of checkpoints, by phase ('total': all of it)",
+            "rekindle_checkpoint_duration_seconds", "Duration of whole checkpoints, ready to published",
+            buckets=FLOW_BUCKETS, registry=r)
+        self.restore_phase_seconds = Histogram(
+            "rekindle_restore_phase_duration_seconds", "Duration of the phases of restores, by phase",
+            ["phase"], buckets=FLOW_BUCKETS, registry=r)
+        self.checkpoint_phase_seconds = Histogram(
+            "rekindle_checkpoint_phase_duration_seconds", "Duration of the phases of checkpoints, by phase",
             ["phase"], buckets=FLOW_BUCKETS, registry=r)
         self.outcomes = Counter(
             "rekindle_outcomes", "Final outcomes of annotated containers, by outcome and reason class",
@@ -55,7 +97,10 @@ class Metrics:
                                        registry=r)
         self.store_free = Gauge("rekindle_store_free_bytes", "Free bytes on the artifact store's filesystem",
                                 registry=r)
-        self.store_free.set_function(lambda: _free_bytes(store_path))
+        self.store_free.set_function(lambda: _statvfs_bytes(store_path, free=True))
+        self.store_size = Gauge("rekindle_store_size_bytes", "Size of the artifact store's filesystem",
+                                registry=r)
+        self.store_size.set_function(lambda: _statvfs_bytes(store_path, free=False))
         self.nri_connected = Gauge("rekindle_nri_connected", "1 while registered with the runtime over NRI",
                                    registry=r)
         self.nri_synchronized = Gauge("rekindle_nri_synchronized",
@@ -91,18 +136,18 @@ class Metrics:
     def publish(self, outcome: Outcome) -> None:
         self.outcomes.labels(outcome.kind.value, outcome.reason_class.value).inc()
         if outcome.kind is OutcomeKind.RESTORED:
-            self._durations(self.restore_seconds, outcome)
+            self._durations(self.restore_seconds, self.restore_phase_seconds, outcome)
             self.restored_bytes.inc(outcome.bytes)
         elif outcome.kind is OutcomeKind.PUBLISHED:
-            self._durations(self.checkpoint_seconds, outcome)
+            self._durations(self.checkpoint_seconds, self.checkpoint_phase_seconds, outcome)
             self.published_bytes.inc(outcome.bytes)
 
     @staticmethod
-    def _durations(hist: Histogram, outcome: Outcome) -> None:
+    def _durations(total: Histogram, phases: Histogram, outcome: Outcome) -> None:
+        total.observe(outcome.seconds)  # the flow's "total" timing, else the sum of its phases
         for phase, seconds in outcome.timings.items():
-            hist.labels(phase).observe(seconds)
-        if "total" not in outcome.timings:
-            hist.labels("total").observe(outcome.seconds)
+            if phase != "total":
+                phases.labels(phase).observe(seconds)
 
     # ------------------------------------------------------------------ stub observer
     def connection(self, connected: bool, synchronized: bool) -> None:
@@ -126,11 +171,11 @@ class Metrics:
         self.housekeeping_failures.labels(step).inc()
 
 
-def _free_bytes(path: str | None) -> float:
+def _statvfs_bytes(path: str | None, free: bool) -> float:
     if not path:
         return math.nan
     try:
         st = os.statvfs(path)
     except OSError:
         return math.nan
-    return float(st.f_bavail * st.f_frsize)
+    return float((st.f_bavail if free else st.f_blocks) * st.f_frsize)

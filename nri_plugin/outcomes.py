@@ -2,7 +2,8 @@
 
 The plugin records every decision in the container's status file (``runtime.status``).
 ``Reporter`` observes those writes; for a record in a final phase it builds one ``Outcome``
-(restored, cold start, checkpoint published, checkpoint failed, skipped) and hands it to each
+(restored, restored but exited at once, cold start, checkpoint published, checkpoint failed,
+skipped) and hands it to each
 ``OutcomeSink`` (metrics, Kubernetes Events and pod condition). Each outcome is reported once
 per container instance, however often its record is rewritten.
 
@@ -34,6 +35,7 @@ log = logging.getLogger(__name__)
 
 class OutcomeKind(Enum):
     RESTORED = "restored"
+    RESTORE_EXITED = "restore_exited"      # restored, and the process died right after
     COLD_START = "cold_start"
     PUBLISHED = "published"
     CHECKPOINT_FAILED = "checkpoint_failed"
@@ -50,6 +52,7 @@ class ReasonClass(Enum):
     INTEGRITY = "integrity"                # signature, digest, layout of the artifact
     TIMEOUT = "timeout"                    # a handler overran, or the restore took too long
     AGENT_RESTART = "agent_restart"        # the plugin restarted during the work
+    EXITED = "exited"                      # the restored process exited right after the restore
     ARTIFACT_EXISTS = "artifact_exists"    # a source whose artifact is already published
     SEVERAL_CONTAINERS = "several_containers"  # a pod with more containers and none named
     NOT_SOURCE_CONTAINER = "not_source_container"  # a container the artifact was not taken from
@@ -69,6 +72,7 @@ _KEYWORDS: tuple[tuple[ReasonClass, tuple[str, ...]], ...] = (
     (ReasonClass.NOT_SOURCE_CONTAINER, ("not the artifact's source container",)),
     (ReasonClass.ALREADY_ATTEMPTED, ("already attempted",)),
     (ReasonClass.AGENT_RESTART, ("agent restarted",)),
+    (ReasonClass.EXITED, ("exited right after the restore",)),
     (ReasonClass.TIMEOUT, ("overran", "timed out", "timeout")),
     (ReasonClass.NOT_FOUND, ("not found in", "not found: no store", "is gone")),
     (ReasonClass.PRIVILEGE, ("less privileged", "source runs as", "source gid", "groups the target lacks",
@@ -150,6 +154,8 @@ class Outcome:
         if self.kind is OutcomeKind.PUBLISHED:
             size = f" ({_size(self.bytes)})" if self.bytes else ""
             return f"{label}{size} in {self.seconds:.1f} s" + (f": {phases}" if phases else "")
+        if self.kind is OutcomeKind.RESTORE_EXITED:
+            return f"container {self.container} was restored from {label} and died: {self.reason}"
         if self.kind is OutcomeKind.COLD_START:
             return f"container {self.container} started cold instead of restoring {label}: {self.reason}"
         if self.kind is OutcomeKind.CHECKPOINT_FAILED:
@@ -162,6 +168,8 @@ def outcome_of(status: ContainerStatus) -> Outcome | None:
     role = status.role
     if status.phase is Phase.RESTORED:
         kind = OutcomeKind.RESTORED
+    elif status.phase is Phase.RESTORE_EXITED:
+        kind = OutcomeKind.RESTORE_EXITED
     elif status.phase is Phase.PUBLISHED:
         kind = OutcomeKind.PUBLISHED
     elif status.phase is Phase.SKIPPED:

@@ -53,8 +53,21 @@ def check_nri_socket(socket_path: str, timeout: float = TIMEOUT) -> Check:
     return Check("nri-socket", True, f"{socket_path}: {detail}")
 
 
+def check_kubernetes_client(events: bool) -> Check:
+    """The optional client behind Events and the pod condition: a failure only with --events."""
+    from .events_k8s import INSTALL_HINT, client_missing
+    missing = client_missing()
+    if missing is None:
+        return Check("kubernetes-client", True, "importable (--events can report Events and the pod condition)",
+                     required=False)
+    effect = "--events is on, but" if events else "with --events,"
+    return Check("kubernetes-client", False, f"not importable ({missing}): {effect} no Events and no pod "
+                 f"condition would be reported; {INSTALL_HINT}", required=False)
+
+
 def run_checks(settings: DoctorSettings) -> list[Check]:
     checks = [c for c in node_checks(settings) if c.name != "nri-socket"]
+    checks.append(check_kubernetes_client(bool(getattr(settings, "events", False))))
     sock = settings.socket_path
     if sock:
         checks.insert(next((i for i, c in enumerate(checks) if c.name == "containerd-api"), len(checks)),

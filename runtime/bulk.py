@@ -9,24 +9,31 @@ driver holds its whole device memory as one private anonymous mapping. So:
   ``bulk/pages-<pid>.bulk`` (no copy), a new pages file gets the bytes of the entries CRIU keeps,
   and the pagemap loses the moved entries outright (an entry kept with flags 0 makes CRIU's
   restorer spin). An entry straddling two VMAs stays with CRIU. Shared mappings, file mappings
-  and read-only ones stay with CRIU (process_vm_writev cannot write read-only mappings). VMAs
+  and read-only ones stay with CRIU (process_vm_writev cannot write read-only mappings), and so
+  does whatever is written into the process after CRIU restored it and before the fill
+  (``criu_image.written_after_restore``: the VMAs a pending signal's frame can land in, each
+  thread's rseq area), which the fill would otherwise overwrite with the dumped bytes. The
+  digest of each SUM_CHUNK of the bulk file goes to ``bulk/pages-<pid>.sums``. VMAs
   named in ``huge`` (the CUDA driver's host staging copy) get MADV_HUGEPAGE in mm-<pid>.img:
   CRIU applies madvise after its own page reads, so the empty range is THP-eligible before the
   fill; no other VMA changes, so the restored process has the advice the source had.
-- :func:`fill` (restore side, CRIU ran with ``--leave-stopped``): N threads read each bulk file
-  piece by piece into private buffers, hash exactly those bytes, and write them into the
-  stopped process with process_vm_writev. A piece not in the page cache is first asked of the
-  disk whole (``POSIX_FADV_WILLNEED``): the threads share one open file, whose readahead state
-  their interleaved 1 MiB reads keep resetting; the advice keeps large requests queued however
-  the threads interleave (``bench.disk_queue`` measures both). The caller resumes the process only when
-  :func:`fill` returned, i.e. every file's digest matched the signed manifest; on any error it
-  kills the stopped tree, which then never ran.
+- :func:`fill` (restore side, CRIU ran with ``--leave-stopped``): first :func:`check_targets`
+  (every range in private anonymous writable memory of a process CRIU restored, no stack) and
+  :func:`assert_untouched` (no page of a range written yet); then N threads read each bulk file
+  1 MiB at a time into private buffers, hash exactly those bytes, compare the digest with the
+  signed one, and only then write them into the stopped process with process_vm_writev. A
+  piece not in the page cache is first asked of the disk whole (``POSIX_FADV_WILLNEED``): the
+  threads share one open file, whose readahead state their interleaved 1 MiB reads keep
+  resetting; the advice keeps large requests queued however the threads interleave
+  (``bench.disk_queue`` measures both). The caller resumes the process only when :func:`fill`
+  returned; on any error it kills the stopped tree, which then never ran.
 """
 
 from __future__ import annotations
 
 import bisect
 import ctypes
+import dataclasses
 import errno
 import logging
 import mmap
@@ -42,9 +49,12 @@ from typing import Any
 
 from runtime import criu_image as img
 from runtime.errors import RekindleError
-from runtime.layout import BULK_DIR, CRIU_DIR, BulkFile, BulkRange, bulk_file, bulk_pagemap
+from runtime import layout
+from runtime.layout import (BULK_DIR, CRIU_DIR, DIGEST_BYTES, SUM_CHUNK, BulkFile, BulkRange, bulk_file,
+                            bulk_pagemap, bulk_sums)
 from runtime.artifact import Artifact
-from runtime.digests import WORKERS, combine_pieces, new_hash, piece_ranges
+from runtime import digests
+from runtime.digests import WORKERS, new_hash, piece_ranges
 from runtime.pagecache import is_cached
 
 log = logging.getLogger(__name__)
@@ -53,7 +63,7 @@ log = logging.getLogger(__name__)
 # on one thread): an LLM worker's 301 MiB of heap runs below 2 MiB took 0.27-0.64 s of CRIU's
 # restore on the H200, and the fill writes them on many threads instead.
 MIN_RUN = img.PAGE
-CHUNK = 1 << 20  # per-thread buffer: hashed and written while still in the core's cache
+CHUNK = SUM_CHUNK  # per-thread buffer: hashed and written while still in the core's cache
 
 
 class FillError(RekindleError):
@@ -78,13 +88,48 @@ class FillStats:
 
 # --- split ---------------------------------------------------------------------------------------
 
-MAX_RANGES = 200_000  # per artifact: the restore plan lists each (about 45 bytes) and is capped
+MAX_RANGES = layout.MAX_BULK_RANGES  # per artifact: the restore plan lists each and is capped
 
 
-def _runs(pagemap: img.Pagemap, vmas: list[Any], min_run: int,
-          cap: int = MAX_RANGES) -> tuple[list[BulkRange], set[int]]:
+_NOTHING = img.Written((), ())
+
+
+def _movable(vma: Any, written: img.Written) -> bool:
+    return img.is_private_anon_writable(vma) and (vma.start, vma.end) not in written.vmas
+
+
+def _cut(entries: Sequence[Any], pages: Sequence[tuple[int, int]]) -> list[Any]:
+    """``entries`` with each one that overlaps a span of ``pages`` cut at the span's edges, so
+    that those pages can stay with CRIU alone (the pages file's order is unchanged)."""
+    if not pages:
+        return list(entries)
+    pinned = img.Written((), tuple(pages))
+    out = []
+    for e in entries:
+        lo, hi = e.vaddr, e.vaddr + img.nr_pages(e) * img.PAGE
+        if not img.has_data(e) or not pinned.hits(lo, hi):
+            out.append(e)
+            continue
+        cuts = sorted({x for a, b in pages for x in (a, b) if lo < x < hi})
+        if not cuts:
+            out.append(e)
+            continue
+        for a, b in zip([lo, *cuts], [*cuts, hi]):
+            part = type(e)()
+            part.CopyFrom(e)
+            part.vaddr, part.compat_nr_pages = a, (b - a) // img.PAGE
+            if e.HasField("nr_pages"):
+                part.nr_pages = (b - a) // img.PAGE
+            out.append(part)
+    return out
+
+
+def _runs(pagemap: img.Pagemap, vmas: list[Any], min_run: int, cap: int = MAX_RANGES,
+          written: img.Written = _NOTHING) -> tuple[list[BulkRange], set[int]]:
     """Bulk ranges of one process and the indexes of the pagemap entries they replace: at most
-    ``cap`` ranges, the longest (shorter runs stay with CRIU)."""
+    ``cap`` ranges, the longest (shorter runs stay with CRIU). What is ``written`` after CRIU
+    restored the process (:func:`criu_image.written_after_restore`) stays with CRIU: those
+    VMAs whole, those pages (entries cut at them, :func:`_cut`)."""
     starts = [v.start for v in vmas]
     runs: list[tuple[int, int, int, list[int], int]] = []  # vaddr, length, offset, entries, vma
     offset = 0
@@ -93,7 +138,8 @@ def _runs(pagemap: img.Pagemap, vmas: list[Any], min_run: int,
             continue
         length = img.nr_pages(e) * img.PAGE
         i = bisect.bisect_right(starts, e.vaddr) - 1
-        vma_ok = i >= 0 and e.vaddr + length <= vmas[i].end and img.is_private_anon_writable(vmas[i])
+        vma_ok = (i >= 0 and e.vaddr + length <= vmas[i].end and _movable(vmas[i], written)
+                  and not written.hits(e.vaddr, e.vaddr + length))
         if vma_ok:
             last = runs[-1] if runs else None
             if (last is not None and last[4] == i and last[0] + last[1] == e.vaddr
@@ -115,7 +161,8 @@ def _runs(pagemap: img.Pagemap, vmas: list[Any], min_run: int,
     return ranges, moved
 
 
-def _kept_by_kind(pagemap: img.Pagemap, vmas: list[Any], moved: set[int], min_run: int) -> dict[str, int]:
+def _kept_by_kind(pagemap: img.Pagemap, vmas: list[Any], moved: set[int], min_run: int,
+                  written: img.Written = _NOTHING) -> dict[str, int]:
     """Bytes left with CRIU, by why: what a benchmark needs to see where CRIU's time goes."""
     starts = [v.start for v in vmas]
     kinds: dict[str, int] = {}
@@ -126,6 +173,8 @@ def _kept_by_kind(pagemap: img.Pagemap, vmas: list[Any], moved: set[int], min_ru
         i = bisect.bisect_right(starts, e.vaddr) - 1
         if i < 0 or e.vaddr + length > vmas[i].end:
             kind = "straddling"
+        elif written.hits(e.vaddr, e.vaddr + length):
+            kind = "stacks and rseq areas"
         elif img.is_private_anon_writable(vmas[i]):
             kind = f"anonymous runs < {min_run >> 10} KiB"
         elif vmas[i].status & img.VMA_ANON_SHARED:
@@ -165,6 +214,36 @@ def _copy_kept(pagemap: img.Pagemap, src: str, moved: set[int]) -> int:
     return kept
 
 
+def _chunk_digest(fd: int, offset: int, length: int) -> bytes:
+    digest, done = new_hash(), 0
+    while done < length:
+        data = os.pread(fd, min(CHUNK, length - done), offset + done)
+        if not data:
+            raise OSError(errno.EIO, "bulk file shrank while hashed")
+        digest.update(data)
+        done += len(data)
+    return digest.digest()
+
+
+def write_sums(bulk_path: str, sums_path: str) -> None:
+    """The digest of each SUM_CHUNK of ``bulk_path``, in order (the fill checks each chunk
+    before it writes it; the manifest signs this file like any other)."""
+    fd = os.open(bulk_path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        with ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="rekindle-sums") as pool:
+            sums = list(pool.map(lambda off: _chunk_digest(fd, off, min(SUM_CHUNK, size - off)),
+                                 range(0, size, SUM_CHUNK)))
+    finally:
+        os.close(fd)
+    tmp = sums_path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(b"".join(sums))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, sums_path)
+
+
 HUGE_FALLBACK_MIN = 1 << 30
 
 
@@ -201,13 +280,16 @@ def split(artifact_dir: str, huge: Mapping[int, Sequence[tuple[int, int]]] | Non
     t0 = time.monotonic()
     images = os.path.join(artifact_dir, CRIU_DIR)
     files, moved_total, kept_total = [], 0, 0
-    pids = [e.pid for e in img.read_pstree(images)
-            if os.path.exists(os.path.join(images, f"pagemap-{e.pid}.img"))]  # not zombies
-    for pid in pids:
-        pagemap = img.read_pagemap(images, pid)
+    procs = [e for e in img.read_pstree(images)
+             if os.path.exists(os.path.join(images, f"pagemap-{e.pid}.img"))]  # not zombies
+    for proc in procs:
+        pid = proc.pid
         vmas = sorted(img.read_mm(images, pid).entry.vmas, key=lambda v: v.start)
-        ranges, moved = _runs(pagemap, vmas, min_run, cap=MAX_RANGES // max(1, len(pids)))
-        kept = _kept_by_kind(pagemap, vmas, moved, min_run)
+        written = img.written_after_restore(images, proc, vmas)
+        pagemap = img.read_pagemap(images, pid)
+        pagemap = dataclasses.replace(pagemap, entries=_cut(pagemap.entries, written.pages))
+        ranges, moved = _runs(pagemap, vmas, min_run, cap=MAX_RANGES // max(1, len(procs)), written=written)
+        kept = _kept_by_kind(pagemap, vmas, moved, min_run, written)
         if kept:
             log.info("pid %d: left with CRIU: %s", pid, ", ".join(
                 f"{v / 2**20:.1f} MiB {k}" for k, v in sorted(kept.items(), key=lambda kv: -kv[1])))
@@ -218,6 +300,7 @@ def split(artifact_dir: str, huge: Mapping[int, Sequence[tuple[int, int]]] | Non
         os.rename(pagemap.pages_path, dest)
         shutil.copyfile(pagemap.path, os.path.join(artifact_dir, bulk_pagemap(pid)))
         kept_total += _copy_kept(pagemap, dest, moved)
+        write_sums(dest, os.path.join(artifact_dir, bulk_sums(pid)))
         img.write_pagemap(pagemap, [e for i, e in enumerate(pagemap.entries) if i not in moved])
         if huge is not None and pid in huge:  # a CUDA process
             _mark_huge(images, pid, huge[pid], ranges)
@@ -258,6 +341,131 @@ def write_remote(pid: int, local: int, remote: int, length: int) -> None:
         local, remote, length = local + n, remote + n, length - n
 
 
+# --- what the fill may write ---------------------------------------------------------------------
+
+# A page the target already has was written after CRIU let the tree go (a signal frame, say):
+# the fill must never overwrite it. /proc/<pid>/pagemap: bit 63 present, bit 62 swapped; in the
+# entry's top byte (little-endian) those are 0xC0.
+_TOUCHED = bytes(1 if b & 0xC0 else 0 for b in range(256))
+_ZERO_PAGE = bytes(img.PAGE)
+_SCAN = 2 << 20  # address span per pagemap read: 4 KiB of entries
+
+
+def assert_untouched(pid: int, ranges: Iterable[BulkRange]) -> None:
+    """FillError if any page of ``ranges`` in process ``pid`` is present (or swapped) and holds
+    anything but zeros. Zeros are what a huge page faulted in around a page CRIU wrote (THP),
+    or khugepaged's collapse, put there: nothing was written. Checked for every range before
+    the first write: a write of the fill itself faults in a whole huge page where THP applies."""
+    fd = os.open(f"/proc/{pid}/pagemap", os.O_RDONLY | os.O_CLOEXEC)
+    mem = -1
+    try:
+        for r in ranges:
+            for vaddr in range(r.vaddr, r.vaddr + r.length, _SCAN):
+                n = min(_SCAN, r.vaddr + r.length - vaddr) // img.PAGE
+                data = os.pread(fd, n * 8, vaddr // img.PAGE * 8)
+                if len(data) != n * 8:
+                    raise FillError(f"pid {pid}: pagemap short at {vaddr:#x}")
+                touched = data[7::8].translate(_TOUCHED)
+                i = touched.find(1)
+                while i >= 0:
+                    page = vaddr + i * img.PAGE
+                    if mem < 0:
+                        mem = os.open(f"/proc/{pid}/mem", os.O_RDONLY | os.O_CLOEXEC)
+                    if os.pread(mem, img.PAGE, page) != _ZERO_PAGE:
+                        raise FillError(f"pid {pid}: page {page:#x} was written after CRIU restored the "
+                                        "process; the bulk pages would overwrite it")
+                    i = touched.find(1, i + 1)
+    finally:
+        os.close(fd)
+        if mem >= 0:
+            os.close(mem)
+
+
+def _writable_spans(pid: int) -> list[tuple[int, int]]:
+    """Spans of the restored process's plain private anonymous writable mappings, as the kernel
+    lists them (adjacent ones merged): no file behind them, not its stack, no special mapping."""
+    spans: list[tuple[int, int]] = []
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            lines = f.read().splitlines()
+    except OSError as exc:
+        raise FillError(f"restored process {pid}: cannot read its maps: {exc}") from exc
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) < 5:
+            continue
+        addrs, perms, _off, dev, inode = fields[:5]
+        name = fields[5].strip() if len(fields) > 5 else ""
+        if (perms[1] != "w" or perms[3] != "p" or inode != "0" or dev not in ("00:00", "0:0")
+                or (name and name != "[heap]" and not name.startswith("[anon:"))):
+            continue
+        lo, hi = (int(x, 16) for x in addrs.split("-"))
+        if spans and spans[-1][1] == lo:
+            spans[-1] = (spans[-1][0], hi)
+        else:
+            spans.append((lo, hi))
+    return spans
+
+
+def _inside(spans: Sequence[tuple[int, int]], lo: int, hi: int) -> bool:
+    i = bisect.bisect_right(spans, (lo, 1 << 65)) - 1
+    return i >= 0 and spans[i][0] <= lo and hi <= spans[i][1]
+
+
+def check_targets(files: Sequence[BulkFile], images: str, tree: Iterable[int],
+                  pid_of: Callable[[int], int]) -> list[int]:
+    """The host pid of each bulk file's process, once every range was found to belong there:
+    the process is one of the dumped tree (``images``, CRIU's verified images) and one CRIU
+    restored (``tree``, host pids), and every range lies in one private anonymous writable VMA
+    that is no thread's stack, both in the dumped mm image and in the restored process's maps."""
+    dumped = {e.pid: e for e in img.read_pstree(images)
+              if os.path.exists(os.path.join(images, f"mm-{e.pid}.img"))}  # not zombies
+    restored = set(tree)
+    hosts = []
+    for f in files:
+        entry = dumped.get(f.pid)
+        if entry is None:
+            raise FillError(f"{f.path}: pid {f.pid} is no live process of the dumped tree")
+        host = pid_of(f.pid)
+        if host not in restored:
+            raise FillError(f"{f.path}: pid {f.pid} (host pid {host}) is not a process CRIU restored")
+        vmas = sorted(img.read_mm(images, f.pid).entry.vmas, key=lambda v: v.start)
+        written = img.written_after_restore(images, entry, vmas)
+        movable = [(int(v.start), int(v.end)) for v in vmas if _movable(v, written)]
+        live = _writable_spans(host)
+        for r in f.ranges:
+            lo, hi = r.vaddr, r.vaddr + r.length
+            if written.hits(lo, hi):
+                raise FillError(f"{f.path}: range {lo:#x}+{r.length:#x} lies in a thread's stack or rseq area "
+                                "(written after CRIU restored the process)")
+            if not _inside(movable, lo, hi):
+                raise FillError(f"{f.path}: range {lo:#x}+{r.length:#x} is not inside one private anonymous "
+                                "writable VMA of the dumped process")
+            if not _inside(live, lo, hi):
+                raise FillError(f"{f.path}: range {lo:#x}+{r.length:#x} is not inside a private anonymous "
+                                f"writable mapping of restored process {host}")
+        hosts.append(host)
+    return hosts
+
+
+def read_sums(artifact: Artifact, f: BulkFile) -> bytes:
+    """The chunk digests of ``f``, checked against the manifest (read them when the bulk file
+    is opened: a later open may find the version gone)."""
+    path = layout.bulk_sums(f.pid)
+    want = -(-artifact.entry(f.path).size // SUM_CHUNK) * DIGEST_BYTES
+    if artifact.entry(path).size != want:
+        raise FillError(f"{artifact.label}: {path} is {artifact.entry(path).size} bytes, want {want}")
+    fd = artifact.open_file(path)
+    try:
+        data = os.pread(fd, want + 1, 0)
+    finally:
+        os.close(fd)
+    artifact.check(path, len(data), new_hash(data).hexdigest())
+    return data
+
+
+# --- fill ----------------------------------------------------------------------------------------
+
 @dataclass(frozen=True)
 class _Piece:
     file: int
@@ -266,9 +474,9 @@ class _Piece:
 
 
 class _Filler:
-    def __init__(self, fds: list[int], pids: list[int], files: Sequence[BulkFile],
+    def __init__(self, fds: list[int], pids: list[int], files: Sequence[BulkFile], sums: list[bytes],
                  progress: Callable[[int], None] | None) -> None:
-        self.fds, self.pids = fds, pids
+        self.fds, self.pids, self.files, self.sums = fds, pids, files, sums
         # (file offset, vaddr, length) of each range, by file, sorted by offset
         self.segments = [sorted((r.offset, r.vaddr, r.length) for r in f.ranges) for f in files]
         self.progress = progress
@@ -284,10 +492,9 @@ class _Filler:
             buf = self.local.buf = (m, memoryview(m), addr)
         return buf
 
-    def piece(self, p: _Piece) -> bytes:
+    def piece(self, p: _Piece) -> None:
         _m, view, addr = self._buffer()
-        fd, pid, segs = self.fds[p.file], self.pids[p.file], self.segments[p.file]
-        digest = new_hash()
+        fd, pid, segs, sums = self.fds[p.file], self.pids[p.file], self.segments[p.file], self.sums[p.file]
         pos, end, written = p.offset, p.offset + p.length, 0
         if not is_cached(fd, pos, p.length):
             try:
@@ -295,16 +502,21 @@ class _Filler:
             except OSError:  # a hint: the reads below still read it
                 pass
         while pos < end:
-            want = min(CHUNK, end - pos)
+            want = min(CHUNK, end - pos)  # one SUM_CHUNK: pieces start on one
             got = 0
             while got < want:
                 n = os.preadv(fd, [view[got:want]], pos + got)
                 if n <= 0:
                     raise FillError(f"bulk file shrank while read (at {pos + got})")
                 got += n
+            # Verified before a byte of it is written: what is written is exactly what was hashed.
+            k = pos // SUM_CHUNK * DIGEST_BYTES
+            digest = new_hash()
             digest.update(view[:want])
-            # Write exactly the bytes just hashed: the ones that overlap a range.
-            i = max(bisect.bisect_right(segs, (pos, 1 << 64, 0)) - 1, 0)
+            if digest.digest() != sums[k:k + DIGEST_BYTES]:
+                raise FillError(f"file {self.files[p.file].path}: content changed (the bytes at {pos} "
+                                "do not match their digest)")
+            i = max(bisect.bisect_right(segs, (pos, 1 << 65, 0)) - 1, 0)
             while i < len(segs) and segs[i][0] < pos + want:
                 off, vaddr, length = segs[i]
                 lo, hi = max(off, pos), min(off + length, pos + want)
@@ -319,36 +531,37 @@ class _Filler:
             done = self.read
         if self.progress is not None:
             self.progress(done)
-        return digest.digest()
 
 
-def fill(artifact: Artifact, files: Sequence[BulkFile], fds: Sequence[int], pid_of: Callable[[int], int],
-         threads: int = WORKERS, progress: Callable[[int], None] | None = None) -> FillStats:
+def fill(artifact: Artifact, files: Sequence[BulkFile], fds: Sequence[int], pid_of: Callable[[int], int], *,
+         sums: Sequence[bytes], images: str, tree: Iterable[int], threads: int = WORKERS,
+         progress: Callable[[int], None] | None = None) -> FillStats:
     """Write every bulk file (``fds[i]`` is ``files[i]``, opened by the caller through
-    ``artifact``) into its stopped process; FillError unless all bytes were written and every
-    file's digest matched the manifest."""
+    ``artifact``; ``sums[i]`` its :func:`read_sums`) into its stopped process; FillError unless
+    every range belongs to the restored tree (:func:`check_targets`: ``images`` is CRIU's
+    verified image directory, ``tree`` the host pids CRIU restored) and every chunk matched its
+    signed digest before it was written; nothing is written over a page the process has."""
     t0 = time.monotonic()
     try:
-        pids = [pid_of(f.pid) for f in files]
+        if digests.PIECE % SUM_CHUNK:
+            raise FillError(f"fill pieces of {digests.PIECE} bytes do not hold whole {SUM_CHUNK}-byte chunks")
+        pids = check_targets(files, images, tree, pid_of)
         pieces: list[_Piece] = []
-        sizes = []
-        for i, (f, fd) in enumerate(zip(files, fds, strict=True)):
+        for i, (f, fd, chunks) in enumerate(zip(files, fds, sums, strict=True)):
             size = os.fstat(fd).st_size
             if size != artifact.entry(f.path).size:
                 raise FillError(f"{artifact.label}: {f.path} is {size} bytes, the manifest says "
                                 f"{artifact.entry(f.path).size}")
             if any(r.offset + r.length > size for r in f.ranges):
                 raise FillError(f"{artifact.label}: {f.path}: a range lies past the end of the file")
-            sizes.append(size)
-            pieces.extend(_Piece(i, off, length) for off, length in piece_ranges(size))
-        filler = _Filler(list(fds), pids, files, progress)
+            if len(chunks) != -(-size // SUM_CHUNK) * DIGEST_BYTES:
+                raise FillError(f"{artifact.label}: {f.path}: {len(chunks)} bytes of chunk digests for {size} bytes")
+            pieces.extend(_Piece(i, off, length) for off, length in piece_ranges(size) if length)
+        for pid, f in zip(pids, files):
+            assert_untouched(pid, f.ranges)
+        filler = _Filler(list(fds), pids, files, list(sums), progress)
         with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="rekindle-fill") as pool:
-            digests = list(pool.map(filler.piece, pieces))
-        by_file: list[list[bytes]] = [[] for _ in files]
-        for p, d in zip(pieces, digests):
-            by_file[p.file].append(d)
-        for f, size, got in zip(files, sizes, by_file):
-            artifact.check(f.path, size, combine_pieces(size, got))
+            list(pool.map(filler.piece, pieces))
     except OSError as exc:
         raise FillError(f"{artifact.label}: bulk fill failed: {exc}") from exc
     stats = FillStats(filler.read, filler.written, time.monotonic() - t0, threads)
@@ -360,12 +573,18 @@ def fill(artifact: Artifact, files: Sequence[BulkFile], fds: Sequence[int], pid_
 
 # --- the stopped tree ----------------------------------------------------------------------------
 
+def stopped(pids: Iterable[int]) -> set[int]:
+    """The processes of ``pids`` stopped now (every thread in ``T``: SIGSTOP, job control)."""
+    return {p for p in pids if (states := _task_states(p)) and all(s == "T" for s in states)}
+
+
 def _task_states(pid: int) -> list[str]:
+    """The state letter of each thread of ``pid``; none for a process that is gone."""
     states = []
     try:
         tids = os.listdir(f"/proc/{pid}/task")
     except FileNotFoundError:
-        raise FillError(f"restored process {pid} is gone") from None
+        return []
     for tid in tids:
         try:
             with open(f"/proc/{pid}/task/{tid}/stat") as f:
@@ -375,18 +594,23 @@ def _task_states(pid: int) -> list[str]:
     return states
 
 
+# Stopped (T, t), or done running: a zombie (Z) or one exiting (X) never runs again. CRIU dumps
+# and restores zombies; they have no memory to split or fill.
+SETTLED = frozenset("TtZX")
+
+
 def wait_stopped(pids: Iterable[int], timeout: float = 10.0) -> None:
-    """Wait until every thread of every process is stopped: ``criu restore --leave-stopped`` can
-    return before the last thread has stopped, and a thread running on before the fill would
-    compute on zero pages."""
+    """Wait until every thread of every process is stopped (or a zombie, or gone): ``criu
+    restore --leave-stopped`` can return before the last thread has stopped, and a thread
+    running on before the fill would compute on zero pages."""
     pending = list(pids)
     deadline = time.monotonic() + timeout
     while pending:
-        pending = [p for p in pending if any(s not in ("T", "t") for s in _task_states(p))]
+        pending = [p for p in pending if any(s not in SETTLED for s in _task_states(p))]
         if not pending:
             return
         if time.monotonic() > deadline:
-            raise FillError(f"restored processes {pending} did not stop within {timeout}s")
+            raise FillError(f"processes {pending} did not stop within {timeout}s")
         time.sleep(0.002)
 
 

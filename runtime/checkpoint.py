@@ -40,7 +40,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from runtime import bulk
-from runtime import stream
 from runtime import control as control_mod
 from runtime import hostfiles
 from runtime import layout
@@ -148,6 +147,8 @@ def checkpoint(req: CheckpointRequest, store: ArtifactStore, key: bytes, *,
                 log.info("CUDA process %d: %d new staging mapping(s) after the checkpoint: %s", h, len(new),
                          ", ".join(f"{a:#x}+{(b - a) >> 20}MiB" for a, b in new))
         tcp = tcpmode.TcpPlan(False, "not looked at")
+        # Processes the workload itself keeps stopped stay stopped after the dump.
+        held = bulk.stopped(tree)
         try:
             with t.phase("criu_dump"):
                 tcp = tcpmode.plan(_tree(root.host))
@@ -172,7 +173,7 @@ def checkpoint(req: CheckpointRequest, store: ArtifactStore, key: bytes, *,
         finally:
             # CRIU leaves kept connections in repair mode when it leaves the tree stopped.
             unrepaired = tcpmode.repair_off(tcp.holders) if tcp.established else []
-            bulk.signal_all(_tree(root.host), signal.SIGCONT)  # whatever CRIU left stopped
+            bulk.signal_all([p for p in _tree(root.host) if p not in held], signal.SIGCONT)  # what CRIU left stopped
             if cuda is not None and cuda_host and not req.exit_after:
                 with t.phase("cuda_resume_source"), _ends_source_on(RekindleError, root.host):
                     cuda.restore_all(cuda_host)
@@ -185,7 +186,6 @@ def checkpoint(req: CheckpointRequest, store: ArtifactStore, key: bytes, *,
         if req.split:
             with t.phase("split"):
                 files, _stats = bulk.split(staging.path, huge, min_run=req.bulk_min_run)
-                stream.write_piece_lists(staging.path, files)  # what a streamed restore verifies by
         plan = layout.RestorePlan(
             stdio=tuple(dump.stdio), shell_job=dump.shell_job,
             mounts=tuple(dump.mount_plan), shm=bool(dump.shm_source), bulk=files,

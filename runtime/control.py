@@ -39,10 +39,13 @@ RESTORE_PID = "restore-pid"
 RESTORE_COMPLETE = "restore-complete"
 RESTORE_FAILED = "restore-failed"
 COLD_START = "cold-start"
+# A restore's rootfs changes are not final yet (runtime.overlay_pending): the init must not start
+# the original command on that rootfs.
+ROOTFS_PENDING = "rootfs-pending"
 TIMINGS = "timings.json"
 # Everything the agent or init writes; cleared when a container is (re)created.
 PROTOCOL_FILES = (*READY_FILES, SNAPSHOT_COMPLETE, CHECKPOINT_FAILED, RESTORE_PID,
-                  RESTORE_COMPLETE, RESTORE_FAILED, COLD_START, TIMINGS)
+                  RESTORE_COMPLETE, RESTORE_FAILED, COLD_START, ROOTFS_PENDING, TIMINGS)
 MAX_READ = 64 * 1024
 
 

@@ -249,7 +249,11 @@ def restore_into(
     except (OSError, ValueError) as e:
         raise CriuError("restore", f"no usable pidfile {pidfile}: {e}", lp) from e
     host_pid = ns.host_pid_of(target.namespaces["pid"].inode, ns_pid, hint_parent=target.init_pid)
-    tree = process_tree(host_pid)
+    # Every process of the target's pid namespace but its init is one CRIU restored: not only the
+    # root's descendants (a task CRIU forks from a session leader through a helper is reparented
+    # to the namespace's init when the helper exits, as zdtm's session00 shows).
+    tree = [host_pid, *(p for p in ns.processes_in(target.namespaces["pid"].inode)
+                        if p not in (host_pid, target.init_pid))]
     try:
         ppid = _ppid(host_pid)
         if ppid != target.init_pid:

@@ -1,15 +1,17 @@
-"""CRIU image files: read and rewrite the few images Rekindle needs (pstree, pagemap, mm, files).
+"""CRIU image files: read and rewrite the few images Rekindle needs (pstree, pagemap, mm, core,
+files).
 
 Format (CRIU's ``images/`` and its pycriu): an image starts with 8 bytes of magic (the common
 magic, then the image's own), followed by entries, each a 4-byte little-endian length and a
 protobuf message. A pagemap image holds one ``pagemap_head`` (which ``pages-<id>.img`` holds its
 data) and then ``pagemap_entry`` records; the data of the present entries lies back to back in
 the pages file in entry order (offsets are implicit). ``mm-<pid>.img`` holds one ``mm_entry``
-with the process's VMAs. ``files.img`` holds a ``file_entry`` for every file the tree uses (open
-fds, file-backed VMAs, executables, cwd and root); only its regular-file part is read, with a
-small walk over the wire format (its other members would pull in two dozen schemas). The
-message classes are generated from CRIU's own .proto files
-(``runtime.criu_proto``, see hack/gen-protos.sh).
+with the process's VMAs; ``core-<tid>.img`` one ``core_entry`` per thread (its registers,
+sigaltstack and rseq area are what :func:`written_after_restore` needs). ``files.img`` holds a
+``file_entry`` for every file the tree uses (open fds, file-backed VMAs, executables, cwd and
+root); only its regular-file part is read, with a small walk over the wire format (its other
+members would pull in two dozen schemas). The message classes are generated from CRIU's own
+.proto files (``runtime.criu_proto``, see hack/gen-protos.sh).
 
 Images are written by CRIU on this node or come out of a verified artifact; a malformed one
 still raises :class:`CriuError` naming the file, never an IndexError.
@@ -17,16 +19,17 @@ still raises :class:`CriuError` naming the file, never an IndexError.
 
 from __future__ import annotations
 
+import bisect
 import os
 import stat
 import struct
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from google.protobuf.message import DecodeError
 
-from runtime.criu_proto import mm_pb2, pagemap_pb2, pstree_pb2, regfile_pb2
+from runtime.criu_proto import core_pb2, mm_pb2, pagemap_pb2, pstree_pb2, regfile_pb2
 from runtime.errors import CriuError
 
 MAGIC_LEN = 8
@@ -39,6 +42,7 @@ PE_PRESENT = 1 << 2
 
 # vma_entry.status (criu/include/image.h)
 VMA_AREA_REGULAR = 1 << 0
+VMA_AREA_STACK = 1 << 1
 VMA_ANON_SHARED = 1 << 8
 VMA_ANON_PRIVATE = 1 << 9
 VMA_AREA_SYSVIPC = 1 << 10
@@ -57,6 +61,8 @@ VMA_AREA_UPROBES = 1 << 17
 VMA_EXT_PLUGIN = 1 << 27
 VMA_UNSUPP = 1 << 31
 PROT_WRITE = 0x2
+MAP_GROWSDOWN = 0x100  # vma_entry.flags
+SS_DISABLE = 2  # thread_sas_entry.ss_flags
 MADV_HUGEPAGE = 14
 PAGE = 4096
 
@@ -129,12 +135,40 @@ def read_pstree(images_dir: str) -> list[PstreeEntry]:
     return out
 
 
+TASK_DEAD = 2  # task_core_entry.task_state of a zombie (COMPEL_TASK_DEAD)
+
+
+def is_zombie(images_dir: str, pid: int) -> bool:
+    """Whether ``pid``'s core image says it is a zombie (no core image: not known to be one).
+    A zombie has no memory either: no mm or pagemap image."""
+    if not os.path.exists(os.path.join(images_dir, f"core-{pid}.img")):
+        return False
+    core = read_core(images_dir, pid)
+    return bool(core.HasField("tc") and core.tc.task_state == TASK_DEAD)
+
+
+TASK_STOPPED = 3  # task_core_entry.task_state of a task stopped at dump (COMPEL_TASK_STOPPED)
+
+
+def stopped_pids(images_dir: str) -> set[int]:
+    """Image pids of the tasks that were stopped (SIGSTOP, job control) when they were dumped:
+    a restore leaves them stopped, as they were."""
+    out = set()
+    for e in read_pstree(images_dir):
+        if os.path.exists(os.path.join(images_dir, f"core-{e.pid}.img")):
+            core = read_core(images_dir, e.pid)
+            if core.HasField("tc") and core.tc.task_state == TASK_STOPPED:
+                out.add(e.pid)
+    return out
+
+
 def image_pids(images_dir: str) -> set[int]:
     """Every pid and thread id the image will need in the target pid namespace."""
     out: set[int] = set()
     for e in read_pstree(images_dir):
         out.add(e.pid)
-        out.update(e.threads)
+        if not is_zombie(images_dir, e.pid):  # CRIU writes garbage for a zombie's thread list
+            out.update(e.threads)
     return out
 
 
@@ -215,6 +249,95 @@ def is_private_anon_writable(vma: Any) -> bool:  # a vma_entry message
                | VMA_AREA_SHSTK | VMA_AREA_GUARD | VMA_AREA_UPROBES | VMA_EXT_PLUGIN | VMA_UNSUPP)
     return (bool(vma.status & VMA_AREA_REGULAR) and bool(vma.status & VMA_ANON_PRIVATE)
             and not vma.status & special and bool(vma.prot & PROT_WRITE))
+
+
+# --- threads' stacks ----------------------------------------------------------------------------
+
+# The kernel writes a signal frame below a thread's stack pointer (the x86-64 red zone, then up
+# to a few KiB of xsave state: AMX makes it ~11 KiB) or on its sigaltstack.
+SIGFRAME_MAX = 64 << 10
+
+
+def read_core(images_dir: str, tid: int) -> Any:  # a core_entry message
+    path = os.path.join(images_dir, f"core-{tid}.img")
+    raw = read_raw(path)
+    if len(raw.entries) != 1:
+        raise CriuError("image", f"{path}: {len(raw.entries)} entries, want 1")
+    return _parse(core_pb2.core_entry, raw.entries[0], path)
+
+
+def _stack_pointer(core: Any, path: str) -> int:
+    for arch in ("thread_info", "ti_aarch64", "ti_riscv64"):  # x86-64, arm64, riscv64
+        if core.HasField(arch):
+            return int(getattr(core, arch).gpregs.sp)
+    raise CriuError("image", f"{path}: no stack pointer of an architecture this build reads")
+
+
+@dataclass(frozen=True)
+class Written:
+    """What gets written into a process after CRIU restored its memory and before the tree was
+    resumed, so that no later writer of that memory may touch it: ``vmas`` (start, end) whole
+    VMAs, ``pages`` (start, end) page-aligned spans inside others."""
+
+    vmas: tuple[tuple[int, int], ...]
+    pages: tuple[tuple[int, int], ...]
+    _starts: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    _ends: tuple[int, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        merged: list[list[int]] = []  # both kinds as disjoint sorted spans: a split or a plan asks per range
+        for a, b in sorted((*self.vmas, *self.pages)):
+            if merged and a <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        object.__setattr__(self, "_starts", tuple(a for a, _ in merged))
+        object.__setattr__(self, "_ends", tuple(b for _, b in merged))
+
+    def hits(self, lo: int, hi: int) -> bool:
+        """Whether [lo, hi) overlaps any of it."""
+        i = bisect.bisect_left(self._starts, hi) - 1  # the last span starting below hi
+        return i >= 0 and self._ends[i] > lo
+
+
+def written_after_restore(images_dir: str, entry: PstreeEntry, vmas: list[Any]) -> Written:
+    """For process ``entry`` (its ``vmas`` from mm-<pid>.img): the kernel may deliver a pending
+    signal as soon as CRIU lets the tree go, writing its frame below the thread's stack pointer
+    (up to SIGFRAME_MAX) or on its sigaltstack, so the VMAs holding those, and the main stack
+    (VMA_AREA_STACK or MAP_GROWSDOWN), count whole; and each thread's rseq area (in its TLS,
+    often inside a heap VMA) is written by CRIU (rseq_cs) and by the kernel (cpu_id) on the
+    way back to user space: its pages count."""
+    windows: list[tuple[int, int]] = []
+    pages: list[tuple[int, int]] = []
+    for tid in entry.threads or (entry.pid,):
+        path = os.path.join(images_dir, f"core-{tid}.img")
+        core = read_core(images_dir, tid)
+        sp = _stack_pointer(core, path)
+        windows.append((max(0, sp - SIGFRAME_MAX), sp + 1))
+        tc = core.thread_core if core.HasField("thread_core") else None
+        if tc is not None and tc.HasField("sas"):
+            if tc.sas.ss_size and not tc.sas.ss_flags & SS_DISABLE:
+                windows.append((tc.sas.ss_sp, tc.sas.ss_sp + tc.sas.ss_size))
+        if tc is not None and tc.HasField("rseq_entry") and tc.rseq_entry.rseq_abi_pointer:
+            lo = tc.rseq_entry.rseq_abi_pointer
+            hi = lo + max(tc.rseq_entry.rseq_abi_size, 32)
+            pages.append((lo // PAGE * PAGE, -(-hi // PAGE) * PAGE))
+    whole = {(int(v.start), int(v.end)) for v in vmas if v.status & VMA_AREA_STACK or v.flags & MAP_GROWSDOWN}
+    ordered = sorted(vmas, key=lambda v: v.start)
+    for lo, hi in windows:
+        # The VMA holding the window's top, then down through adjacent writable ones while the
+        # window reaches them (a gap or a guard page below would fault the frame's write).
+        top = hi
+        for v in reversed(ordered):
+            if v.start >= top:
+                continue
+            if v.end < top or not v.prot & PROT_WRITE:
+                break
+            whole.add((int(v.start), int(v.end)))
+            top = v.start
+            if top <= lo:
+                break
+    return Written(tuple(sorted(whole)), tuple(sorted(pages)))
 
 
 # --- files --------------------------------------------------------------------------------------

@@ -12,6 +12,9 @@ Contract (the flags and outputs CRIU's cuda plugin and scripts rely on):
 - ``-h``/``--help``: the usage text (mentions ``--action``, which CRIU's plugin greps for), exit 0.
 - Exit status 0 on success, 1 on any error (usage, missing driver, failing call); errors go to
   stderr with the driver's error name, e.g. ``CUDA_ERROR_INVALID_VALUE``.
+- Numbers are ASCII decimals checked against what the driver's C types hold before any call:
+  ``--pid`` 1..pid_max-1 (``/proc/sys/kernel/pid_max``, else 2^22), ``--timeout`` 0..2^32-1 ms
+  (0 = wait forever). ctypes would silently wrap a larger one (pid 2^32+1 is pid 1).
 
 ``python -m runtime.cuda_cli ...`` runs it; ``rekindle cuda-checkpoint ...`` mounts :func:`main`.
 """
@@ -27,6 +30,7 @@ from typing import NoReturn
 
 from runtime.cuda import CudaCheckpointer, ProcessState
 from runtime.errors import RekindleError
+from runtime.namespaces import pid_max
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +63,30 @@ Operations:
 """
 
 
+# The kernel's ceiling on pid_max (PID_MAX_LIMIT on 64-bit), when /proc does not say.
+PID_MAX_LIMIT = 1 << 22
+TIMEOUT_MAX_MS = (1 << 32) - 1  # CUcheckpointLockArgs.timeoutMs is an unsigned int
+
+
 class UsageError(Exception):
     pass
+
+
+def _pid_max() -> int:
+    try:
+        return pid_max()
+    except (OSError, ValueError):
+        return PID_MAX_LIMIT
+
+
+def _number(flag: str, text: str, low: int, high: int) -> int:
+    """``text`` as a decimal in [low, high]; argparse's ``int`` also takes ' 12', '1_0', '١٢'."""
+    if not 0 < len(text) <= 20 or not text.isascii() or not text.isdigit():
+        raise UsageError(f"{flag} wants a whole number: {text!r}")
+    value = int(text)
+    if not low <= value <= high:
+        raise UsageError(f"{flag} {value} is out of range ({low}..{high})")
+    return value
 
 
 @dataclass(frozen=True)
@@ -98,8 +124,8 @@ def parse_args(argv: Sequence[str]) -> Command:
     p.add_argument("--get-state", action="store_true")
     p.add_argument("--get-restore-tid", action="store_true")
     p.add_argument("-a", "--action", choices=ACTIONS)
-    p.add_argument("-p", "--pid", type=int)
-    p.add_argument("-t", "--timeout", type=int, default=0)
+    p.add_argument("-p", "--pid")
+    p.add_argument("-t", "--timeout", default="0")
     p.add_argument("-d", "--device-map")
     ns = p.parse_args(list(argv))
     if ns.help:
@@ -113,17 +139,15 @@ def parse_args(argv: Sequence[str]) -> Command:
                          if ops else "no operation given")
     if ns.pid is None:
         raise UsageError("--pid is required")
-    if ns.pid <= 0:
-        raise UsageError(f"invalid pid {ns.pid}")
-    if ns.timeout < 0:
-        raise UsageError("--timeout must be >= 0")
+    pid = _number("--pid", ns.pid, 1, _pid_max() - 1)
+    timeout = _number("--timeout", ns.timeout, 0, TIMEOUT_MAX_MS)
     op = ops[0]
     dmap: dict[str, str] = {}
     if ns.device_map is not None:
         if op not in ("restore", "toggle"):
             raise UsageError("--device-map only applies to --action restore and --toggle")
         dmap = parse_device_map(ns.device_map)
-    return Command(op, ns.pid, ns.timeout, dmap)
+    return Command(op, pid, timeout, dmap)
 
 
 def run(cmd: Command, ckpt: CudaCheckpointer) -> str | None:

@@ -9,6 +9,9 @@ An artifact (one published version, see ``runtime.store``) holds::
     bulk/pages-<pid>.bulk              a process's large private anonymous page runs, restored
                                        beside CRIU (the pages file CRIU wrote, renamed); where each
                                        run goes is in RestorePlan.bulk
+    bulk/pages-<pid>.sums              the BLAKE3 digest (32 bytes) of each SUM_CHUNK of that bulk
+                                       file, in order: the fill checks each chunk before it
+                                       writes it (this file itself is checked against the manifest)
     bulk/pagemap-<pid>.img             CRIU's pagemap before the split (the stock restore path)
     rootfs-diff.tar, rootfs-deletions.json   the container's writable layer
     shm.tar, shm-deletions.json        the container's /dev/shm when it is an external mount
@@ -36,10 +39,19 @@ ROOTFS_DELETIONS = "rootfs-deletions.json"
 SHM_TAR = "shm.tar"
 SHM_DELETIONS = "shm-deletions.json"
 MAX_PLAN_BYTES = 16 << 20
+MAX_BULK_RANGES = 200_000  # per artifact, all processes together: the split never lists more
+SUM_CHUNK = 1 << 20  # bytes of a bulk file per digest in its .sums file
+DIGEST_BYTES = 32
+_PAGE = 4096
+_ADDR_END = 1 << 63  # no user address or file offset (off_t) reaches this
 
 
 def bulk_file(pid: int) -> str:
     return f"{BULK_DIR}/pages-{pid}.bulk"
+
+
+def bulk_sums(pid: int) -> str:
+    return f"{BULK_DIR}/pages-{pid}.sums"
 
 
 def bulk_pagemap(pid: int) -> str:
@@ -71,8 +83,11 @@ class BulkRange:
     offset: int
 
     def __post_init__(self) -> None:
-        if self.vaddr < 0 or self.length <= 0 or self.offset < 0 or self.vaddr % 4096 or self.length % 4096:
+        if (self.vaddr < 0 or self.length <= 0 or self.offset < 0
+                or (self.vaddr | self.length | self.offset) % _PAGE):
             raise ValueError(f"bulk range {self}: want page-aligned, positive values")
+        if self.vaddr + self.length > _ADDR_END or self.offset + self.length > _ADDR_END:
+            raise ValueError(f"bulk range {self}: overflows")
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,9 +102,11 @@ class BulkFile:
     def __post_init__(self) -> None:
         if self.path != bulk_file(self.pid):
             raise ValueError(f"bulk file of pid {self.pid} must be {bulk_file(self.pid)}, not {self.path!r}")
-        ends = sorted((r.vaddr, r.vaddr + r.length) for r in self.ranges)
-        if any(a_end > b_start for (_, a_end), (b_start, _) in zip(ends, ends[1:])):
-            raise ValueError(f"{self.path}: overlapping ranges")
+        # Each byte of the file goes to one place, each place gets one byte of the file.
+        for what, spans in (("addresses", sorted((r.vaddr, r.vaddr + r.length) for r in self.ranges)),
+                            ("file offsets", sorted((r.offset, r.offset + r.length) for r in self.ranges))):
+            if any(a_end > b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:])):
+                raise ValueError(f"{self.path}: ranges overlap in {what}")
 
     @property
     def bytes(self) -> int:
@@ -130,11 +147,19 @@ class RestorePlan:
                 else:
                     flat.append(None)  # the object form (older artifacts) goes the generic way
         plan = typing.cast(RestorePlan, strict_json.from_obj(cls, obj, "restore plan"))
+        counted = sum(len(f) // 3 for f in flat if f is not None)
+        if counted > MAX_BULK_RANGES:  # refused before a BulkRange is built for each
+            raise ValueError(f"restore plan: {counted} bulk ranges, at most {MAX_BULK_RANGES}")
         if any(f is not None for f in flat):
             plan = dataclasses.replace(plan, bulk=tuple(
                 b if f is None else dataclasses.replace(b, ranges=tuple(
                     BulkRange(f[j], f[j + 1], f[j + 2]) for j in range(0, len(f), 3)))
                 for b, f in zip(plan.bulk, flat)))
+        total = sum(len(b.ranges) for b in plan.bulk)
+        if total > MAX_BULK_RANGES:
+            raise ValueError(f"restore plan: {total} bulk ranges, at most {MAX_BULK_RANGES}")
+        if len({b.pid for b in plan.bulk}) != len(plan.bulk):
+            raise ValueError("restore plan: two bulk files for one process")
         for m in plan.mounts:
             if not os.path.isabs(m.destination) or m.type not in ("bind", "cgroup", "cgroup2"):
                 raise ValueError(f"restore plan: bad mount {m}")

@@ -95,6 +95,11 @@ def _last_nspid(status_path: str) -> int | None:
     return nspid[-1] if nspid else None
 
 
+def processes_in(pidns_inode: int) -> list[int]:
+    """Host pids of every process (thread group) living in the pid namespace ``pidns_inode``."""
+    return sorted(int(n) for n in os.listdir(PROC) if n.isdigit() and _ns_inode(n, "pid") == pidns_inode)
+
+
 def used_pids(pidns_inode: int) -> dict[int, int]:
     """{namespace pid or tid: host tid} of every task living in the pid namespace ``pidns_inode``."""
     used: dict[int, int] = {}

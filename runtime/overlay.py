@@ -12,8 +12,9 @@ Contract:
   that name (a name whose other links are in a lower layer is a plain file). Whiteouts (char
   device 0:0, or a file carrying an ``overlay.whiteout`` xattr) become ``{"path", "type":
   "whiteout"}`` entries of the deletions JSON; opaque dirs (``overlay.opaque=y``) become
-  ``"opaque"`` entries and are also captured. Device nodes, sockets and fifos are skipped with a
-  logged reason. Excluded paths (bind-mount destinations, /proc, /sys, /dev, ...) are skipped
+  ``"opaque"`` entries and are also captured. A fifo becomes a fifo member (a process of the
+  tree may hold it open, and CRIU's restore reopens it by name); device nodes and sockets are
+  skipped with a logged reason. Excluded paths (bind-mount destinations, /proc, /sys, /dev, ...) are skipped
   with everything below them. Overlay features whose data lives in the lower layers
   (``redirect``, ``metacopy``) raise :class:`OverlayError` rather than produce a wrong capture.
   Bounds: the archive never exceeds ``max_bytes`` (default :data:`DEFAULT_MAX_LAYER_BYTES`,
@@ -36,12 +37,14 @@ Contract:
   is moved aside and the new one is created with ``O_CREAT|O_EXCL|O_NOFOLLOW``; owner, mode,
   xattrs and mtime are set through the fd; sparse members are written sparsely. Symlink targets
   are stored verbatim: they are only ever resolved inside the container. Nothing is ever created
-  or changed outside ``rootfs``. Every change is journaled before it is made
-  (:mod:`runtime.overlay_undo`); when anything fails late (a parent missing, ENOSPC, a hardlink
-  target gone, a member refused on the second read) the changes are undone in reverse order and
-  the rootfs is as before (names, data, owners, modes, xattrs, times). On overlayfs, deleting or
-  replacing a lower-layer file copies it up first (that copy is what an undo puts back). Memory
-  is bounded by the symlink and hardlink-target names, not by the number of members.
+  or changed outside ``rootfs``. Every change is journaled before it is made, in a journal
+  OUTSIDE the rootfs (:mod:`runtime.overlay_undo`; what is deleted or replaced is copied there
+  first); when anything fails late (a parent missing, ENOSPC, a hardlink target gone, a member
+  refused on the second read) the changes are undone in reverse order and the rootfs is as
+  before (names, data, owners, modes, xattrs, times). The journal a caller names outlives the
+  apply, so a later failure (or the next agent, after this one was killed) can still roll it
+  back (:mod:`runtime.overlay_pending`). Memory is bounded by the symlink and hardlink-target
+  names, not by the number of members.
 """
 
 from __future__ import annotations
@@ -50,7 +53,9 @@ import json
 import logging
 import os
 import posixpath
+import shutil
 import stat
+import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import IO
@@ -60,7 +65,9 @@ from runtime.overlay_capture import CaptureStats, Walk, walk
 from runtime.overlay_check import MAX_DELETIONS_BYTES, MemberCheck, load_deletions
 from runtime.overlay_fs import DIR_FLAGS, copy_range, lstat_at, open_dir, write_all
 from runtime.overlay_tar import Member, TarWriter, members
+from runtime import overlay_undo
 from runtime.overlay_undo import Undo
+from runtime.testpause import pause_for_test
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +75,7 @@ DEFAULT_EXCLUDES = ("rekindle", ".rekindle", "etc/hosts", "etc/resolv.conf", "et
                     "dev", "proc", "sys")
 DEFAULT_MAX_LAYER_BYTES = 8 << 30
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+PAUSE_AT_MEMBER = 200  # the member before which the "member" test pause waits (runtime.testpause)
 
 __all__ = ["DEFAULT_EXCLUDES", "DEFAULT_MAX_LAYER_BYTES", "MAX_DELETIONS_BYTES", "ApplyStats",
            "CaptureStats", "apply", "capture"]
@@ -79,6 +87,7 @@ class ApplyStats:
     dirs: int = 0
     symlinks: int = 0
     hardlinks: int = 0
+    fifos: int = 0
     deleted: int = 0
     opaque: int = 0
     bytes: int = 0  # data bytes written (holes of sparse files not counted)
@@ -154,17 +163,24 @@ def _normalise_exclude(path: str) -> str:
 # --- apply -------------------------------------------------------------------------------------
 
 def apply(rootfs: str, tar_path: str, deletions_json: str, *,
-          max_bytes: int = DEFAULT_MAX_LAYER_BYTES) -> ApplyStats:
+          max_bytes: int = DEFAULT_MAX_LAYER_BYTES, journal: str | None = None) -> ApplyStats:
     """Apply a captured layer to ``rootfs`` (the target container's merged overlay mount), all or
     nothing. ``max_bytes``: the largest archive accepted (default 8 GiB); every member's stored
-    data must end below it, so it also bounds what is written."""
+    data must end below it, so it also bounds what is written. ``journal``: a new directory
+    outside the rootfs for the undo journal (:mod:`runtime.overlay_undo`), left there when the
+    apply succeeds so that the caller can still roll it back (``overlay_undo.roll_back``) or
+    drop it (``overlay_undo.discard``); removed when the apply fails (after its rollback). None:
+    a private temporary journal, dropped at the end."""
     stats = ApplyStats()
     deletions = load_deletions(deletions_json)
     try:
         root = os.open(rootfs, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as exc:
         raise OverlayError(f"apply to {rootfs}: {exc}") from exc
+    own_journal = journal is None
     try:
+        if journal is None:
+            journal = os.path.join(tempfile.mkdtemp(prefix="rekindle-undo-"), "journal")
         with open(tar_path, "rb", buffering=256 << 10) as f:
             check = MemberCheck(max_bytes=max_bytes)
             for m in members(f):
@@ -178,14 +194,20 @@ def apply(rootfs: str, tar_path: str, deletions_json: str, *,
                 parent = open_dir(root, parts[:-1], "/".join(parts), missing_ok=True)
                 if parent >= 0:
                     os.close(parent)
-            undo = Undo(root)
+            undo = Undo(root, rootfs, journal)
             try:
+                undo.step("checked")
                 for parts, kind in deletions:
                     _delete(root, parts, kind, undo, stats)
+                undo.step("deleted")
+                pause_for_test("deleted")
                 check = MemberCheck(max_bytes=max_bytes, link_targets=targets)
                 _write_members(root, f, check, undo, stats)
+                undo.step("applied")
+                undo.close()
             except BaseException as exc:
                 problems = undo.rollback()
+                overlay_undo.discard(journal)
                 log.warning("apply %s to %s failed (%s); %s", tar_path, rootfs, exc,
                             f"rollback incomplete: {problems}" if problems
                             else f"rolled back {len(undo)} changes")
@@ -196,13 +218,14 @@ def apply(rootfs: str, tar_path: str, deletions_json: str, *,
                     raise OverlayError(f"apply {tar_path} to {rootfs}: {exc} (rolled back: the "
                                        "rootfs is unchanged)") from exc
                 raise
-            undo.commit()
     except (ArithmeticError, ValueError) as exc:  # absurd numbers in headers
         raise OverlayError(f"apply {tar_path}: bad value in archive: {exc}") from exc
     except (OSError, RecursionError) as exc:
         raise OverlayError(f"apply {tar_path} to {rootfs}: {exc}") from exc
     finally:
         os.close(root)
+        if own_journal and journal is not None:
+            shutil.rmtree(os.path.dirname(journal), ignore_errors=True)
     log.info("applied %s to %s: %d files, %d hardlinks, %d dirs, %d symlinks, %d deleted, "
              "%d opaque, %d bytes", tar_path, rootfs, stats.files, stats.hardlinks, stats.dirs,
              stats.symlinks, stats.deleted, stats.opaque, stats.bytes)
@@ -236,9 +259,11 @@ def _write_members(root: int, f: IO[bytes], check: MemberCheck, undo: Undo,
     # Directories of the archive whose subtree is being written, innermost last, with their
     # mtimes: set once the walk has left them (capture writes a directory, then its subtree).
     open_dirs: list[tuple[list[str], int]] = []
-    for m in members(f):
+    for i, m in enumerate(members(f)):
         parts = check.check(m)
         _leave_dirs(root, open_dirs, m.name)
+        if i == PAUSE_AT_MEMBER:
+            pause_for_test("member")
         _write(root, f.fileno(), m, parts, undo, stats)
         if m.isdir():
             open_dirs.append((parts, m.mtime_ns))
@@ -294,6 +319,15 @@ def _write(root: int, archive: int, m: Member, parts: list[str], undo: Undo,
             finally:
                 os.close(fd)
             stats.files += 1
+        elif m.isfifo():
+            os.mkfifo(leaf, 0o600, dir_fd=parent)  # fails on anything there: never follows one
+            os.chown(leaf, m.uid, m.gid, dir_fd=parent, follow_symlinks=False)
+            where = f"/proc/self/fd/{parent}/{leaf}"
+            os.chmod(where, m.mode & 0o7777)
+            for name, value in m.xattrs.items():
+                os.setxattr(where, name, value, follow_symlinks=False)
+            os.utime(leaf, ns=(m.mtime_ns, m.mtime_ns), dir_fd=parent, follow_symlinks=False)
+            stats.fifos += 1
         elif m.issym():
             os.symlink(m.linkname, leaf, dir_fd=parent)
             os.chown(leaf, m.uid, m.gid, dir_fd=parent, follow_symlinks=False)

@@ -6,8 +6,9 @@ order, a directory before its subtree. Per entry: a whiteout (char device 0:0, o
 (their JSON is bounded by MAX_DELETIONS_BYTES as it grows); a directory, symlink or regular file
 becomes a member with mode, owner, mtime (nanoseconds, in a PAX record) and xattrs (overlayfs'
 own left out); a regular file with more than one link is stored at its first name and later
-names with the same (st_dev, st_ino) become hardlink members; device nodes, sockets and fifos
-are skipped with a logged reason; excluded paths are skipped with everything below them.
+names with the same (st_dev, st_ino) become hardlink members; fifos become fifo members; device
+nodes and sockets are skipped with a logged reason; excluded paths are skipped with everything
+below them, and so is a top-level ``.rekindle-undo-*`` (an older agent's undo backup).
 ``redirect`` and ``metacopy`` (data in a lower layer) raise OverlayError. The deadline is checked
 at every entry.
 """
@@ -28,6 +29,9 @@ from runtime.overlay_fs import DIR_FLAGS, OVERLAY_XATTRS, check_deadline
 from runtime.overlay_tar import PAX_XATTR, TarWriter
 
 log = logging.getLogger(__name__)
+# Where agents before the undo journal moved to outside the rootfs kept the originals of a restore
+# (``/.rekindle-undo-<hex>``); one killed mid-apply left it behind, never to be captured.
+OLD_UNDO_PREFIX = ".rekindle-undo-"
 
 
 @dataclass
@@ -36,6 +40,7 @@ class CaptureStats:
     dirs: int = 0
     symlinks: int = 0
     hardlinks: int = 0  # hardlink members: further names of a file stored once
+    fifos: int = 0
     sparse: int = 0  # files stored as sparse members
     whiteouts: int = 0
     opaque: int = 0
@@ -110,6 +115,9 @@ def walk(dfd: int, prefix: str, cap: Walk) -> None:
         if _is_excluded(rel, cap.excluded):
             log.debug("capture: %s excluded", rel)
             continue
+        if not prefix and name.startswith(OLD_UNDO_PREFIX):
+            log.info("capture: skipping %s (an undo backup an older agent left in the rootfs)", rel)
+            continue
         st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
         if stat.S_ISCHR(st.st_mode) and st.st_rdev == 0:
             cap.delete(rel, "whiteout")
@@ -134,9 +142,11 @@ def walk(dfd: int, prefix: str, cap: Walk) -> None:
             info.linkname = os.readlink(name, dir_fd=dfd)
             cap.tar.add(info)
             cap.stats.symlinks += 1
+        elif stat.S_ISFIFO(st.st_mode):  # a process may hold it open: CRIU's restore needs it there
+            cap.tar.add(_tarinfo(rel, tarfile.FIFOTYPE, st, _read_xattrs(f"/proc/self/fd/{dfd}/{name}")))
+            cap.stats.fifos += 1
         else:
-            kind = ("device node" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode)
-                    else "socket" if stat.S_ISSOCK(st.st_mode) else "fifo")
+            kind = "device node" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else "socket"
             log.info("capture: skipping %s (%s)", rel, kind)
             cap.stats.skipped.append(f"{rel} ({kind})")
 

@@ -5,7 +5,7 @@ the names that are symlinks so far, and the hardlink targets (collected in a fir
 in a second). Each refusal is an :class:`OverlayError` naming the member. A member must have:
 
 - a relative, normalised name without NUL, no parent that an earlier member made a symlink;
-- a type among directory, regular file, symlink and hardlink (devices and fifos are refused);
+- a type among directory, regular file, symlink, hardlink and fifo (device nodes are refused);
 - for a hardlink, a target that is a normalised relative name, not below an earlier symlink, and
   a regular file written earlier in the same archive (so a link never reaches a file of the
   image, and a streaming writer has always written the target already);
@@ -67,8 +67,8 @@ class MemberCheck:
             if "\0" in m.linkname:
                 raise OverlayError(f"entry {m.name!r}: symlink target contains NUL")
         elif m.isdev():
-            raise OverlayError(f"entry {m.name!r}: device nodes and fifos are not allowed")
-        elif not (m.isreg() or m.isdir()):
+            raise OverlayError(f"entry {m.name!r}: device nodes are not allowed")
+        elif not (m.isreg() or m.isdir() or m.isfifo()):
             raise OverlayError(f"entry {m.name!r}: unsupported tar entry type {m.type!r}")
         self._check_size(m)
         for xname in m.xattrs:

@@ -127,10 +127,14 @@ def copy_range(src: int, src_off: int, dst: int, dst_off: int | None, count: int
             dst_off += done
 
 
+def kept_xattr(name: str) -> bool:
+    """An xattr the overlay code carries (never overlayfs' own)."""
+    return name.startswith(ALLOWED_XATTRS) and not name.startswith(OVERLAY_XATTRS)
+
+
 def _xattr_names(fd: int) -> list[str]:
     try:
-        return [n for n in os.listxattr(fd)
-                if n.startswith(ALLOWED_XATTRS) and not n.startswith(OVERLAY_XATTRS)]
+        return [n for n in os.listxattr(fd) if kept_xattr(n)]
     except OSError as exc:
         if exc.errno in (errno.ENOTSUP, errno.EPERM):
             return []

@@ -194,7 +194,10 @@ class Member:
         return self.type == tarfile.LNKTYPE
 
     def isdev(self) -> bool:
-        return self.type in (tarfile.CHRTYPE, tarfile.BLKTYPE, tarfile.FIFOTYPE)
+        return self.type in (tarfile.CHRTYPE, tarfile.BLKTYPE)
+
+    def isfifo(self) -> bool:
+        return self.type == tarfile.FIFOTYPE
 
 
 _NO_DATA = (tarfile.LNKTYPE, tarfile.SYMTYPE, tarfile.CHRTYPE, tarfile.BLKTYPE, tarfile.DIRTYPE,

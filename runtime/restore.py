@@ -12,7 +12,10 @@ The target container runs ``rekindle-init --mode restore`` as PID 1 and waits. S
      hashed; only those copies are used afterwards (CRIU reads its images from there). The
      prefetch may have done this from RunPodSandbox on: its copies are taken when they are of
      the very version opened in step 1 (version name and manifest bytes);
-  4. rootfs_apply: the writable-layer diff (and /dev/shm) into the target;
+  4. rootfs_apply: the writable-layer diff (and /dev/shm) into the target, journaled outside
+     it (``<undo_dir>/<container id>``, runtime.overlay_pending) until ``restore-complete``: a
+     later step that fails rolls it back, and so does the next agent (:func:`recover_rootfs`)
+     when this one dies; meanwhile ``rootfs-pending`` tells the init not to start cold on it;
   5. criu_restore: CRIU inside the target's namespaces and cgroups with the target's LSM labels,
      TCP connections kept or closed as the dump decided (``RestorePlan.tcp_established``), left
      stopped; the target's oom_score_adj, rlimits and mount flags are forced on the stopped
@@ -26,7 +29,8 @@ The target container runs ``rekindle-init --mode restore`` as PID 1 and waits. S
   8. ``restore-pid`` + ``restore-complete`` for the init.
 Progress: ``progress(phase, 0, 0)`` at each phase start, ``("fill", done, total)`` bytes during
 the fill (from the fill's threads), and ``("complete", n, n)`` at the end, n the artifact's bytes.
-Any failure raises: a restored tree that never ran is killed; the caller writes
+Any failure raises: a restored tree that never ran is killed, and once the rootfs was touched
+everything but the init is killed and the rootfs rolled back; the caller writes
 ``restore-failed`` and the init kills whatever is left in its pid namespace and starts cold.
 The private copies live in ``<log_dir>/restore-*/private`` beside an owner record (this process);
 they are removed at the end, or by ``housekeeping.sweep_restore_copies`` once that process is
@@ -44,22 +48,25 @@ import os
 import shutil
 import signal
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from runtime import bulk
 from runtime import stream
 from runtime import control as control_mod
+from runtime import criu_image
 from runtime import hostfiles
 from runtime import layout
 from runtime import overlay
+from runtime import overlay_pending
 from runtime.compat import NodeFacts, check_compatibility
 from runtime.containers import ContainerInfo, resolve_container
 from runtime.cuda import Checkpointer, build_gpu_map
-from runtime.errors import ArtifactRejected
+from runtime.errors import ArtifactRejected, RekindleError
 from runtime.gpu_target import cuda_restore, ensure_device_nodes, target_facts
 from runtime.criu_executor import restore_into
-from runtime.namespaces import host_pid_of
+from runtime.namespaces import host_pid_of, used_pids
 from runtime.rollback import GenerationBook
 from runtime.security import LsmSupport, SecurityProfile, check_privilege, lsm_options
 from runtime.artifact import Artifact
@@ -70,6 +77,7 @@ from runtime.artifact import Artifact
 from runtime.digests import WORKERS
 from runtime.owner import write_owner
 from runtime.store import ArtifactStore
+from runtime.testpause import pause_for_test
 from runtime.timings import Timings
 
 log = logging.getLogger(__name__)
@@ -93,6 +101,9 @@ class RestoreRequest:
     path: RestorePath = RestorePath.BULK
     threads: int = 0  # fill threads; 0: WORKERS
     max_layer_bytes: int = overlay.DEFAULT_MAX_LAYER_BYTES  # what a layer may write, at most
+    # Node-local dir of the rootfs undo journals (runtime.overlay_pending), where the next agent
+    # finds them; "": in the restore's work dir (rolled back on failure, not after a kill).
+    undo_dir: str = ""
 
 
 Progress = Callable[[str, int, int], None]  # (phase, bytes done, bytes total)
@@ -137,15 +148,18 @@ def _stage(artifact: Artifact, private: str, path: RestorePath, ahead: str | Non
     return plan
 
 
-def _open_bulk(held: contextlib.ExitStack, artifact: Artifact, plan: layout.RestorePlan) -> list[int]:
-    """fds of the bulk files, held from staging on: whatever is renamed or removed in the store
-    afterwards cannot change which bytes the fill reads (it verifies them as it writes)."""
-    fds = []
+def _open_bulk(held: contextlib.ExitStack, artifact: Artifact,
+               plan: layout.RestorePlan) -> tuple[list[int], list[bytes]]:
+    """fds of the bulk files and their chunk digests (verified), both from staging on: whatever
+    is renamed or removed in the store afterwards cannot change which bytes the fill reads (it
+    checks each chunk against its digest before writing it)."""
+    fds, sums = [], []
     for b in plan.bulk:
         fd = artifact.open_file(b.path)
         held.callback(os.close, fd)
         fds.append(fd)
-    return fds
+        sums.append(bulk.read_sums(artifact, b))
+    return fds, sums
 
 
 def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFacts, *,
@@ -162,6 +176,10 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
     work = tempfile.mkdtemp(prefix=f"restore-{req.namespace}-{req.name}-{req.container_id[:12]}-",
                             dir=req.log_dir)
     private = os.path.join(work, "private")  # verified copies; removed at the end (logs stay)
+    undo_root = req.undo_dir or os.path.join(work, "undo")
+    pending = overlay_pending.Pending(undo_root, req.container_id, control)
+    final = False  # restore-complete written: the restored rootfs stays
+    target: ContainerInfo | None = None
     streamed: stream.Session | None = None
     try:
         # Who made them: if this process dies mid-restore, housekeeping removes them.
@@ -189,45 +207,56 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
                     raise ArtifactRejected(artifact.label, "; ".join(reasons))
             with t.phase("stage"):
                 plan = _stage(artifact, private, req.path, staged(artifact) if staged is not None else None)
-                path, digests = req.path, list[list[bytes]]()
+                path = req.path
                 if path is RestorePath.STREAM and plan.bulk:
-                    digests, why = stream.prepare(artifact, plan.bulk, os.path.join(private, layout.CRIU_DIR))
+                    why = stream.prepare(plan.bulk, os.path.join(private, layout.CRIU_DIR))
                     if why is not None:
                         log.warning("%s: the bulk path instead of the streamed one: %s", artifact.label, why)
                         path = RestorePath.BULK
                 fill_bulk = bool(plan.bulk) and path in (RestorePath.BULK, RestorePath.STREAM)
-                fds = _open_bulk(held, artifact, plan) if fill_bulk else []
+                fds, sums = _open_bulk(held, artifact, plan) if fill_bulk else ([], [])
                 total = sum(artifact.entry(b.path).size for b in plan.bulk)
                 report = (lambda done: progress("fill", done, total)) if progress else None
                 if fill_bulk and path is RestorePath.STREAM:  # serves faults from CRIU's hand-off on
-                    streamed = stream.Session.begin(work, target, control, artifact.label, plan.bulk, fds, digests,
+                    streamed = stream.Session.begin(work, target, control, artifact.label, plan.bulk, fds, sums,
                                                     threads=stream.threads(req.threads or WORKERS), progress=report)
             if generations is not None:
                 generations.record(req.namespace, req.name, manifest.generation)
 
             with t.phase("rootfs_apply"):
+                # Journaled outside the rootfs until the restore is final: any later failure, or
+                # the next agent after this one died, rolls it back (runtime.overlay_pending).
+                recover_rootfs(undo_root, req.container_id, 0, control)
+                pending.begin()
                 overlay.apply(target.rootfs, os.path.join(private, layout.ROOTFS_TAR),
-                              os.path.join(private, layout.ROOTFS_DELETIONS), max_bytes=req.max_layer_bytes)
+                              os.path.join(private, layout.ROOTFS_DELETIONS), max_bytes=req.max_layer_bytes,
+                              journal=pending.journal("rootfs"))
                 shm = _shm_dir(target)
                 if plan.shm and shm:
                     overlay.apply(shm, os.path.join(private, layout.SHM_TAR),
-                                  os.path.join(private, layout.SHM_DELETIONS), max_bytes=req.max_layer_bytes)
+                                  os.path.join(private, layout.SHM_DELETIONS), max_bytes=req.max_layer_bytes,
+                                  journal=pending.journal("shm"))
+            pause_for_test("applied")
 
             with t.phase("criu_restore"):
                 stdio = plan.stdio if len(plan.stdio) == 3 else None
                 result = restore_into(target, os.path.join(private, layout.CRIU_DIR), list(plan.mounts),
                                       source_stdio=stdio, work_dir=work, lsm=lsm_options(security, lsm),
                                       tcp_established=plan.tcp_established, lazy_pages=streamed is not None)
+            pause_for_test("criu")
             pidns = target.namespaces["pid"].inode
             host_pids: list[int] = []
             gpu_map = None
             try:
                 if streamed is not None:
                     with t.phase("stream_start"):  # installs begin; the tree runs from SIGCONT on
+                        bulk.check_targets(plan.bulk, os.path.join(private, layout.CRIU_DIR), result.tree,
+                                           lambda pid: host_pid_of(pidns, pid))
                         streamed.start()
                 elif fill_bulk:
                     with t.phase("fill"):
                         bulk.fill(artifact, plan.bulk, fds, lambda pid: host_pid_of(pidns, pid),
+                                  sums=sums, images=os.path.join(private, layout.CRIU_DIR), tree=result.tree,
                                   threads=req.threads or WORKERS, progress=report)
                 if manifest.cuda is not None:
                     host_pids = [host_pid_of(pidns, p) for p in manifest.cuda.pids]
@@ -239,8 +268,10 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
             except BaseException:
                 bulk.kill_all(result.tree)  # stopped since CRIU: it never ran
                 raise
-        # Every byte is in place and verified (streamed: every byte it reads will be): let it run.
-        bulk.signal_all(result.tree, signal.SIGCONT)
+        # Every byte is in place and verified (streamed: every byte it reads will be): let it
+        # run (but what was stopped when dumped).
+        kept = {host_pid_of(pidns, p) for p in criu_image.stopped_pids(os.path.join(private, layout.CRIU_DIR))}
+        bulk.signal_all([p for p in result.tree if p not in kept], signal.SIGCONT)
         if manifest.cuda is not None and cuda is not None:  # CUDA state without a driver was refused
             with t.phase("cuda_restore"):
                 cuda_restore(cuda, host_pids, gpu_map, result.host_pid, result.tree)
@@ -253,13 +284,62 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
             control.write_json(control_mod.TIMINGS, {"restore": dict(t)})
             control.write(control_mod.RESTORE_PID, f"{result.ns_pid}\n")
             control.write(control_mod.RESTORE_COMPLETE, req.name + "\n")
+        final = True
+        pending.commit()
         log.info("restored %s/%s into %s: %d processes, %s", req.namespace, req.name, req.container_id[:12],
                  len(result.tree), ", ".join(f"{k} {v:.2f}s" for k, v in t.items()))
         if progress is not None:
             size = sum(f.size for f in manifest.files)
             progress("complete", size, size)
         return dict(t)
+    except BaseException as exc:
+        if not final:
+            if pending.begun and target is not None:  # nothing of a restored tree may write to it any more
+                _kill_leftovers(target.init_pid)
+            problems = pending.roll_back()
+            if problems:
+                raise RestoreRolledBackBadly(str(exc) or type(exc).__name__, problems) from exc
+        raise
     finally:
         if streamed is not None:
             streamed.abort()  # a no-op once served; else the tree is killed, the holder ends
         shutil.rmtree(private, ignore_errors=True)
+
+
+class RestoreRolledBackBadly(RekindleError):
+    """A failed restore whose rootfs changes could not all be undone: the init will not start the
+    original command on that rootfs (``rootfs-pending`` stays)."""
+
+    def __init__(self, failure: str, problems: list[str]) -> None:
+        super().__init__(f"{failure}; and the rootfs changes could not all be rolled back "
+                         f"({len(problems)} problems: {'; '.join(problems[:3])})")
+
+
+def recover_rootfs(undo_dir: str, container_id: str, init_pid: int,
+                   control: control_mod.ControlDir | None) -> list[str] | None:
+    """A restore of ``container_id`` by an agent that died: when it completed, its journals are
+    dropped; otherwise what it left running in the container is killed (all but its init, host
+    pid ``init_pid``; 0: none looked for) and its rootfs changes are rolled back. None: nothing was
+    pending; else the problems met (none: the rootfs is the image's again)."""
+    if control is not None and control.exists(control_mod.RESTORE_COMPLETE):
+        overlay_pending.Pending(undo_dir, container_id, control).commit()
+        return None
+    if init_pid > 0:
+        _kill_leftovers(init_pid)
+    return overlay_pending.recover(undo_dir, container_id, control)
+
+
+def _kill_leftovers(pid_in_ns: int, wait: float = 5.0) -> None:
+    """SIGKILL every process of ``pid_in_ns``'s pid namespace but its init (pid 1 there), and
+    wait (a little) until they are gone."""
+    try:
+        pidns = os.stat(f"/proc/{pid_in_ns}/ns/pid").st_ino
+    except OSError:
+        return
+    deadline = time.monotonic() + wait
+    while True:
+        left = [host for nspid, host in used_pids(pidns).items() if nspid != 1]
+        if not left or time.monotonic() > deadline:
+            return
+        bulk.kill_all(left)
+        time.sleep(0.01)

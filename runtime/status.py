@@ -38,6 +38,7 @@ class Phase(str, Enum):
     RESTORE_PENDING = "restore-pending"
     RESTORING = "restoring"
     RESTORED = "restored"
+    RESTORE_EXITED = "restore-exited"  # restored, then the process died at once (it never ran on)
     COLD_START = "cold-start"
     SKIPPED = "skipped"            # left alone on purpose (not this container, artifact exists)
 
@@ -47,8 +48,8 @@ class Phase(str, Enum):
         return self in _FINAL
 
 
-_FINAL = {Phase.IGNORED, Phase.PUBLISHED, Phase.CHECKPOINT_FAILED, Phase.RESTORED, Phase.COLD_START,
-          Phase.SKIPPED}
+_FINAL = {Phase.IGNORED, Phase.PUBLISHED, Phase.CHECKPOINT_FAILED, Phase.RESTORED, Phase.RESTORE_EXITED,
+          Phase.COLD_START, Phase.SKIPPED}
 
 
 @dataclass
@@ -64,7 +65,7 @@ class Progress:
 
 # Phases after which nothing more happens to a container's record.
 FINAL_PHASES = frozenset({Phase.IGNORED, Phase.PUBLISHED, Phase.CHECKPOINT_FAILED, Phase.RESTORED,
-                          Phase.COLD_START})
+                          Phase.RESTORE_EXITED, Phase.COLD_START})
 
 
 @dataclass

@@ -177,11 +177,13 @@ class Staging:
                 data = manifest.to_json()
                 write_file(MANIFEST, data, dir_fd=st_fd, exclusive=True)
                 write_file(SIGNATURE, sign(data, key).encode(), dir_fd=st_fd, exclusive=True)
-                os.unlink(OWNER, dir_fd=st_fd)
                 os.fsync(st_fd)
                 version = f"{VERSION_PREFIX}{self.name}-{generation}-{secrets.token_hex(8)}"
                 rename_noreplace(ns_fd, entry, ns_fd, version)
                 self.entry = version
+                # The owner record goes only once the dir is a version: a staging dir killed at
+                # any moment before keeps it, so the sweep knows it is dead.
+                os.unlink(OWNER, dir_fd=st_fd)
                 # The name must hold the very dir we wrote: one swapped in meanwhile is never
                 # pointed at (its files are not ours, whatever they say).
                 try:

@@ -14,12 +14,12 @@ tree is resumed right after CRIU, and the bulk ranges arrive while it runs:
   work dir and sends, per task, an int32 pid (in the restored pid namespace; negative for a
   zombie, which has no uffd) and that task's uffd by SCM_RIGHTS, then ``RSTF`` (0x52535446);
   it expects no reply. The socket listens before CRIU starts (CRIU fails without it).
-- :class:`Server`: N threads install the bulk files' 64 MiB pieces in address order, and a
+- :class:`Server`: N threads install the bulk files' 2 MiB pieces in address order, and a
   fault-serving thread installs first the piece holding an address the tree touched; an
   event-reading thread keeps the address-space events (FORK, REMAP, REMOVE, UNMAP) apace, so
   an install that the kernel refuses while the space changes (EAGAIN) goes on as soon as the
-  event is read. Every piece is read into private memory, hashed and compared with its digest
-  (:func:`piece_digests`) before any of its bytes is installed; installs use ``UFFDIO_COPY``,
+  event is read. Every piece is read into private memory, each chunk hashed and compared with its
+  digest before any of its bytes is installed; installs use ``UFFDIO_COPY``,
   which leaves a page already present alone (EEXIST): nothing the kernel or the process wrote
   after CRIU is overwritten. A fault outside every bulk range (a hole, or a range the process
   discarded since) gets zero pages. A mismatch kills the tree before the next piece.
@@ -29,10 +29,9 @@ tree is resumed right after CRIU, and the bulk ranges arrive while it runs:
   away first, the tasks block on their faults, and the holder kills them and tells the init to
   start cold.
 
-Piece digests: a bulk file's manifest digest is the BLAKE3 of its 64 MiB pieces' digests
-(``runtime.digests``), so the list of those digests, stored beside the file at checkpoint
-(:func:`write_piece_lists`, ``bulk/pages-<pid>.pieces``), is checked against the signed digest
-before use; a file of one piece needs none (its digest is the piece's).
+Digests: each 1 MiB chunk of a bulk file has its BLAKE3 digest in ``bulk/pages-<pid>.sums``
+(written at checkpoint, signed through the manifest: ``runtime.bulk.read_sums``), as the bulk
+fill uses them; the server installs 2 MiB pieces, each chunk checked before any byte of it goes in.
 """
 
 from __future__ import annotations
@@ -55,14 +54,13 @@ from dataclasses import dataclass, field
 
 from runtime import criu_image as img
 from runtime import uffd
-from runtime.artifact import Artifact
 from runtime.containers import ContainerInfo
 from runtime.criu import CRIU
 from runtime.criu_proto import pagemap_pb2
 from runtime.control import ControlDir
-from runtime.digests import PIECE, WORKERS, combine_pieces, new_hash, piece_ranges
+from runtime.digests import WORKERS, new_hash
 from runtime.errors import RekindleError
-from runtime.layout import BulkFile
+from runtime.layout import DIGEST_BYTES, SUM_CHUNK, BulkFile
 from runtime.namespaces import enter_cgroups_argv
 from runtime.pagecache import is_cached
 
@@ -70,8 +68,8 @@ log = logging.getLogger(__name__)
 
 SOCKET_NAME = "lazy-pages.socket"
 RESTORE_FINISHED = 0x52535446  # "RSTF"
-DIGEST = 32  # BLAKE3-256
-CHUNK = 1 << 20
+PIECE = 2 << 20  # what one install takes, and what a fault brings in at once: whole chunks
+assert PIECE % SUM_CHUNK == 0
 # flags of a VMA CRIU registers with userfaultfd (criu/include/vma.h vma_entry_can_be_lazy)
 MAP_PRIVATE, MAP_ANONYMOUS, MAP_LOCKED, MAP_HUGETLB = 0x02, 0x20, 0x2000, 0x40000
 _NOT_LAZY_STATUS = img.VMA_AREA_VDSO | img.VMA_AREA_VVAR | img.VMA_AREA_VSYSCALL
@@ -79,67 +77,6 @@ _NOT_LAZY_STATUS = img.VMA_AREA_VDSO | img.VMA_AREA_VVAR | img.VMA_AREA_VSYSCALL
 
 class StreamError(RekindleError):
     """The streamed restore failed: the tree was killed (or never ran)."""
-
-
-def pieces_path(pid: int) -> str:
-    """The piece digests of ``bulk/pages-<pid>.bulk``, beside it."""
-    return f"bulk/pages-{pid}.pieces"
-
-
-# --- checkpoint side -----------------------------------------------------------------------------
-
-def _piece_digest(fd: int, offset: int, length: int) -> bytes:
-    digest, done = new_hash(), 0
-    while done < length:
-        data = os.pread(fd, min(8 << 20, length - done), offset + done)
-        if not data:
-            raise OSError("file shrank while hashed")
-        digest.update(data)
-        done += len(data)
-    return digest.digest()
-
-
-def write_piece_lists(artifact_dir: str, files: Sequence[BulkFile], threads: int = WORKERS) -> int:
-    """Write the piece digests of every bulk file of more than one piece; the bytes hashed."""
-    hashed = 0
-    for f in files:
-        path = os.path.join(artifact_dir, f.path)
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            ranges = piece_ranges(os.fstat(fd).st_size)
-            if len(ranges) < 2:
-                continue
-            with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="rekindle-pieces") as pool:
-                digests = list(pool.map(lambda r: _piece_digest(fd, *r), ranges))
-            hashed += sum(n for _, n in ranges)
-        finally:
-            os.close(fd)
-        with open(os.path.join(artifact_dir, pieces_path(f.pid)), "wb") as out:
-            out.write(b"".join(digests))
-    return hashed
-
-
-# --- restore side: what CRIU reads ---------------------------------------------------------------
-
-def piece_digests(artifact: Artifact, f: BulkFile) -> list[bytes]:
-    """The digests of ``f``'s pieces, checked against the manifest's (signed) file digest.
-    StreamError when they are missing or do not match."""
-    entry = artifact.entry(f.path)
-    ranges = piece_ranges(entry.size)
-    if len(ranges) == 1:
-        return [bytes.fromhex(entry.digest)]
-    try:
-        fd = artifact.open_file(pieces_path(f.pid))
-    except (OSError, RekindleError) as exc:
-        raise StreamError(f"{artifact.label}: {f.path} has no piece digests ({exc})") from exc
-    try:
-        raw = os.pread(fd, len(ranges) * DIGEST + 1, 0)
-    finally:
-        os.close(fd)
-    digests = [raw[i:i + DIGEST] for i in range(0, len(raw), DIGEST)]
-    if len(raw) != len(ranges) * DIGEST or combine_pieces(entry.size, digests) != entry.digest:
-        raise StreamError(f"{artifact.label}: the piece digests of {f.path} do not match its digest")
-    return digests
 
 
 def _can_be_lazy(vma: object) -> bool:
@@ -324,7 +261,7 @@ class _Piece:
     file: int
     offset: int
     length: int
-    digest: bytes
+    digests: bytes  # of its chunks, in order
 
 
 @dataclass
@@ -367,20 +304,21 @@ class Server:
     every range is registered at its place then)."""
 
     def __init__(self, label: str, files: Sequence[BulkFile], fds: Sequence[int],
-                 digests: Sequence[Sequence[bytes]], kill: Callable[[], object],
+                 sums: Sequence[bytes], kill: Callable[[], object],
                  threads: int = WORKERS, holder: Holder | None = None,
                  progress: Callable[[int], None] | None = None) -> None:
         self.label, self.kill, self.holder, self.progress = label, kill, holder, progress
         self.threads = max(0, threads)
         self.fds = [os.dup(fd) for fd in fds]  # the caller's may close before the serve ends
         self.pieces: list[_Piece] = []
-        for i, (f, fd, ds) in enumerate(zip(files, self.fds, digests, strict=True)):
+        for i, (f, fd, ds) in enumerate(zip(files, self.fds, sums, strict=True)):
             size = os.fstat(fd).st_size
-            ranges = piece_ranges(size)
-            if len(ranges) != len(ds) or any(r.offset + r.length > size for r in f.ranges):
-                raise StreamError(f"{label}: {f.path} does not match its ranges or digests")
-            first = len(self.pieces)
-            self.pieces += [_Piece(first + k, i, off, n, d) for k, ((off, n), d) in enumerate(zip(ranges, ds))]
+            if len(ds) != -(-size // SUM_CHUNK) * DIGEST_BYTES or any(r.offset + r.length > size for r in f.ranges):
+                raise StreamError(f"{label}: {f.path} does not match its ranges or chunk digests")
+            for off in range(0, size, PIECE):
+                n = min(PIECE, size - off)
+                d = ds[off // SUM_CHUNK * DIGEST_BYTES:-(-(off + n) // SUM_CHUNK) * DIGEST_BYTES]
+                self.pieces.append(_Piece(len(self.pieces), i, off, n, d))
         self.files = list(files)
         self.targets: list[_Target] = []
         self.table = threading.Lock()  # targets, their ranges and pending sets
@@ -534,17 +472,19 @@ class Server:
                 os.posix_fadvise(fd, p.offset, p.length, os.POSIX_FADV_WILLNEED)
             except OSError:
                 pass
-        digest, got = new_hash(), 0
-        while got < p.length:  # hashed 1 MiB at a time, while still in the core's cache
-            want = min(p.length, got + CHUNK)
+        got = 0
+        while got < p.length:  # chunk by chunk, each hashed while still in the core's cache
+            start, want = got, min(p.length, got + SUM_CHUNK)
             while got < want:
                 n = os.preadv(fd, [view[got:want]], p.offset + got)
                 if n <= 0:
                     raise StreamError(f"bulk file shrank while read (at {p.offset + got})")
-                digest.update(view[got:got + n])
                 got += n
-        if digest.digest() != p.digest:
-            raise StreamError(f"piece at {p.offset} of bulk file {p.file} does not match its digest")
+            digest = new_hash()
+            digest.update(view[start:want])
+            k = start // SUM_CHUNK * DIGEST_BYTES
+            if digest.digest() != p.digests[k:k + DIGEST_BYTES]:
+                raise StreamError(f"chunk at {p.offset + start} of {self.files[p.file].path} does not match its digest")
         with self.counters.lock:
             self.counters.verified += p.length
             verified = self.counters.verified
@@ -817,18 +757,17 @@ def threads(default: int) -> int:
     return int(raw) if raw.isdigit() and int(raw) <= 1024 else default
 
 
-def prepare(artifact: Artifact, files: Sequence[BulkFile], images: str) -> tuple[list[list[bytes]], str | None]:
-    """The piece digests of ``files`` and the images made lazy for them, or why this restore
-    cannot stream (then nothing was changed: the bulk path can run)."""
+def prepare(files: Sequence[BulkFile], images: str) -> str | None:
+    """Make CRIU's images lazy for ``files``, or say why this restore cannot stream (then
+    nothing was changed: the bulk path can run)."""
     why = unsupported()
     if why is not None:
-        return [], why
+        return why
     try:
-        digests = [piece_digests(artifact, f) for f in files]
         prepare_images(images, files)
     except StreamError as exc:
-        return [], str(exc)
-    return digests, None
+        return str(exc)
+    return None
 
 
 class Session:
@@ -848,7 +787,7 @@ class Session:
 
     @classmethod
     def begin(cls, work_dir: str, target: ContainerInfo, control: ControlDir | None, label: str,
-              files: Sequence[BulkFile], fds: Sequence[int], digests: Sequence[Sequence[bytes]],
+              files: Sequence[BulkFile], fds: Sequence[int], sums: Sequence[bytes],
               threads: int, progress: Callable[[int], None] | None = None) -> Session:
         from runtime.stream_holder import kill_namespace, now_ticks
         pidns, init_pid = target.namespaces["pid"].inode, target.init_pid
@@ -861,7 +800,7 @@ class Session:
             raise
         try:
             # whatever the tree forked since is in its pid namespace: kill all of it, but the init
-            server = Server(label, files, fds, digests, lambda: kill_namespace(pidns, init_pid, now_ticks()),
+            server = Server(label, files, fds, sums, lambda: kill_namespace(pidns, init_pid, now_ticks()),
                             threads=threads, holder=holder, progress=progress)
         except BaseException:
             listener.close()

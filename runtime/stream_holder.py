@@ -13,9 +13,10 @@ unix socket from the agent:
 
 On EOF before "D", the tasks whose pages are not all there block on their next fault (their
 uffds stay open here); the holder SIGKILLs every process of the restored pid namespace (but
-its init) that started before the agent went away — the init's cold start comes later, from
-``restore-failed``, which the holder writes into the control dir unless an outcome is there
-already — then closes its copies and exits 1.
+its init) that started before the agent went away, writes ``restore-failed`` into the control
+dir unless an outcome is there already or the rootfs still holds the restore's changes
+(``rootfs-pending``: then the next agent rolls them back and fails the restore, once), then
+closes its copies and exits 1.
 """
 
 from __future__ import annotations
@@ -95,8 +96,10 @@ def serve(sock: socket.socket, pidns: int, init_pid: int, control: str | None) -
     if control is not None:
         ctl = control_mod.ControlDir(Path(control))
         try:
+            # With the rootfs still to be rolled back, the verdict is the next agent's (it rolls
+            # back first): the init would not start cold on that rootfs.
             if not any(ctl.exists(n) for n in (control_mod.RESTORE_COMPLETE, control_mod.RESTORE_FAILED,
-                                               control_mod.COLD_START)):
+                                               control_mod.COLD_START, control_mod.ROOTFS_PENDING)):
                 ctl.write(control_mod.RESTORE_FAILED, REASON + "\n")
         except OSError as exc:
             log.error("uffd holder: cannot tell the init to start cold: %s", exc)

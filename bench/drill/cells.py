@@ -315,8 +315,11 @@ def restore_cell(rig: Rig, wl: Workload, base: str, ref: dict[str, str], row: st
     t0 = time.monotonic()
     mounts_before = observe.mount_table()
     if fault is Fault.DISK_FULL:
-        for d in rig.disks:  # a restore writes only to the node disk; filling takes a moment
-            d.fit(32 << 20)
+        # A restore writes only to the node disk (its private copies: the artifact but its bulk
+        # pages); room for those, so the fault lands where it aims and not in the stage.
+        room = rig.staged_bytes(base) + (16 << 20)
+        for d in rig.disks:
+            d.fit(room)
     rig.tail.mark()
     dst = rig.start_pod(f"drill-r-{slug(row)}-{fault.value}", wl, {"rekindle.dev/restore": base})
     runs = [dst]

@@ -124,7 +124,10 @@ def inject(fault: Fault, rig: Any, marker: str, pidns: int = 0) -> Injected:
         seen["criu_after_kill"] = "gone" if alive else [p.pid for p in observe.criu(marker)]
         if pidns:
             seen["stopped_after_kill"] = [f"{p.pid}:{p.comm}" for p in observe.stopped(pidns)]
-        seen["leftovers_after_kill"] = [f"{x.kind}:{x.entry}" for x in store_gc.leftovers(rig.store)]
+        seen["leftovers_after_kill"] = [
+            f"{x.kind}:{x.entry}" + ("" if x.kind != "staging" else " (no owner)" if x.owner is None
+                                     else " (owner dead)" if x.owner.provably_dead() else " (owner alive)")
+            for x in store_gc.leftovers(rig.store)]
         seen["restore_dirs_after_kill"] = [p.name for p in observe.restore_work_dirs(rig.plugin.state_dir)]
         rig.restart_plugin()
         return Injected(fault, at, time.monotonic() - t0, seen)

@@ -217,6 +217,11 @@ class Rig:
     def store_bytes(self) -> int:
         return self.disk.used()
 
+    def staged_bytes(self, name: str, namespace: str = "default") -> int:
+        """What a restore of ``name`` copies to the node: every file but the bulk pages."""
+        with self.store.open(namespace, name, self.key) as art:
+            return sum(f.size for f in art.manifest.files if not f.path.startswith("bulk/"))
+
     def artifact_ok(self, name: str, namespace: str = "default") -> tuple[bool, str]:
         """(True, version) when ``name`` is a complete signed version whose every digest matches."""
         with self.store.open(namespace, name, self.key) as art:

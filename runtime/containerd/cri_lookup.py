@@ -100,6 +100,12 @@ class CriLookup:
         """(id, name) of the pod's running and created containers."""
         return [(c.id, c.name) for c in self.list_containers(pod_id=pod_id) if c.state in LIVE]
 
+    def exit_code(self, container_id: str) -> int | None:
+        """The container's exit code once CRI reports it exited, else None."""
+        resp = self._call("ContainerStatus", self._rt.ContainerStatus,
+                          pb.ContainerStatusRequest(container_id=container_id))
+        return int(resp.status.exit_code) if ContainerState(resp.status.state) is ContainerState.EXITED else None
+
     def image_ref(self, image: str) -> str | None:
         """The image id containerd resolves ``image`` to, or None when absent."""
         resp = self._call("ImageStatus", self._img.ImageStatus,

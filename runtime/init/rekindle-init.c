@@ -14,7 +14,10 @@
  *            the control dir every 50 ms. On `restore-complete`, adopt the pid in `restore-pid`
  *            as the main child. On `restore-failed`, a bad `restore-pid` or the timeout, kill
  *            every other process of the pid namespace, write `cold-start` (content: the reason)
- *            and fork/exec CMD. The decision is taken once and never retried.
+ *            and fork/exec CMD. The decision is taken once and never retried. While the
+ *            agent's `rootfs-pending` is there, the rootfs holds a restore's changes that are
+ *            still to be rolled back: instead of starting CMD on it, the init exits with
+ *            status 1, so that the container is made again from its image.
  *
  * Built static with no dependencies, because it is bind-mounted into arbitrary images.
  * Signals are blocked and read from a signalfd, so there is no handler race and no busy loop.
@@ -397,6 +400,13 @@ static int wait_for_restore(const char *ctl, int timeout_s, char *reason, size_t
 /* The restore did not happen: clear the namespace, record why, start the original command. */
 static void cold_start(const char *ctl, const char *reason, char **cmd)
 {
+    if (control_exists(ctl, "rootfs-pending")) {
+        /* The agent has not rolled back (or could not roll back) what the restore changed in
+         * the rootfs: the original command must never run on a half-restored rootfs. */
+        logmsg("no cold start (%s): rootfs-pending, the restore's rootfs changes are not rolled "
+               "back; exiting so that the container is made again", reason);
+        finish(1);
+    }
     logmsg("cold start: %s", reason);
     if (getpid() == 1) {
         /* Leftovers of a half-done restore must not share the container with the workload.

@@ -109,9 +109,13 @@ def test_readyz_metrics_events_and_logs_after_a_checkpoint_and_a_restore(sandbox
 
     m = wait_metric(port, restored, before.get(restored, 0) + 1)
     assert m[published] == before.get(published, 0) + 1
-    assert m['rekindle_restore_duration_seconds_count{phase="criu_restore"}'] >= 1
-    assert m['rekindle_restore_duration_seconds_count{phase="total"}'] >= 1
-    assert m['rekindle_checkpoint_duration_seconds_count{phase="criu_dump"}'] >= 1
+    assert m['rekindle_restore_phase_duration_seconds_count{phase="criu_restore"}'] >= 1
+    assert m["rekindle_restore_duration_seconds_count"] >= 1
+    assert m['rekindle_checkpoint_phase_duration_seconds_count{phase="criu_dump"}'] >= 1
+    assert m["rekindle_checkpoint_duration_seconds_count"] >= 1
+    (build,) = [k for k in m if k.startswith("rekindle_build_info{")]
+    assert m[build] == 1 and 'criu="4.' in build, build
+    assert not [k for k in m if "_created" in k]
     assert m["rekindle_restored_bytes_total"] >= 16 << 20 > 0
     assert m["rekindle_published_bytes_total"] >= 16 << 20
     assert m['rekindle_nri_handler_duration_seconds_count{handler="create_container"}'] >= 2

@@ -115,6 +115,12 @@ def _cri_mounts(pod_spec: dict, container: dict, secret_dir: Path) -> list[Mount
     return mounts
 
 
+def _expand(arg: str, env: dict[str, str]) -> str:
+    """The kubelet's expansion of $(NAME) in a container's args ($$ escapes; unknown stays)."""
+    return re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
+                  lambda m: "$" if m[0] == "$$" else env.get(m[1], m[0]), arg)
+
+
 def _run_privileged_host_pid_pod(cri, name: str) -> Pod:
     """RunPodSandbox like kubelet does for a privileged hostPID pod (CRIClient.run_pod_sandbox
     makes unprivileged pods, and containerd refuses privileged containers in those)."""
@@ -183,6 +189,11 @@ def test_plugin_from_image_registers_and_adjusts_annotated_pods(sandbox, pod, pl
 
     ppod = _run_privileged_host_pid_pod(cri, "rekindle-plugin-image")
     try:
+        # As the kubelet: POD_IP from the downward API (status.podIP), and $(VAR) in args expanded
+        # from the container's environment (the chart's --metrics-address $(POD_IP)).
+        env["POD_IP"] = cri.pod_ip(ppod.id)
+        assert env["POD_IP"], "the plugin's pod has no IP"
+        args = [_expand(a, env) for a in args]
         cid = sandbox.run_container(ppod, plugin["name"], plugin_image, command=plugin["command"], args=args,
                                     env=env, mounts=mounts, security=SecurityContext(privileged=True))
 

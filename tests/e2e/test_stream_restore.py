@@ -71,8 +71,9 @@ def _holders(marker: str) -> list[str]:
 def test_plugin_killed_while_it_serves_kills_the_tree_and_the_pod_starts_cold_once(sandbox, pod, streaming):
     """The agent is SIGKILLed while the restored process runs with most of its memory not served
     yet (faults only: no install thread). The holder keeps the uffds, so the process blocks on
-    its next fault instead of reading zero pages; the holder kills it and tells the init, which
-    starts the original command once. Nothing of the restore is left."""
+    its next fault instead of reading zero pages, and the holder kills it at once. The agent,
+    restarted, rolls the rootfs back and fails that restore; the init starts the original
+    command once. Nothing of the restore is left."""
     plugin = streaming
     plugin.kill()
     plugin.env = {"REKINDLE_RESTORE_PATH": "stream", "REKINDLE_STREAM_THREADS": "0"}
@@ -87,10 +88,15 @@ def test_plugin_killed_while_it_serves_kills_the_tree_and_the_pod_starts_cold_on
     wait_for(lambda: fields(get(ip, "/", 1.0))["count"] == "4", 60, "the restored process to answer",
              interval=0.05, ignore=(OSError,))
     assert plugin.log().count("MiB verified") == served  # the serve has not ended
+    restored = _tree_in(sandbox, cid)
+    assert restored
     plugin.kill()
-    ctl = plugin.control_dir(b.uid, "server")
-    wait_for(lambda: (ctl / "cold-start").exists(), 30, "the init's cold start")
-    assert "the agent went away while it served" in (ctl / "cold-start").read_text()
+    # Killed by the holder, before any agent is back: never left running on zero pages.
+    wait_for(lambda: not any(_alive(p) for p in restored), 10, "the holder to kill the restored tree")
+    wait_for(lambda: not _holders(b.uid), 10, "the holder to exit")
+    plugin.start()
+    st = wait_status(plugin, "default", b.name, "server", {"restored", "cold-start"})
+    assert st["phase"] == "cold-start" and "agent restarted during the restore" in st["reason"], st
     # Whatever answers now is the cold start (count 1), never the restored tree on zero pages.
     wait_http(ip, timeout=60)
     assert fields(get(ip))["count"] == "1"
@@ -186,3 +192,19 @@ def test_a_flipped_byte_in_a_streamed_piece_kills_the_running_tree_and_the_pod_s
     out = sandbox.cri.exec_sync(cid, ["/bin/sh", "-c", "ps -o comm | grep -cx counter-server"], timeout=10)
     assert out.out.strip() == "1", out
     wait_for(lambda: not _holders(b.uid), 10, "the holder to exit")
+
+
+def _tree_in(sandbox, cid: str) -> list[int]:
+    """Host pids of the container's processes but its init."""
+    from runtime.containers import resolve_container
+    from runtime.namespaces import used_pids
+    info = resolve_container(str(sandbox.state_dir), cid)
+    return [host for ns, host in used_pids(info.namespaces["pid"].inode).items() if ns != 1]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -39,6 +39,10 @@ class Engine:
     def restore(self, work: Work) -> dict[str, float]:
         return self._answer("restore", work)
 
+    def recover(self, work: Work) -> list[str] | None:
+        self.calls.append(("recover", work.container_id))
+        return None
+
     async def probe(self, netns: str, probe: ReadyProbe) -> bool:
         return True
 
@@ -147,11 +151,15 @@ def test_resume_fails_a_restore_the_restart_cut_short(tmp_path):
     status.write(ContainerStatus(namespace="team-a", pod="qwen-1", container="server", role="restore",
                                  artifact="qwen-7b", phase=Phase.RESTORING, reason="", container_id="c1",
                                  pod_uid="u1"))
-    run_jobs(status, engine, lambda jobs: jobs.resume(work))
+    async def body(jobs: Jobs) -> None:
+        jobs.resume(work)
+        while status.read("team-a", "qwen-1", "server").phase is Phase.RESTORING:
+            await asyncio.sleep(0.01)
+    run_jobs(status, engine, body)
     st = status.read("team-a", "qwen-1", "server")
     assert st.phase is Phase.COLD_START and "restarted during the restore" in st.reason
     assert "restarted" in (work.control.read(control.RESTORE_FAILED) or "")
-    assert engine.calls == []
+    assert engine.calls == [("recover", "c1")]  # its rootfs changes undone first; no new restore
 
 
 @pytest.mark.parametrize("done", [control.RESTORE_COMPLETE, control.RESTORE_FAILED, control.COLD_START])

@@ -18,6 +18,8 @@ class GatedEngine:
     def __init__(self) -> None:
         self.entered = threading.Event()
         self.gate = threading.Event()
+        self.recovered: list[bool] = []  # per recover call: whether restore-failed was there yet
+        self.problems: list[str] | None = None
 
     def restore(self, work: Work) -> dict[str, float]:
         self.entered.set()
@@ -26,6 +28,13 @@ class GatedEngine:
         return {"fill": 0.0}
 
     checkpoint = restore
+
+    def recover(self, work: Work) -> list[str] | None:
+        # What the next agent must do before failing the restore: undo its rootfs changes.
+        self.recovered.append(work.control.exists(control.RESTORE_FAILED))
+        if self.problems is None:  # as the real one: a rollback done owes nothing more
+            (work.control.path / control.ROOTFS_PENDING).unlink(missing_ok=True)
+        return self.problems
 
     async def probe(self, netns: str, probe: ReadyProbe) -> bool:
         return True
@@ -62,10 +71,7 @@ def test_a_reconnect_while_a_restore_runs_leaves_it_to_its_job(tmp_path):
     assert not work.control.exists(control.RESTORE_FAILED)
 
 
-def test_a_restore_cut_short_by_a_plugin_restart_is_failed_once(tmp_path):
-    engine = GatedEngine()
-    status = StatusBook(tmp_path / "state")
-    work = _work(tmp_path)
+def _resume_cut_short(tmp_path, engine: GatedEngine, work: Work, status: StatusBook) -> None:
     status.write(ContainerStatus(namespace="default", pod="pod", container="server", role="restore",
                                  artifact="base", phase=Phase.RESTORING, container_id="cid-1", pod_uid="uid-1"))
 
@@ -74,9 +80,40 @@ def test_a_restore_cut_short_by_a_plugin_restart_is_failed_once(tmp_path):
         jobs.bind_loop(asyncio.get_running_loop())
         await asyncio.to_thread(jobs.resume, work)
         await asyncio.to_thread(jobs.resume, work)
+        while status.read("default", "pod", "server").phase is Phase.RESTORING:
+            await asyncio.sleep(0.01)
         await jobs.shutdown()
 
     asyncio.run(body())
+
+
+def test_a_restore_cut_short_by_a_plugin_restart_is_rolled_back_then_failed_once(tmp_path):
+    engine = GatedEngine()
+    status = StatusBook(tmp_path / "state")
+    work = _work(tmp_path)
+    _resume_cut_short(tmp_path, engine, work, status)
     assert not engine.entered.is_set()
+    # The rootfs is rolled back BEFORE restore-failed lets the init start the original command.
+    assert engine.recovered == [False]
     assert work.control.read(control.RESTORE_FAILED).startswith("the agent restarted during the restore")
     assert status.read("default", "pod", "server").phase is Phase.COLD_START
+
+
+def test_a_cut_short_restore_whose_rollback_is_incomplete_says_so(tmp_path):
+    engine = GatedEngine()
+    engine.problems = ["undo saved 'etc/passwd': EIO"]
+    status = StatusBook(tmp_path / "state")
+    work = _work(tmp_path)
+    _resume_cut_short(tmp_path, engine, work, status)
+    assert "could not all be rolled back" in work.control.read(control.RESTORE_FAILED)
+
+
+def test_a_restore_that_completed_before_the_kill_keeps_its_rootfs(tmp_path):
+    """Killed between restore-complete and dropping the journal: the restored rootfs stays."""
+    engine = GatedEngine()
+    status = StatusBook(tmp_path / "state")
+    work = _work(tmp_path)
+    work.control.write(control.RESTORE_COMPLETE, "base\n")
+    work.control.write(control.ROOTFS_PENDING, "x\n")
+    _resume_cut_short(tmp_path, engine, work, status)
+    assert engine.recovered == [False] and not work.control.exists(control.RESTORE_FAILED)

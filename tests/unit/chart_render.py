@@ -58,7 +58,8 @@ _GROUPS = {
     ("node.k8s.io", "v1"): [("runtimeclasses", "RuntimeClass", False)],
     # The Prometheus Operator's CRDs, for the optional PodMonitor / ServiceMonitor.
     ("monitoring.coreos.com", "v1"): [("podmonitors", "PodMonitor", True),
-                                      ("servicemonitors", "ServiceMonitor", True)],
+                                      ("servicemonitors", "ServiceMonitor", True),
+                                      ("prometheusrules", "PrometheusRule", True)],
 }
 _VERBS = ["create", "delete", "get", "list", "patch", "update", "watch"]
 

@@ -4,13 +4,17 @@ the images are built from CRIU's own message types)."""
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
+from typing import Any
 
+import blake3
 import pytest
 
 from runtime import bulk
 from runtime import criu_image as img
-from runtime.criu_proto import pagemap_pb2, vma_pb2
-from runtime.layout import BulkFile, BulkRange, RestorePlan, bulk_file
+from runtime.criu_proto import core_pb2, mm_pb2, pagemap_pb2, pstree_pb2, vma_pb2
+from runtime.layout import CRIU_DIR, BulkFile, BulkRange, RestorePlan, bulk_file, bulk_sums
 
 P = img.PAGE
 ANON = img.VMA_AREA_REGULAR | img.VMA_ANON_PRIVATE
@@ -76,10 +80,120 @@ def test_plan_in_the_object_form_still_parses() -> None:
     ([0x10000, P, True], "integers"),                 # a bool is not an int
     ([0x10000, "4096", 0], "integers"),
     ([0x10001, P, 0], "page-aligned"),
-    ([0x10000, 2 * P, 0, 0x11000, P, 2 * P], "overlapping"),
-])
+    ([0x10000, P + 1, 0], "page-aligned"),
+    ([0x10000, P, 1], "page-aligned"),
+    ([(1 << 63) - P, 2 * P, 0], "overflows"),
+    ([0x10000, P, 1 << 63, 0x20000, P, 0], "overflows"),
+    ([0x10000, 2 * P, 0, 0x11000, P, 2 * P], "overlap in addresses"),
+    # two places for the same bytes: the fill used to write one and skip the other
+    ([0x10000, P, 0, 0x20000, 3 * P, 0], "overlap in file offsets"),
+], ids=["pairs", "bool", "string", "vaddr-unaligned", "length-unaligned", "offset-unaligned",
+        "vaddr-overflow", "offset-overflow", "address-overlap", "offset-overlap"])
 def test_bad_flat_ranges_are_refused(ranges: list[object], why: str) -> None:
     obj = json.loads(plan((BulkRange(0x10000, P, 0),)).to_json())
     obj["bulk"][0]["ranges"] = ranges
     with pytest.raises(ValueError, match=why):
         RestorePlan.from_json(json.dumps(obj).encode())
+
+
+def test_a_plan_of_more_ranges_than_the_checkpoint_ever_lists_is_refused() -> None:
+    assert bulk.MAX_RANGES == 200_000
+    ok = tuple(BulkRange(i * P, P, i * P) for i in range(bulk.MAX_RANGES))
+    assert len(RestorePlan.from_json(plan(ok).to_json()).bulk[0].ranges) == bulk.MAX_RANGES
+    obj = json.loads(plan(ok).to_json())
+    n = bulk.MAX_RANGES + 1
+    obj["bulk"][0]["ranges"] = [x for i in range(n) for x in (i * P, P, i * P)]
+    with pytest.raises(ValueError, match="200001 bulk ranges, at most 200000"):
+        RestorePlan.from_json(json.dumps(obj).encode())
+    # spread over two processes: the cap is per artifact, as the split keeps it
+    half = [x for i in range(n // 2 + 1) for x in (i * P, P, i * P)]
+    obj["bulk"] = [dict(obj["bulk"][0], ranges=half),
+                   dict(obj["bulk"][0], pid=7, path=bulk_file(7), ranges=half)]
+    with pytest.raises(ValueError, match="bulk ranges, at most 200000"):
+        RestorePlan.from_json(json.dumps(obj).encode())
+
+
+def _image(path: Path, *messages: Any) -> None:
+    img.write_raw(str(path), img.RawImage(b"\0" * 8, [m.SerializePartialToString() for m in messages]))
+
+
+def _core(sp: int, sas: tuple[int, int] | None = None, rseq: int = 0) -> Any:
+    core = core_pb2.core_entry(mtype=core_pb2.core_entry.X86_64)
+    core.thread_info.gpregs.sp = sp
+    if sas is not None:
+        core.thread_core.sas.ss_sp, core.thread_core.sas.ss_size = sas
+    if rseq:
+        core.thread_core.rseq_entry.rseq_abi_pointer, core.thread_core.rseq_entry.rseq_abi_size = rseq, 32
+    return core
+
+
+def test_split_keeps_stacks_and_rseq_areas_with_criu_and_writes_chunk_digests(tmp_path: Path) -> None:
+    """A signal pending at restore gets its frame written on a stack (or sigaltstack) as soon as
+    CRIU lets the tree go, before the fill; CRIU and the kernel write each thread's rseq area
+    (in its TLS, here in the heap): none of that may be filled over afterwards."""
+    images = tmp_path / CRIU_DIR
+    images.mkdir()
+    heap, main_stack, thread_stack, altstack, lowstack = (
+        (0x100000, 0x200000), (0x7ff000000, 0x7ff100000), (0x500000, 0x600000), (0x700000, 0x710000),
+        (0x800000, 0x810000))
+    vmas = [vma(*heap), vma(*thread_stack), vma(*altstack), vma(*lowstack), vma(*(0x810000, 0x820000)),
+            vma(*main_stack, status=ANON | img.VMA_AREA_STACK)]
+    vmas[-1].flags |= img.MAP_GROWSDOWN
+    _image(images / "pstree.img", pstree_pb2.pstree_entry(pid=1, ppid=0, pgid=1, sid=1, threads=[1, 2, 3]))
+    mm = mm_pb2.mm_entry()
+    mm.vmas.extend(vmas)
+    _image(images / "mm-1.img", mm)
+    _image(images / "core-1.img", _core(main_stack[1] - 0x100, rseq=heap[0] + P + 0x20))
+    # thread 2 on its own stack, with a sigaltstack
+    _image(images / "core-2.img", _core(thread_stack[0] + 0x8000, sas=(altstack[0], altstack[1] - altstack[0])))
+    # thread 3's sp at the very start of the VMA above: its frame lands in the one below
+    _image(images / "core-3.img", _core(0x810000))
+    entries = [pagemap_pb2.pagemap_entry(vaddr=lo, compat_nr_pages=4, nr_pages=4, flags=img.PE_PRESENT)
+               for lo, _ in (heap, thread_stack, altstack, lowstack, (0x810000, 0), main_stack)]
+    _image(images / "pagemap-1.img", pagemap_pb2.pagemap_head(pages_id=9), *entries)
+    data = os.urandom(len(entries) * 4 * P)
+    (images / "pages-9.img").write_bytes(data)
+
+    files, _stats = bulk.split(str(tmp_path))
+    # the heap's entry is cut around the rseq page; every stack stays with CRIU
+    assert files == (BulkFile(1, bulk_file(1), 9,
+                              (BulkRange(heap[0], P, 0), BulkRange(heap[0] + 2 * P, 2 * P, 2 * P))),)
+    kept = img.read_pagemap(str(images), 1)
+    assert [(e.vaddr, img.nr_pages(e)) for e in kept.entries] == [
+        (heap[0] + P, 1), (thread_stack[0], 4), (altstack[0], 4), (lowstack[0], 4), (0x810000, 4), (main_stack[0], 4)]
+    assert (images / "pages-9.img").read_bytes() == data[P:2 * P] + data[4 * P:]
+    sums = (tmp_path / bulk_sums(1)).read_bytes()
+    assert sums == blake3.blake3(data).digest()  # one chunk
+
+
+def test_a_signal_frame_reaches_down_only_through_adjacent_writable_vmas(tmp_path: Path) -> None:
+    """A thread's stack pointer near the bottom of its stack: the frame may spill into the VMA
+    right below, but not past a guard page (it would fault there) or a gap."""
+    big, guard, stack = (0x100000, 0x4ff000), (0x4ff000, 0x500000), (0x500000, 0x600000)
+    vmas = [vma(*big), vma(*guard, prot=0), vma(*stack)]
+    _image(tmp_path / "core-1.img", _core(stack[0] + 0x100))
+    entry = img.PstreeEntry(1, 0, 1, 1, (1,))
+    assert img.written_after_restore(str(tmp_path), entry, vmas) == img.Written((stack,), ())
+    # no guard: the frame can land in the VMA below, and only as far as SIGFRAME_MAX reaches
+    vmas = [vma(0x100000, 0x4f0000), vma(0x4f0000, 0x500000), vma(*stack)]
+    assert img.written_after_restore(str(tmp_path), entry, vmas).vmas == ((0x4f0000, 0x500000), stack)
+
+
+def test_a_zombies_thread_list_is_not_taken_for_pids_the_restore_needs(tmp_path: Path) -> None:
+    """CRIU writes an uninitialised thread id for a zombie (it never collects a dead task's
+    threads): taken for a pid, it was "too close to pid_max" and the restore started cold."""
+    _image(tmp_path / "pstree.img", pstree_pb2.pstree_entry(pid=1, ppid=0, pgid=1, sid=1, threads=[1, 2]),
+           pstree_pb2.pstree_entry(pid=5, ppid=1, pgid=1, sid=1, threads=[3783754912]))
+    zombie = core_pb2.core_entry(mtype=core_pb2.core_entry.X86_64)
+    zombie.tc.task_state = img.TASK_DEAD
+    _image(tmp_path / "core-5.img", zombie)
+    _image(tmp_path / "core-1.img", _core(0x7ff000))
+    assert img.image_pids(str(tmp_path)) == {1, 2, 5}
+    assert img.is_zombie(str(tmp_path), 5) and not img.is_zombie(str(tmp_path), 1)
+
+
+def test_what_is_written_after_restore_is_found_for_any_range() -> None:
+    w = img.Written(((0x1000, 0x3000), (0x10000, 0x20000)), ((0x2000, 0x3000), (0x5000, 0x6000)))
+    hit = {(0, 0x1001), (0x3000, 0x5001), (0x5fff, 0x7000), (0x1fff0, 0x30000), (0, 0x40000)}
+    miss = {(0, 0x1000), (0x3000, 0x5000), (0x6000, 0x10000), (0x20000, 0x30000)}
+    assert {r for r in hit | miss if w.hits(*r)} == hit

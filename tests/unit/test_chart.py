@@ -135,9 +135,17 @@ def test_plugin_command_is_the_cli_contract(default_render):
         "--containerd-state", "/run/containerd",
         "--hmac-key-file", "/etc/rekindle/hmac.key",
         "--log-format", "json",
+        "--restore-path", "bulk",
+        "--fill-threads", "0",
+        "--max-parallel", "2",
+        "--max-layer-bytes", "8Gi",
+        "--bulk-min-run", "4Ki",
+        "--capture-timeout", "600",
+        "--max-probes-per-pod", "1",
+        "--max-probes", "16",
         "--metrics-port", "9464",
         "--metrics-address", "$(POD_IP)",
-    ]  # logLevel info: no --verbose; events.enabled false: no --events
+    ]  # logLevel info: no --verbose; prefetch: no --no-prefetch; events.enabled false: no --events
 
 
 def test_gpu_values_add_the_driver_dir_as_bind_source(gpu_render):

@@ -219,3 +219,35 @@ def test_release_resumes_locked_and_checkpointed_processes_and_leaves_the_rest()
         assert ck.release([1, 2, 3, 4]) == [2, 3]
     assert fake.states == {1: 0, 2: 0, 3: 0, 4: 3}
     assert [c for c in fake.calls if c[0] != "state"] == [("unlock", 2), ("restore", 3), ("unlock", 3)]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--action", "unlock", "--pid", str(2**32 + 1)], "--pid 4294967297 is out of range"),  # ctypes: pid 1
+    (["--get-state", "--pid", str(2**31)], "out of range"),                                # ctypes: negative
+    (["--get-state", "--pid", "0"], "out of range"),
+    (["--get-state", "--pid", "-1"], "whole number"),
+    (["--get-state", "--pid", " 42"], "whole number"),
+    (["--get-state", "--pid", "4_2"], "whole number"),
+    (["--action", "lock", "--pid", "42", "--timeout", str(2**32)], "--timeout 4294967296 is out of range"),
+    (["--action", "lock", "--pid", "42", "--timeout", "-1"], "whole number"),
+])
+def test_cli_refuses_numbers_the_driver_types_cannot_hold(argv: list[str], message: str) -> None:
+    with pytest.raises(cuda_cli.UsageError, match=message):
+        cuda_cli.parse_args(argv)
+
+
+def test_cli_range_edges_pass_through_unchanged(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cuda_cli, "pid_max", lambda: 4194304)
+    cmd = cuda_cli.parse_args(["--action", "lock", "--pid", "4194303", "--timeout", str(2**32 - 1)])
+    assert (cmd.pid, cmd.timeout_ms) == (4194303, 2**32 - 1)
+    with pytest.raises(cuda_cli.UsageError, match="out of range"):
+        cuda_cli.parse_args(["--get-state", "--pid", "4194304"])
+
+
+def test_cli_out_of_range_pid_never_reaches_the_driver(capsys: pytest.CaptureFixture[str],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_driver() -> None:
+        raise AssertionError("the driver was opened for an unusable pid")
+    monkeypatch.setattr(cuda_cli, "CudaCheckpointer", no_driver)
+    assert cuda_cli.main(["--action", "unlock", "--pid", str(2**32 + 1)]) == 1
+    assert "out of range" in capsys.readouterr().err

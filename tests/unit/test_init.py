@@ -268,6 +268,20 @@ def test_timeout_cold_starts_once(run, ctl, tmp_path):
     assert (ctl / "cold-start").read_text() == "no restore within 1 s\n"
 
 
+@pytest.mark.parametrize("verdict", ["restore-failed", "timeout"])
+def test_a_rollback_still_owed_is_never_a_cold_start(run, ctl, tmp_path, verdict):
+    """rootfs-pending: the agent has not rolled back what a restore changed in the rootfs (it
+    died, or could not): the original command must not run on it; the init exits instead."""
+    write_control(ctl, "rootfs-pending", "a restore is changing the rootfs\n")
+    init = run(restore_args(ctl, timeout=1 if verdict == "timeout" else 30), RECORD)
+    if verdict == "restore-failed":
+        init.wait_log("waiting for a restore")
+        write_control(ctl, "restore-failed", "the rollback was incomplete\n")
+    assert init.wait() == 1
+    assert not (tmp_path / "runs").exists() and not (ctl / "cold-start").exists()
+    assert "no cold start" in init.stderr() and "rootfs-pending" in init.stderr()
+
+
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_signal_while_waiting_exits_at_once(run, ctl, tmp_path, sig, code):
     init = run(restore_args(ctl, timeout=60), RECORD)

@@ -89,3 +89,84 @@ def test_slow_loris_targets_cost_no_threads():
     assert results == [False] * 30
     assert took < 2.0  # thirty at once, each bounded by its own 0.5 s deadline
     assert peak == before and after == before, (before, peak, after)
+
+
+# --- the probe's own connection never reaches a checkpoint (CRIU: "In-flight connection") ----------
+
+def _listener(backlog: int = 64) -> tuple[socket.socket, int]:
+    ls = socket.socket()
+    ls.bind(("127.0.0.1", 0))
+    ls.listen(backlog)
+    return ls, ls.getsockname()[1]
+
+
+def test_tcp_probe_is_not_ready_while_its_connection_waits_in_the_accept_queue():
+    ls, port = _listener()
+    with ls:
+        t0 = time.monotonic()
+        assert asyncio.run(probe("", "tcp", "127.0.0.1", port, timeout=0.3)) is False
+        assert time.monotonic() - t0 < 1.0
+        # The connection it gave up on was reset, not closed with a FIN: once the workload takes
+        # it, its side is closed (CRIU dumps that), not half-open (CRIU refuses that).
+        conn, _ = ls.accept()
+        with conn, pytest.raises(ConnectionResetError):
+            conn.recv(1)
+
+
+def test_tcp_probe_is_ready_once_the_workload_accepted_and_leaves_nothing_queued():
+    ls, port = _listener()
+    taken: list[socket.socket] = []
+
+    def accept_late() -> None:
+        time.sleep(0.3)
+        taken.append(ls.accept()[0])
+
+    with ls:
+        t = threading.Thread(target=accept_late)
+        t.start()
+        t0 = time.monotonic()
+        assert asyncio.run(probe("", "tcp", "127.0.0.1", port, timeout=2.0)) is True
+        assert time.monotonic() - t0 >= 0.3  # not before the accept
+        t.join()
+        ls.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            ls.accept()  # nothing of the probe's left in the queue
+        with taken[0], pytest.raises(ConnectionResetError):
+            taken[0].recv(1)
+
+
+def test_http_probe_resets_its_connection_when_the_server_keeps_it_open():
+    ls, port = _listener()
+    seen: list[bytes] = []
+
+    def serve() -> None:
+        conn, _ = ls.accept()
+        with conn:
+            conn.recv(4096)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+            conn.settimeout(5)
+            try:
+                seen.append(conn.recv(1))
+            except OSError as exc:
+                seen.append(type(exc).__name__.encode())
+
+    with ls:
+        t = threading.Thread(target=serve)
+        t.start()
+        assert asyncio.run(probe("", "http", "127.0.0.1", port, "/", timeout=1.0)) is True
+        t.join(5)
+    assert seen == [b"ConnectionResetError"]
+
+
+def test_sock_diag_answers_are_read_strictly():
+    from runtime import probe as p
+    import errno
+    import struct
+    req = p.diag_request(socket.AF_INET, ("10.0.0.1", 8080), ("10.0.0.2", 40000))
+    assert len(req) == 16 + 56 and struct.unpack_from("=IH", req) == (72, p.SOCK_DIAG_BY_FAMILY)
+    err = struct.pack("=IHHII", 36, p.NLMSG_ERROR, 0, 1, 0) + struct.pack("=i", -errno.ENOENT) + bytes(16)
+    assert p.diag_answer(err, 40000) is None
+    with pytest.raises(OSError):
+        p.diag_answer(struct.pack("=IHHII", 36, p.NLMSG_ERROR, 0, 1, 0) + struct.pack("=i", -errno.EOPNOTSUPP), 1)
+    with pytest.raises(OSError):
+        p.diag_answer(b"\0" * 8, 1)

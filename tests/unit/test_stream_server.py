@@ -15,8 +15,8 @@ import blake3
 import pytest
 
 from runtime import stream, uffd
-from runtime.digests import PIECE, piece_ranges
-from runtime.layout import BulkFile, BulkRange, bulk_file
+from runtime.layout import SUM_CHUNK, BulkFile, BulkRange, bulk_file
+from runtime.stream import PIECE
 
 pytestmark = pytest.mark.skipif(uffd.probe() is not None, reason=f"no userfaultfd: {uffd.probe()}")
 
@@ -92,13 +92,13 @@ class Child:
         self.proc.wait(10)
 
 
-def _bulk(tmp_path, length: int, addr: int, pid: int = 7) -> tuple[BulkFile, int, list[bytes], bytes]:
+def _bulk(tmp_path, length: int, addr: int, pid: int = 7) -> tuple[BulkFile, int, bytes, bytes]:
     data = os.urandom(length)
     path = tmp_path / "pages.bulk"
     path.write_bytes(data)
     fd = os.open(path, os.O_RDONLY)
-    digests = [blake3.blake3(data[off:off + n]).digest() for off, n in piece_ranges(length)]
-    return BulkFile(pid, bulk_file(pid), 1, (BulkRange(addr, length, 0),)), fd, digests, data
+    sums = b"".join(blake3.blake3(data[off:off + SUM_CHUNK]).digest() for off in range(0, length, SUM_CHUNK))
+    return BulkFile(pid, bulk_file(pid), 1, (BulkRange(addr, length, 0),)), fd, sums, data
 
 
 @pytest.fixture
@@ -107,11 +107,11 @@ def served(tmp_path):
 
     def make(length: int, threads: int, corrupt: bool = False):
         child = Child(length)
-        f, fd, digests, data = _bulk(tmp_path, length, child.addr)
+        f, fd, sums, data = _bulk(tmp_path, length, child.addr)
         if corrupt:
-            digests[-1] = bytes(32)
+            sums = sums[:-32] + bytes(32)
         killed = []
-        server = stream.Server("test", [f], [fd], [digests], lambda: killed.append(child.proc.kill()),
+        server = stream.Server("test", [f], [fd], [sums], lambda: killed.append(child.proc.kill()),
                                threads=threads)
         os.close(fd)
         server.add(f.pid, child.fd)
