@@ -208,3 +208,24 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_three_streamed_restores_of_one_artifact_at_once(sandbox, pod, streaming):
+    """Three servers and holders side by side, each serving its own tree from the same files."""
+    plugin = streaming
+    src = _checkpoint(sandbox, pod, plugin, "streamed-thrice", 100)
+    warm = get(src, "/verify")
+    pods = [pod(f"dst-streamed-thrice-{i}", annotations={"rekindle.dev/restore": "streamed-thrice"}) for i in range(3)]
+    cids = [sandbox.cri.create_container(p, "server", COUNTER, command=SERVER) for p in pods]
+    for cid in cids:
+        sandbox.cri.start_container(cid)
+    for p in pods:
+        st = wait_status(plugin, "default", p.name, "server", {"restored", "cold-start"}, timeout=120)
+        assert st["phase"] == "restored", st
+        assert "stream" in st["timings"], st["timings"]
+        ip = sandbox.cri.pod_ip(p.id)
+        wait_http(ip)
+        assert fields(get(ip))["count"] == "4"
+        assert get(ip, "/verify") == warm
+    for p in pods:
+        wait_for(lambda: not _holders(p.uid), 10, "the holders to exit")
