@@ -48,8 +48,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from runtime import criu_image as img
@@ -69,7 +68,6 @@ log = logging.getLogger(__name__)
 SOCKET_NAME = "lazy-pages.socket"
 RESTORE_FINISHED = 0x52535446  # "RSTF"
 PIECE = 2 << 20  # what one install takes, and what a fault brings in at once: whole chunks
-assert PIECE % SUM_CHUNK == 0
 # flags of a VMA CRIU registers with userfaultfd (criu/include/vma.h vma_entry_can_be_lazy)
 MAP_PRIVATE, MAP_ANONYMOUS, MAP_LOCKED, MAP_HUGETLB = 0x02, 0x20, 0x2000, 0x40000
 _NOT_LAZY_STATUS = img.VMA_AREA_VDSO | img.VMA_AREA_VVAR | img.VMA_AREA_VSYSCALL
