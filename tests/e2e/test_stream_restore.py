@@ -183,6 +183,7 @@ def test_a_flipped_byte_in_a_streamed_piece_kills_the_running_tree_and_the_pod_s
     st = wait_status(plugin, "default", b.name, "server", {"restored", "cold-start"}, timeout=120)
     assert st["phase"] == "cold-start" and "does not match its digest" in st["reason"], st
     ctl = plugin.control_dir(b.uid, "server")
+    wait_for(lambda: (ctl / "cold-start").exists(), 30, "the init's cold start")  # after the plugin's record
     assert "does not match its digest" in (ctl / "cold-start").read_text()
     ip = sandbox.cri.pod_ip(b.id)
     wait_http(ip, timeout=60)
