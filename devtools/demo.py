@@ -1,6 +1,6 @@
 """Single-node demo: containerd with NRI, the Rekindle plugin, checkpoint then restore.
 
-    hack/demo.sh [--warmup-mib 1024] [--passes 20] [--restore-path bulk|stock] [--keep]   (as root)
+    hack/demo.sh [--warmup-mib 1024] [--passes 20] [--restore-path bulk|stock|stream] [--keep]   (as root)
 
 1. brings up the local sandbox (private containerd 1.7.24 with NRI, CNI bridge, local images);
 2. starts `rekindle plugin` against it;
@@ -89,7 +89,7 @@ def main() -> int:
     # measured on the H200 (67 s for ~15 GiB, bench/results/h200). Lower it to see restore lose.
     ap.add_argument("--passes", type=int, default=20, help="fill passes: start-up CPU cost (default 20)")
     ap.add_argument("--keep", action="store_true", help="leave the sandbox and pods running")
-    ap.add_argument("--restore-path", choices=("bulk", "stock"), default="bulk",
+    ap.add_argument("--restore-path", choices=("bulk", "stock", "stream"), default="bulk",
                     help="bulk: pages filled beside CRIU on all cores (default); stock: CRIU restores every page")
     args = ap.parse_args()
     if os.geteuid() != 0:

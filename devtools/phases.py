@@ -95,7 +95,7 @@ def _copy_round(threads: int, size: int) -> float:
     return done / (time.perf_counter() - t) / GB
 
 
-ORDER = ("open", "inspect", "stage", "rootfs_apply", "criu_restore", "fill", "cuda_restore",
+ORDER = ("open", "inspect", "stage", "rootfs_apply", "criu_restore", "stream_start", "fill", "cuda_restore", "stream",
          "inspect", "cuda_find", "cuda_checkpoint", "criu_dump", "rootfs_capture", "shm_capture",
          "cuda_resume_source", "split", "publish")
 

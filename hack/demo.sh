@@ -3,7 +3,7 @@
 # else only re-checks), then run devtools/demo.py: containerd with NRI + the Rekindle plugin, a pod
 # checkpointed and a new pod restored from it, with timings.
 #
-#   hack/demo.sh [--warmup-mib MIB] [--passes N] [--restore-path bulk|stock] [--keep]
+#   hack/demo.sh [--warmup-mib MIB] [--passes N] [--restore-path bulk|stock|stream] [--keep]
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 [ "$(id -u)" -eq 0 ] || { echo "demo.sh: run as root (it starts containerd)" >&2; exit 1; }

@@ -102,10 +102,11 @@ def _json(args: argparse.Namespace) -> bool:
 
 
 def _restore_path(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--restore-path", choices=("bulk", "stock"),
+    p.add_argument("--restore-path", choices=("bulk", "stock", "stream"),
                    default=os.environ.get("REKINDLE_RESTORE_PATH", "bulk"),
                    help="bulk: large page runs filled beside CRIU on many threads; stock: CRIU "
-                        "restores every page ($REKINDLE_RESTORE_PATH, else bulk)")
+                        "restores every page; stream: the tree runs right after CRIU and the large "
+                        "runs are served through userfaultfd ($REKINDLE_RESTORE_PATH, else bulk)")
 
 
 def _settings(args: argparse.Namespace) -> Settings:

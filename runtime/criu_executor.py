@@ -198,12 +198,15 @@ def restore_into(
     cgroups_first: bool = True,
     lsm: LsmOptions = LsmOptions(),
     tcp_established: bool = False,
+    lazy_pages: bool = False,
 ) -> RestoreResult:
     """Restore the tree in ``images_dir`` into ``target`` (whose init waits in restore mode).
 
     ``source_stdio`` is ``DumpResult.stdio`` (None: stdio pipes are not re-attached).
     ``lsm`` is what :func:`runtime.security.lsm_options` says CRIU must force.
     ``tcp_established``: the mode the dump was taken with (``RestorePlan.tcp_established``).
+    ``lazy_pages``: ``--lazy-pages``: the lazy pagemap entries are served through userfaultfd by
+    whoever listens on ``lazy-pages.socket`` in the work dir (``runtime.stream``).
     ``cgroups_first=False`` runs CRIU in the caller's cgroups and only moves the tree afterwards
     (memory restored until then stays charged to the caller's cgroup).
     """
@@ -236,7 +239,7 @@ def restore_into(
                 # The mount-v2 engine copies sharing groups from the target rootfs, which fails
                 # (EINVAL) when CRIU runs in the plugin's pod and sees that mount as a propagated
                 # slave; the compatibility engine works from the host and from the pod alike.
-                extra=["--mntns-compat-mode", *launch.extra],
+                extra=["--mntns-compat-mode", *(["--lazy-pages"] if lazy_pages else []), *launch.extra],
             )
             # The launcher makes its own mount namespace and /proc (of the target's pid ns).
             wrapper = (ns.in_pid_ns_argv(target.init_pid, []) if launch.same

@@ -81,6 +81,17 @@ def check_cuda() -> Check:
         return Check("cuda", False, f"no usable CUDA driver: {exc}", required=False)
 
 
+def check_stream() -> Check:
+    """What the streamed restore path (``--restore-path stream``) needs; without it that path
+    falls back to the bulk one, with the reason logged."""
+    from .stream import unsupported
+    why = unsupported()
+    if why is None:
+        return Check("stream-restore", True, "userfaultfd with FORK/REMAP/REMOVE/UNMAP events; "
+                     "CRIU's --lazy-pages hand-off", required=False)
+    return Check("stream-restore", False, f"{why}: --restore-path stream falls back to bulk", required=False)
+
+
 def check_hmac_key(path: str) -> Check:
     """The plugin's key, read with the plugin's checks. Absent is a warning (the plugin may be
     about to create it); present but unusable fails, since the plugin would refuse to start."""
@@ -227,4 +238,5 @@ def run_checks(settings: DoctorSettings) -> list[Check]:
     checks.extend(check_store(settings.store))
     checks.append(check_hmac_key(str(settings.key_path)))
     checks.append(check_cuda())
+    checks.append(check_stream())
     return checks

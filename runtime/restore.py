@@ -53,6 +53,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from runtime import bulk
+from runtime import stream
 from runtime import control as control_mod
 from runtime import criu_image
 from runtime import hostfiles
@@ -85,6 +86,7 @@ log = logging.getLogger(__name__)
 class RestorePath(enum.Enum):
     BULK = "bulk"    # bulk pages filled beside CRIU on many threads (default)
     STOCK = "stock"  # CRIU restores every page itself (one thread), for comparison
+    STREAM = "stream"  # resumed after CRIU, bulk pages served through userfaultfd (runtime.stream)
 
 
 @dataclass(frozen=True)
@@ -178,6 +180,7 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
     pending = overlay_pending.Pending(undo_root, req.container_id, control)
     final = False  # restore-complete written: the restored rootfs stays
     target: ContainerInfo | None = None
+    streamed: stream.Session | None = None
     try:
         # Who made them: if this process dies mid-restore, housekeeping removes them.
         write_owner(work)
@@ -205,8 +208,19 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
                     raise ArtifactRejected(artifact.label, "; ".join(reasons))
             with t.phase("stage"):
                 plan = _stage(artifact, private, req.path, staged(artifact) if staged is not None else None)
-                fill_bulk = bool(plan.bulk) and req.path is RestorePath.BULK
+                path = req.path
+                if path is RestorePath.STREAM and plan.bulk:
+                    why = stream.prepare(plan.bulk, os.path.join(private, layout.CRIU_DIR))
+                    if why is not None:
+                        log.warning("%s: the bulk path instead of the streamed one: %s", artifact.label, why)
+                        path = RestorePath.BULK
+                fill_bulk = bool(plan.bulk) and path in (RestorePath.BULK, RestorePath.STREAM)
                 fds, sums = _open_bulk(held, artifact, plan) if fill_bulk else ([], [])
+                total = sum(artifact.entry(b.path).size for b in plan.bulk)
+                report = (lambda done: progress("fill", done, total)) if progress else None
+                if fill_bulk and path is RestorePath.STREAM:  # serves faults from CRIU's hand-off on
+                    streamed = stream.Session.begin(work, target, control, artifact.label, plan.bulk, fds, sums,
+                                                    threads=stream.threads(req.threads or WORKERS), progress=report)
             if generations is not None:
                 generations.record(req.namespace, req.name, manifest.generation)
 
@@ -228,17 +242,20 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
             with t.phase("criu_restore"):
                 stdio = plan.stdio if len(plan.stdio) == 3 else None
                 result = restore_into(target, os.path.join(private, layout.CRIU_DIR), list(plan.mounts),
-                                      source_stdio=stdio, work_dir=work,
-                                      lsm=lsm_options(security, lsm), tcp_established=plan.tcp_established)
+                                      source_stdio=stdio, work_dir=work, lsm=lsm_options(security, lsm),
+                                      tcp_established=plan.tcp_established, lazy_pages=streamed is not None)
             pause_for_test("criu")
             pidns = target.namespaces["pid"].inode
             host_pids: list[int] = []
             gpu_map = None
             try:
-                if fill_bulk:
+                if streamed is not None:
+                    with t.phase("stream_start"):  # installs begin; the tree runs from SIGCONT on
+                        bulk.check_targets(plan.bulk, os.path.join(private, layout.CRIU_DIR), result.tree,
+                                           lambda pid: host_pid_of(pidns, pid))
+                        streamed.start()
+                elif fill_bulk:
                     with t.phase("fill"):
-                        total = sum(artifact.entry(b.path).size for b in plan.bulk)
-                        report = (lambda done: progress("fill", done, total)) if progress else None
                         bulk.fill(artifact, plan.bulk, fds, lambda pid: host_pid_of(pidns, pid),
                                   sums=sums, images=os.path.join(private, layout.CRIU_DIR), tree=result.tree,
                                   threads=req.threads or WORKERS, progress=report)
@@ -252,7 +269,8 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
             except BaseException:
                 bulk.kill_all(result.tree)  # stopped since CRIU: it never ran
                 raise
-        # Every byte is in place and verified: let it run (but what was stopped when dumped).
+        # Every byte is in place and verified (streamed: every byte it reads will be): let it
+        # run (but what was stopped when dumped).
         kept = {host_pid_of(pidns, p) for p in criu_image.stopped_pids(os.path.join(private, layout.CRIU_DIR))}
         bulk.signal_all([p for p in result.tree if p not in kept], signal.SIGCONT)
         if manifest.cuda is not None and cuda is not None:  # CUDA state without a driver was refused
@@ -260,6 +278,9 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
                 cuda_restore(cuda, host_pids, gpu_map, result.host_pid, result.tree)
             log.info("CUDA restored for %d process(es)%s", len(host_pids),
                      f", remapped {gpu_map}" if gpu_map else "")
+        if streamed is not None:
+            with t.phase("stream"):  # until the last piece is in: then the uffds are closed
+                streamed.wait()
         if control is not None:
             control.write_json(control_mod.TIMINGS, {"restore": dict(t)})
             control.write(control_mod.RESTORE_PID, f"{result.ns_pid}\n")
@@ -281,6 +302,8 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
                 raise RestoreRolledBackBadly(str(exc) or type(exc).__name__, problems) from exc
         raise
     finally:
+        if streamed is not None:
+            streamed.abort()  # a no-op once served; else the tree is killed, the holder ends
         shutil.rmtree(private, ignore_errors=True)
 
 

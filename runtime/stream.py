@@ -1,0 +1,845 @@
+"""The streamed restore: bulk pages served through userfaultfd while the restored tree runs.
+
+The bulk path (``runtime.bulk.fill``) writes every bulk page before the tree may run. Here the
+tree is resumed right after CRIU, and the bulk ranges arrive while it runs:
+
+- :func:`prepare_images` (restore side, on the private copy of CRIU's images): each bulk range
+  goes back into its process's pagemap as an entry flagged ``PE_LAZY`` and not ``PE_PRESENT``
+  (CRIU 4.2.1's ``--lazy-pages`` restore skips lazy entries without moving its pages-file
+  offset, so the pages file CRIU keeps stays as the split wrote it), and every other entry loses
+  ``PE_LAZY`` (a dump tags all private anonymous pages lazy: CRIU then restores them itself).
+  Refused (the caller falls back to the bulk path) when a bulk range lies in a VMA CRIU would
+  not register with userfaultfd (``vma_entry_can_be_lazy``: locked, hugetlb, not anonymous).
+- :class:`Listener`: ``criu restore --lazy-pages`` connects to ``lazy-pages.socket`` in its
+  work dir and sends, per task, an int32 pid (in the restored pid namespace; negative for a
+  zombie, which has no uffd) and that task's uffd by SCM_RIGHTS, then ``RSTF`` (0x52535446);
+  it expects no reply. The socket listens before CRIU starts (CRIU fails without it).
+- :class:`Server`: N threads install the bulk files' 2 MiB pieces in address order, and a
+  fault-serving thread installs first the piece holding an address the tree touched; an
+  event-reading thread keeps the address-space events (FORK, REMAP, REMOVE, UNMAP) apace, so
+  an install that the kernel refuses while the space changes (EAGAIN) goes on as soon as the
+  event is read. Every piece is read into private memory, each chunk hashed and compared with its
+  digest before any of its bytes is installed; installs use ``UFFDIO_COPY``,
+  which leaves a page already present alone (EEXIST): nothing the kernel or the process wrote
+  after CRIU is overwritten. A fault outside every bulk range (a hole, or a range the process
+  discarded since) gets zero pages. A mismatch kills the tree before the next piece.
+- Fail closed: when the last holder of a uffd closes it, the kernel unregisters the range and
+  the process reads zero pages from then on. A holder process (``runtime.stream_holder``, its
+  own session) keeps a copy of every uffd until the server says it is done; if the server goes
+  away first, the tasks block on their faults, and the holder kills them and tells the init to
+  start cold.
+
+Digests: each 1 MiB chunk of a bulk file has its BLAKE3 digest in ``bulk/pages-<pid>.sums``
+(written at checkpoint, signed through the manifest: ``runtime.bulk.read_sums``), as the bulk
+fill uses them; the server installs 2 MiB pieces, each chunk checked before any byte of it goes in.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import ctypes
+import logging
+import mmap
+import os
+import select
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from runtime import criu_image as img
+from runtime import uffd
+from runtime.containers import ContainerInfo
+from runtime.criu import CRIU
+from runtime.criu_proto import pagemap_pb2
+from runtime.control import ControlDir
+from runtime.digests import WORKERS, new_hash
+from runtime.errors import RekindleError
+from runtime.layout import DIGEST_BYTES, SUM_CHUNK, BulkFile
+from runtime.namespaces import enter_cgroups_argv
+from runtime.pagecache import is_cached
+
+log = logging.getLogger(__name__)
+
+SOCKET_NAME = "lazy-pages.socket"
+RESTORE_FINISHED = 0x52535446  # "RSTF"
+PIECE = 2 << 20  # what one install takes, and what a fault brings in at once: whole chunks
+# flags of a VMA CRIU registers with userfaultfd (criu/include/vma.h vma_entry_can_be_lazy)
+MAP_PRIVATE, MAP_ANONYMOUS, MAP_LOCKED, MAP_HUGETLB = 0x02, 0x20, 0x2000, 0x40000
+_NOT_LAZY_STATUS = img.VMA_AREA_VDSO | img.VMA_AREA_VVAR | img.VMA_AREA_VSYSCALL
+
+
+class StreamError(RekindleError):
+    """The streamed restore failed: the tree was killed (or never ran)."""
+
+
+def _can_be_lazy(vma: object) -> bool:
+    flags, status = getattr(vma, "flags"), getattr(vma, "status")
+    return (bool(flags & MAP_ANONYMOUS) and bool(flags & MAP_PRIVATE) and not flags & (MAP_LOCKED | MAP_HUGETLB)
+            and not status & _NOT_LAZY_STATUS)
+
+
+def prepare_images(images: str, files: Sequence[BulkFile]) -> None:
+    """Rewrite the pagemaps of CRIU's images in ``images`` for ``criu restore --lazy-pages``:
+    the bulk ranges lazy (no data), everything else eager. StreamError when a bulk range lies
+    where CRIU registers no userfaultfd (then nothing was written)."""
+    rewritten = []
+    for f in files:
+        pagemap = img.read_pagemap(images, f.pid)
+        vmas = sorted(img.read_mm(images, f.pid).entry.vmas, key=lambda v: v.start)
+        starts = [v.start for v in vmas]
+        entries = []
+        for e in pagemap.entries:
+            if e.HasField("flags"):
+                e.flags &= ~img.PE_LAZY
+            entries.append(e)
+        for r in f.ranges:
+            i = bisect.bisect_right(starts, r.vaddr) - 1
+            if i < 0 or r.vaddr + r.length > vmas[i].end or not _can_be_lazy(vmas[i]):
+                raise StreamError(f"pid {f.pid}: bulk range {r.vaddr:#x}+{r.length} is not in a VMA "
+                                  "CRIU registers with userfaultfd")
+            e = pagemap_pb2.pagemap_entry()
+            # compat_nr_pages is required (proto2); CRIU reads nr_pages when it is there
+            e.vaddr, e.nr_pages, e.flags = r.vaddr, r.length // img.PAGE, img.PE_LAZY
+            e.compat_nr_pages = min(e.nr_pages, 0xFFFFFFFF)
+            entries.append(e)
+        entries.sort(key=lambda e: e.vaddr)
+        rewritten.append((pagemap, entries))
+    for pagemap, entries in rewritten:
+        img.write_pagemap(pagemap, entries)
+
+
+class Listener:
+    """The lazy-pages socket in ``work_dir``, listening before CRIU starts; :meth:`receive`
+    takes CRIU's hand-off (pid in the restored namespace -> uffd)."""
+
+    def __init__(self, work_dir: str) -> None:
+        self.path = os.path.join(work_dir, SOCKET_NAME)
+        self._dir = os.open(work_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        # through the directory fd: the work dir's path may exceed sun_path's 108 bytes
+        short = f"/proc/self/fd/{self._dir}/{SOCKET_NAME}"
+        try:
+            os.unlink(SOCKET_NAME, dir_fd=self._dir)  # a stale socket would take CRIU elsewhere
+        except FileNotFoundError:
+            pass
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        self.conn: socket.socket | None = None
+        try:
+            self.sock.bind(short)
+            os.chmod(SOCKET_NAME, 0o600, dir_fd=self._dir)
+            self.sock.listen(1)
+        except OSError:
+            self.close()
+            raise
+
+    def receive(self, take: Callable[[int, int], None], timeout: float = 1800.0) -> None:
+        """Hand each (pid, uffd) CRIU sends to ``take`` (which owns the fd from then on);
+        return at RSTF. StreamError otherwise."""
+        self.sock.settimeout(timeout)
+        try:
+            conn, _ = self.sock.accept()
+        except OSError as exc:
+            raise StreamError(f"CRIU did not connect to {SOCKET_NAME}: {exc}") from exc
+        self.conn = conn
+        try:
+            conn.settimeout(timeout)
+            while True:
+                raw = _recv_exact(conn, 4)
+                value = int.from_bytes(raw, sys.byteorder, signed=True)
+                if value == RESTORE_FINISHED:
+                    return
+                if value <= 0:  # a zombie: no memory, no uffd
+                    continue
+                _msg, fds, _flags, _addr = socket.recv_fds(conn, 1, 1)
+                if len(fds) != 1:
+                    for fd in fds:
+                        os.close(fd)
+                    raise StreamError(f"CRIU sent pid {value} without its uffd")
+                take(value, fds[0])
+        except (OSError, ValueError) as exc:
+            raise StreamError(f"lazy-pages hand-off from CRIU failed: {exc}") from exc
+        finally:
+            conn.close()
+
+    def interrupt(self) -> None:
+        """Make a :meth:`receive` in progress return (with StreamError)."""
+        for sk in (self.sock, self.conn):
+            if sk is not None:
+                try:
+                    sk.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.sock.close()
+        try:
+            os.unlink(SOCKET_NAME, dir_fd=self._dir)
+        except FileNotFoundError:
+            pass
+        os.close(self._dir)
+
+
+def _recv_exact(conn: socket.socket, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        got = conn.recv(n - len(buf))
+        if not got:
+            raise StreamError(f"CRIU closed the lazy-pages socket before RSTF ({len(buf)} of {n} bytes)")
+        buf += got
+    return buf
+
+
+# --- the holder ----------------------------------------------------------------------------------
+
+class Holder:
+    """The second holder of every uffd (``runtime.stream_holder``), in its own session and in
+    the target's cgroups, so that it outlives this process and this process's container. :meth:`hold` hands it uffds; :meth:`done` lets it close them."""
+
+    def __init__(self, pidns: int, init_pid: int, control_dir: str | None, cgroups: Sequence[str] = ()) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock = ours
+        argv = [sys.executable, "-m", "runtime.stream_holder", "--fd", str(theirs.fileno()),
+                "--pidns", str(pidns), "--init-pid", str(init_pid)]
+        if control_dir is not None:
+            argv += ["--control", control_dir]
+        if cgroups:
+            # In the target's cgroups: it lives as long as the pod does, not as the agent's
+            # container (a DaemonSet pod deleted mid-serve takes the agent's whole cgroup along).
+            argv = enter_cgroups_argv(cgroups, argv)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        try:
+            self.proc = subprocess.Popen(argv, pass_fds=(theirs.fileno(),), start_new_session=True,
+                                         stdin=subprocess.DEVNULL, env=env)
+        finally:
+            theirs.close()
+        self._lock = threading.Lock()
+
+    def hold(self, fds: Sequence[int], wait: bool = False) -> None:
+        with self._lock:
+            socket.send_fds(self.sock, [b"F"], list(fds))
+            if wait and self.sock.recv(1) != b"A":
+                raise StreamError("the uffd holder did not take the uffds")
+
+    def done(self) -> None:
+        with self._lock:
+            try:
+                self.sock.sendall(b"D")
+                while self.sock.recv(4096):  # its copies are closed when it closes its end
+                    pass
+            except OSError:
+                pass
+        self.close()
+
+    def abort(self) -> None:
+        """The serve failed: the holder kills what is left; the caller tells the init."""
+        with self._lock:
+            try:
+                self.sock.sendall(b"X")
+            except OSError:
+                pass
+        self.close()
+
+    def close(self) -> None:
+        self.sock.close()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            log.error("uffd holder %d did not exit", self.proc.pid)
+
+
+# --- the server ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Piece:
+    id: int
+    file: int
+    offset: int
+    length: int
+    digests: bytes  # of its chunks, in order
+
+
+@dataclass
+class _Target:
+    """One address space (a restored task, or a child forked since)."""
+    fd: int
+    ranges: list[tuple[int, int, int, int]]  # (vaddr, length, file, file offset), by vaddr
+    pending: set[int]  # pieces not yet installed here
+    name: str
+    alive: bool = True
+    moves: int = 0  # REMAP events seen: an install that overlapped one is redone
+
+
+@dataclass(frozen=True)
+class StreamStats:
+    bytes_verified: int
+    bytes_installed: int
+    faults: int
+    pieces_by_fault: int
+    forks: int
+    seconds: float
+    threads: int
+
+
+@dataclass
+class _Counters:
+    verified: int = 0
+    installed: int = 0
+    faults: int = 0
+    by_fault: int = 0
+    forks: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class Server:
+    """Serves the bulk files ``files`` (read through ``fds``) into the tasks whose uffds are
+    handed over by :meth:`add` (pid in the image, uffd: this object owns it from then on).
+    Faults are served from the first uffd on (CRIU's restorer, and the kernel for it, may touch
+    lazy memory before CRIU is done); :meth:`start` begins the installs (after CRIU's RSTF:
+    every range is registered at its place then)."""
+
+    def __init__(self, label: str, files: Sequence[BulkFile], fds: Sequence[int],
+                 sums: Sequence[bytes], kill: Callable[[], object],
+                 threads: int = WORKERS, holder: Holder | None = None,
+                 progress: Callable[[int], None] | None = None) -> None:
+        self.label, self.kill, self.holder, self.progress = label, kill, holder, progress
+        self.threads = max(0, threads)
+        self.fds = [os.dup(fd) for fd in fds]  # the caller's may close before the serve ends
+        self.pieces: list[_Piece] = []
+        for i, (f, fd, ds) in enumerate(zip(files, self.fds, sums, strict=True)):
+            size = os.fstat(fd).st_size
+            if len(ds) != -(-size // SUM_CHUNK) * DIGEST_BYTES or any(r.offset + r.length > size for r in f.ranges):
+                raise StreamError(f"{label}: {f.path} does not match its ranges or chunk digests")
+            for off in range(0, size, PIECE):
+                n = min(PIECE, size - off)
+                d = ds[off // SUM_CHUNK * DIGEST_BYTES:-(-(off + n) // SUM_CHUNK) * DIGEST_BYTES]
+                self.pieces.append(_Piece(len(self.pieces), i, off, n, d))
+        self.files = list(files)
+        self.targets: list[_Target] = []
+        self.table = threading.Lock()  # targets, their ranges and pending sets
+        self.locks = [threading.Lock() for _ in self.pieces]
+        self.counters = _Counters()
+        self.failure: str | None = None
+        self.finished = threading.Event()
+        self._stop = threading.Event()
+        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        self._faults: list[tuple[_Target, int]] = []
+        self._woken: set[tuple[int, int]] = set()  # (target, page) woken with its piece already in
+        self._fault_cv = threading.Condition()
+        self._events_read = threading.Condition()  # notified after each batch of events is read
+        self._next = 0
+        self._busy = 0
+        self._threads: list[threading.Thread] = []
+        self._t0 = time.monotonic()
+        self._local = threading.local()
+        self._installing = False
+        self._installers = 0  # install threads running
+        for name, fn in (("rekindle-uffd-events", self._read_events), ("rekindle-uffd-faults", self._serve_faults)):
+            self._spawn(name, fn)
+
+    # -- lifecycle
+
+    def _spawn(self, name: str, fn: Callable[[], None]) -> None:
+        th = threading.Thread(target=self._guard, args=(fn,), name=name, daemon=True)
+        th.start()
+        self._threads.append(th)
+
+    def add(self, pid: int, fd: int) -> None:
+        """Serve task ``pid``'s uffd ``fd`` (held by the holder first: it must never be the
+        only copy while the task can run)."""
+        try:
+            if self.holder is not None:
+                self.holder.hold([fd], wait=True)
+        except BaseException:
+            os.close(fd)
+            raise
+        i = next((i for i, f in enumerate(self.files) if f.pid == pid), -1)
+        spans = sorted((r.vaddr, r.length, i, r.offset) for r in self.files[i].ranges) if i >= 0 else []
+        with self.table:
+            self.targets.append(_Target(fd, spans, {p.id for p in self.pieces if p.file == i}, f"pid {pid}"))
+        try:
+            os.write(self._wake_w, b"x")  # poll it too
+        except OSError:
+            pass
+
+    def start(self) -> None:
+        self._t0 = time.monotonic()  # the serve's seconds count from here (faults before: CRIU's)
+        self._installing = True
+        for i in range(self.threads):
+            with self.table:
+                self._installers += 1
+            self._spawn(f"rekindle-stream-{i}", self._install_loop)
+        self._check_done()
+
+    def wait(self, timeout: float | None = None) -> StreamStats:
+        """Wait until every piece is installed everywhere (then the uffds are closed) or the
+        serve failed (then the tree is dead): StreamStats, or StreamError."""
+        if not self.finished.wait(timeout):
+            self._fail(f"not served within {timeout}s")
+        self.close()
+        if self.failure is not None:
+            raise StreamError(f"{self.label}: streamed restore failed: {self.failure}")
+        c = self.counters
+        stats = StreamStats(c.verified, c.installed, c.faults, c.by_fault, c.forks,
+                            time.monotonic() - self._t0, self.threads)
+        log.info("stream: %.1f MiB verified, %.1f MiB installed, %d faults (%d pieces first by fault), "
+                 "%d forks, %d threads, %.2fs (%.2f GB/s)", stats.bytes_verified / 2**20,
+                 stats.bytes_installed / 2**20, stats.faults, stats.pieces_by_fault, stats.forks,
+                 stats.threads, stats.seconds, stats.bytes_verified / 1e9 / max(stats.seconds, 1e-9))
+        return stats
+
+    def close(self) -> None:
+        """Stop serving and close every uffd (after the holder closed its copies, when all is
+        installed; else the holder kills the tree when it sees this end go)."""
+        self._stop.set()
+        self.finished.set()
+        with self._fault_cv:
+            self._fault_cv.notify_all()
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
+        for th in self._threads:
+            if th is not threading.current_thread():
+                th.join()
+        self._threads = []
+        if self.holder is not None:
+            if self.failure is None:
+                self.holder.done()
+            else:
+                self.holder.abort()  # the holder kills what is left; our caller tells the init
+            self.holder = None
+        with self.table:
+            for t in self.targets:
+                if t.fd >= 0:
+                    os.close(t.fd)
+                    t.fd = -1
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._wake_r = self._wake_w = -1
+
+    def _guard(self, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except Exception as exc:  # any failure fails the restore closed
+            log.exception("stream: %s failed", threading.current_thread().name)
+            self._fail(f"{threading.current_thread().name}: {exc}")
+
+    def _fail(self, reason: str) -> None:
+        with self.table:
+            first = self.failure is None
+            if first:
+                self.failure = reason
+        if first:
+            log.error("%s: streamed restore fails: %s; killing the restored tree", self.label, reason)
+            self.kill()
+        self._stop.set()
+        self.finished.set()
+
+    def _check_done(self) -> None:
+        with self.table:
+            done = (self._installing and self._busy == 0
+                    and not any(t.pending for t in self.targets if t.alive))
+        if done:
+            self.finished.set()
+
+    # -- pieces
+
+    def _buffer(self) -> tuple[memoryview, int]:
+        buf = getattr(self._local, "buf", None)
+        if buf is None:
+            m = mmap.mmap(-1, PIECE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            buf = self._local.buf = (memoryview(m), ctypes.addressof(ctypes.c_char.from_buffer(m)), m)
+        return buf[0], buf[1]
+
+    def _read_verified(self, p: _Piece) -> int:
+        """Our address of piece ``p``'s bytes, read into private memory and verified."""
+        view, addr = self._buffer()
+        fd = self.fds[p.file]
+        if not is_cached(fd, p.offset, p.length):
+            try:
+                os.posix_fadvise(fd, p.offset, p.length, os.POSIX_FADV_WILLNEED)
+            except OSError:
+                pass
+        got = 0
+        while got < p.length:  # chunk by chunk, each hashed while still in the core's cache
+            start, want = got, min(p.length, got + SUM_CHUNK)
+            while got < want:
+                n = os.preadv(fd, [view[got:want]], p.offset + got)
+                if n <= 0:
+                    raise StreamError(f"bulk file shrank while read (at {p.offset + got})")
+                got += n
+            digest = new_hash()
+            digest.update(view[start:want])
+            k = start // SUM_CHUNK * DIGEST_BYTES
+            if digest.digest() != p.digests[k:k + DIGEST_BYTES]:
+                raise StreamError(f"chunk at {p.offset + start} of {self.files[p.file].path} does not match its digest")
+        with self.counters.lock:
+            self.counters.verified += p.length
+            verified = self.counters.verified
+        if self.progress is not None:
+            self.progress(verified)
+        return addr
+
+    def _install(self, pid: int, by_fault: bool) -> None:
+        """Install piece ``pid`` wherever it is still pending (once: its lock)."""
+        p = self.pieces[pid]
+        with self.locks[pid]:
+            if self._stop.is_set():
+                return
+            with self.table:
+                needing = [t for t in self.targets if t.alive and pid in t.pending]
+            if not needing:
+                return
+            try:
+                addr = self._read_verified(p)
+            except StreamError as exc:
+                self._fail(str(exc))
+                return
+            if by_fault:
+                with self.counters.lock:
+                    self.counters.by_fault += 1
+            for t in needing:
+                self._install_into(t, p, addr)
+
+    def _segments(self, t: _Target, p: _Piece) -> list[tuple[int, int, int]]:
+        """(dst, offset in the piece, length) of ``p``'s bytes in ``t`` now."""
+        out = []
+        for vaddr, length, f, off in t.ranges:
+            if f != p.file:
+                continue
+            lo, hi = max(off, p.offset), min(off + length, p.offset + p.length)
+            if lo < hi:
+                out.append((vaddr + (lo - off), lo - p.offset, hi - lo))
+        return out
+
+    def _install_into(self, t: _Target, p: _Piece, addr: int) -> None:
+        installed = 0
+        with self.table:
+            segs = self._segments(t, p)
+            moves = t.moves
+        i = 0
+        while i < len(segs):
+            if self._stop.is_set():
+                return
+            dst, rel, length = segs[i]
+            try:
+                installed += uffd.copy(t.fd, dst, addr + rel, length)
+                i += 1
+            except uffd.Changing:
+                # the space changes under us: once the event is read, redo what is left as the
+                # (maybe moved or shrunk) ranges say; a page installed already is skipped (EEXIST)
+                with self._events_read:
+                    self._events_read.wait(0.05)
+                with self.table:
+                    segs = self._segments(t, p)
+                i = 0
+            except uffd.Gone:
+                i += 1  # unmapped since, or the process exited
+        with self.table:
+            if t.moves == moves:  # else part of it may have moved away before its copy: again
+                t.pending.discard(p.id)
+        with self.counters.lock:
+            self.counters.installed += installed
+
+    def _install_loop(self) -> None:
+        try:
+            self._install_pieces()
+        finally:
+            with self.table:
+                self._installers -= 1
+        self._check_done()
+
+    def _install_pieces(self) -> None:
+        while not self._stop.is_set():
+            with self.table:
+                if self._next < len(self.pieces):
+                    pid = self._next
+                    self._next += 1
+                else:  # a child forked mid-piece: what it still lacks
+                    left = [q for t in self.targets if t.alive for q in sorted(t.pending)]
+                    if not left:
+                        break
+                    pid = next((q for q in left if not self.locks[q].locked()), -1)
+                if pid >= 0:
+                    self._busy += 1
+            if pid < 0:  # all of it is being installed now: look again shortly
+                self._stop.wait(0.01)
+                continue
+            try:
+                self._install(pid, by_fault=False)
+            finally:
+                with self.table:
+                    self._busy -= 1
+            self._check_done()
+
+    # -- events and faults
+
+    def _piece_at(self, t: _Target, address: int) -> int | None:
+        with self.table:
+            for vaddr, length, f, off in t.ranges:
+                if vaddr <= address < vaddr + length:
+                    rel = off + (address - vaddr)
+                    return next(p.id for p in self.pieces if p.file == f and p.offset <= rel < p.offset + p.length)
+        return None
+
+    def _serve_faults(self) -> None:
+        while True:
+            with self._fault_cv:
+                while not self._faults and not self._stop.is_set():
+                    self._fault_cv.wait()
+                if self._stop.is_set():
+                    return
+                t, address = self._faults.pop(0)
+            if t.fd < 0 or not t.alive:
+                continue
+            page = address & ~(uffd.PAGE - 1)
+            pid = self._piece_at(t, page)
+            if pid is not None:
+                with self.table:
+                    key = (id(t), page)
+                    if pid not in t.pending:
+                        if key in self._woken:  # woken once and back: missing after all, install again
+                            self._woken.discard(key)
+                            t.pending.add(pid)
+                        else:  # likely a fault queued as its piece went in: a wake is all it needs
+                            self._woken.add(key)
+            while True:
+                try:
+                    if pid is None:
+                        uffd.zeropage(t.fd, page, uffd.PAGE)  # a hole, or discarded since
+                    else:
+                        self._install(pid, by_fault=True)
+                        self._check_done()
+                    uffd.wake(t.fd, page, uffd.PAGE)
+                    break
+                except uffd.Changing:
+                    with self._events_read:
+                        self._events_read.wait(0.05)
+                    pid = self._piece_at(t, page)
+                except uffd.Gone:
+                    break
+                if self._stop.is_set():
+                    return
+
+    def _read_events(self) -> None:
+        poller = select.poll()
+        polled: dict[int, _Target] = {}
+        poller.register(self._wake_r, select.POLLIN)
+        while not self._stop.is_set():
+            with self.table:
+                for t in self.targets:
+                    if t.alive and t.fd >= 0 and t.fd not in polled:
+                        poller.register(t.fd, select.POLLIN)
+                        polled[t.fd] = t
+            for fd, mask in poller.poll(1000):
+                if fd == self._wake_r:
+                    try:
+                        os.read(self._wake_r, 4096)
+                    except BlockingIOError:
+                        pass
+                    continue
+                t = polled[fd]
+                events = uffd.read_events(fd) if mask & select.POLLIN else []
+                if mask & (select.POLLHUP | select.POLLERR | select.POLLNVAL) and not events:
+                    poller.unregister(fd)
+                    del polled[fd]
+                    continue
+                for ev in events:
+                    self._event(t, ev)
+            with self._events_read:
+                self._events_read.notify_all()
+
+    def _event(self, t: _Target, ev: uffd.Event) -> None:
+        if ev.kind == uffd.EVENT_PAGEFAULT:
+            with self.counters.lock:
+                self.counters.faults += 1
+            with self._fault_cv:
+                self._faults.append((t, ev.address))
+                self._fault_cv.notify()
+        elif ev.kind == uffd.EVENT_FORK:
+            # The child's missing pages are the parent's now; hold its uffd at once (the child
+            # runs only once this event is read).
+            if self.holder is not None:
+                self.holder.hold([ev.fd])
+            with self.table:
+                child = _Target(ev.fd, list(t.ranges), set(t.pending), f"child of {t.name}")
+                self.targets.append(child)
+            with self.counters.lock:
+                self.counters.forks += 1
+            log.info("stream: %s forked; %d pieces pending there", t.name, len(child.pending))
+        elif ev.kind == uffd.EVENT_REMAP:
+            with self.table:
+                t.ranges = _moved(t.ranges, ev.start, ev.end, ev.to)
+                t.moves += 1
+                # what moved is installed again where it is now (pages already there: EEXIST)
+                for vaddr, length, f, off in t.ranges:
+                    if ev.to < vaddr + length and vaddr < ev.to + (ev.end - ev.start):
+                        t.pending.update(p.id for p in self.pieces
+                                         if p.file == f and p.offset < off + length and off < p.offset + p.length)
+                respawn = self._installing and self.threads > 0 and self._installers == 0 and bool(t.pending)
+                if respawn:
+                    self._installers += 1
+            if respawn:  # the install threads were done already
+                self._spawn("rekindle-stream-again", self._install_loop)
+        elif ev.kind in (uffd.EVENT_REMOVE, uffd.EVENT_UNMAP):
+            with self.table:
+                t.ranges = _cut(t.ranges, ev.start, ev.end)
+        self._check_done()
+
+
+def _cut(ranges: list[tuple[int, int, int, int]], start: int, end: int) -> list[tuple[int, int, int, int]]:
+    """``ranges`` without [start, end) (discarded or unmapped: a later fault there is a hole)."""
+    out = []
+    for vaddr, length, f, off in ranges:
+        if vaddr + length <= start or vaddr >= end:
+            out.append((vaddr, length, f, off))
+            continue
+        if vaddr < start:
+            out.append((vaddr, start - vaddr, f, off))
+        if vaddr + length > end:
+            out.append((end, vaddr + length - end, f, off + (end - vaddr)))
+    return out
+
+
+def _moved(ranges: list[tuple[int, int, int, int]], start: int, end: int,
+           to: int) -> list[tuple[int, int, int, int]]:
+    """``ranges`` after mremap moved [start, end) to ``to``."""
+    out = _cut(ranges, start, end)
+    out = _cut(out, to, to + (end - start))  # whatever was mapped there is gone
+    for vaddr, length, f, off in ranges:
+        lo, hi = max(vaddr, start), min(vaddr + length, end)
+        if lo < hi:
+            out.append((to + (lo - start), hi - lo, f, off + (lo - vaddr)))
+    return sorted(out)
+
+
+@functools.cache
+def _criu_lacks(criu: str) -> str | None:
+    """Why ``criu`` cannot hand uffds over with the events the server needs (None: it can);
+    asked once per process (CRIU and the kernel do not change under a running agent)."""
+    try:
+        p = subprocess.run([criu, "check", "--feature", "uffd-noncoop"], capture_output=True, text=True,
+                           timeout=30)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"{criu} check --feature uffd-noncoop: {exc}"
+    if p.returncode != 0:
+        return f"{criu} lacks non-cooperative userfaultfd: {(p.stdout + p.stderr).strip()[-200:]}"
+    return None
+
+
+def unsupported(criu: str = CRIU) -> str | None:
+    """Why this node cannot stream a restore (None: it can): the kernel's userfaultfd with the
+    FORK, REMAP, REMOVE and UNMAP events, and CRIU's ``--lazy-pages`` with them."""
+    return uffd.probe() or _criu_lacks(criu)
+
+
+# --- one streamed restore, as runtime.restore drives it -------------------------------------------
+
+THREADS_ENV = "REKINDLE_STREAM_THREADS"
+
+
+def threads(default: int) -> int:
+    """Install threads: ``$REKINDLE_STREAM_THREADS`` when set, else ``default``. 0 serves faults
+    only (a measurement setting: the restore completes only once every piece was touched)."""
+    raw = os.environ.get(THREADS_ENV, "")
+    return int(raw) if raw.isdigit() and int(raw) <= 1024 else default
+
+
+def prepare(files: Sequence[BulkFile], images: str) -> str | None:
+    """Make CRIU's images lazy for ``files``, or say why this restore cannot stream (then
+    nothing was changed: the bulk path can run)."""
+    why = unsupported()
+    if why is not None:
+        return why
+    try:
+        prepare_images(images, files)
+    except StreamError as exc:
+        return str(exc)
+    return None
+
+
+class Session:
+    """One streamed restore: :meth:`begin` before CRIU (the holder starts, the socket listens,
+    faults are served as the uffds arrive), :meth:`start` after CRIU returned (the tree still
+    stopped: installs begin), :meth:`wait` once it runs; :meth:`abort` (idempotent, a no-op
+    once served) on any failure kills the tree."""
+
+    def __init__(self, listener: Listener, server: Server) -> None:
+        self.listener: Listener | None = listener
+        self.server: Server | None = server
+        self.served = False
+        self.handed: threading.Event = threading.Event()
+        self.error: BaseException | None = None
+        self._receiver = threading.Thread(target=self._receive, name="rekindle-lazy-pages", daemon=True)
+        self._receiver.start()
+
+    @classmethod
+    def begin(cls, work_dir: str, target: ContainerInfo, control: ControlDir | None, label: str,
+              files: Sequence[BulkFile], fds: Sequence[int], sums: Sequence[bytes],
+              threads: int, progress: Callable[[int], None] | None = None) -> Session:
+        from runtime.stream_holder import kill_namespace, now_ticks
+        pidns, init_pid = target.namespaces["pid"].inode, target.init_pid
+        holder = Holder(pidns, init_pid, str(control.path) if control is not None else None,
+                        cgroups=list(target.cgroups.values()))
+        try:
+            listener = Listener(work_dir)
+        except OSError:
+            holder.close()
+            raise
+        try:
+            # whatever the tree forked since is in its pid namespace: kill all of it, but the init
+            server = Server(label, files, fds, sums, lambda: kill_namespace(pidns, init_pid, now_ticks()),
+                            threads=threads, holder=holder, progress=progress)
+        except BaseException:
+            listener.close()
+            holder.close()
+            raise
+        return cls(listener, server)
+
+    def _receive(self) -> None:
+        assert self.listener is not None and self.server is not None
+        try:
+            self.listener.receive(self.server.add)
+        except BaseException as exc:
+            self.error = exc
+        self.handed.set()
+
+    def start(self, timeout: float = 60.0) -> None:
+        """CRIU returned: every uffd was handed over; begin the installs."""
+        assert self.server is not None
+        if not self.handed.wait(timeout):
+            raise StreamError(f"CRIU did not finish its lazy-pages hand-off within {timeout}s")
+        if self.error is not None:
+            raise StreamError(str(self.error))
+        self._close_listener()
+        self.server.start()
+
+    def wait(self, timeout: float = 3600.0) -> StreamStats:
+        assert self.server is not None
+        stats = self.server.wait(timeout)
+        self.served = True
+        return stats
+
+    def _close_listener(self) -> None:
+        if self.listener is not None:
+            self.listener.interrupt()
+            self._receiver.join(5)
+            self.listener.close()
+            self.listener = None
+
+    def abort(self) -> None:
+        if self.server is not None and not self.served:
+            self.server._fail("the restore failed")
+            self.server.close()
+        self.server = None
+        self._close_listener()
