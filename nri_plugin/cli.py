@@ -11,8 +11,9 @@ reading stdout always gets a document.
 
 ``checkpoint`` and ``restore`` show their live progress (phase, bytes, rate) on one line of stderr
 while it is a terminal, and nothing when it is not. ``status --watch`` prints the table again each
-time it changes, polling every ``--interval`` seconds, until Ctrl-C (exit 0). Log lines: warnings and errors only, except for ``plugin`` (info); ``-v``
-(or ``$REKINDLE_LOG_LEVEL=debug``) shows every level and adds tracebacks.
+time it changes, polling every ``--interval`` seconds, until Ctrl-C (exit 0).
+Log lines: warnings and errors only, except for ``plugin`` (info); ``-v`` (or
+``$REKINDLE_LOG_LEVEL=debug``) shows every level and adds tracebacks.
 
 ``restore`` checks before it touches anything, cheapest first: its arguments, the key, the
 artifact (present, signed), then the target (a container the plugin prepared, whose init waits

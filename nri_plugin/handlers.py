@@ -202,8 +202,8 @@ class RekindlePlugin:
         """Cheap checks only (reads the manifest, not the images): this runs inside the handler."""
         prev = self.status.read(pod.namespace, pod.name, ctr.name)
         # A pod that fails closed tries again in each new container: never a cold start instead.
-        if not intent.fails_closed and prev and prev.pod_uid == pod.uid and prev.phase in (Phase.COLD_START, Phase.RESTORED, Phase.RESTORING,
-                                                                 Phase.RESTORE_EXITED):
+        attempted = (Phase.COLD_START, Phase.RESTORED, Phase.RESTORING, Phase.RESTORE_EXITED)
+        if not intent.fails_closed and prev and prev.pod_uid == pod.uid and prev.phase in attempted:
             raise RekindleError(f"a restore was already attempted for this pod ({prev.phase.value}"
                                 f"{': ' + prev.reason if prev.reason else ''}); not retrying")
         with self.store.open(pod.namespace, intent.artifact, self.key) as artifact:

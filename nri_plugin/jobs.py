@@ -12,9 +12,10 @@ Outcomes always reach the container through its control dir, exactly once:
               with ``Skipped``: the artifact exists, or the pod runs other containers);
   restore:    ``restore-pid`` + ``restore-complete``, or ``restore-failed`` (the init then starts
               the original command — the cold start; under ``rekindle.dev/on-restore-failure: fail``
-              it exits with the reason instead, and the record says ``restore-failed``). A restore cut short by the agent's death
-              is failed by the next agent after ``Engine.recover`` rolled back its rootfs
-              changes (``rootfs-pending`` keeps the init from starting cold meanwhile).
+              it exits with the reason instead, and the record says ``restore-failed``). A restore
+              cut short by the agent's death is failed by the next agent after ``Engine.recover``
+              rolled back its rootfs changes (``rootfs-pending`` keeps the init from starting cold
+              meanwhile).
 A restore's outcome is ``restored`` only once the process runs: the container's init, which
 adopted the restored process and exits with it, must still live ``settle`` seconds after the
 tree was resumed (the CUDA restore, which runs after the resume, counts). If it dies first, the outcome is ``restore-exited`` with the exit status
