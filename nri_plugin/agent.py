@@ -385,17 +385,19 @@ def _control_of(settings: Settings, container_id: str) -> control.ControlDir | N
 
 
 def checkpoint_once(settings: Settings, container_id: str, namespace: str, name: str,
-                    exit_after: bool = False) -> dict[str, float]:
+                    exit_after: bool = False,
+                    progress: Callable[[str, int, int], None] | None = None) -> dict[str, float]:
     store, key, facts, engine, specs, image_ref = _engine(settings)
     req = checkpoint_flow.CheckpointRequest(
         containerd_state=settings.containerd_state, container_id=container_id, namespace=namespace,
         name=name, pod="", pod_uid="", container="", image="", image_ref="", exit_after=exit_after,
         log_dir=os.path.join(settings.state_dir, "logs"))
-    return checkpoint_flow.checkpoint(req, store, key, control=_control_of(settings, container_id), cuda=engine.cuda)
+    return checkpoint_flow.checkpoint(req, store, key, control=_control_of(settings, container_id), cuda=engine.cuda,
+                                      progress=progress)
 
 
 def restore_once(settings: Settings, container_id: str, namespace: str, name: str,
-                 image: str) -> dict[str, float]:
+                 image: str, progress: Callable[[str, int, int], None] | None = None) -> dict[str, float]:
     """The CLI's restore into a target the caller checked (``restore_target``): the same checks
     as the plugin's, the image and its digest included."""
     store, key, facts, engine, specs, image_ref = _engine(settings)
@@ -405,4 +407,4 @@ def restore_once(settings: Settings, container_id: str, namespace: str, name: st
         path=restore_flow.RestorePath(settings.restore_path), max_layer_bytes=settings.max_layer_bytes,
         threads=settings.fill_threads, undo_dir=undo_dir(settings))
     return restore_flow.restore(req, store, key, facts, control=_control_of(settings, container_id),
-                                cuda=engine.cuda, generations=engine.generations)
+                                cuda=engine.cuda, generations=engine.generations, progress=progress)

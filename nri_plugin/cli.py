@@ -1,13 +1,19 @@
 """The ``rekindle`` command: the NRI plugin and the node operator's tools.
 
 Subcommands: plugin, checkpoint, restore, artifacts (list|inspect|delete|prune), status, doctor,
-nri-toggle, cuda-checkpoint. Every command that prints takes ``-o text|json`` (``--json`` is
-``-o json``), except cuda-checkpoint, which keeps NVIDIA's flags and prints one word.
+nri-toggle, cuda-checkpoint. Every command that prints takes ``-o text|json|yaml`` (``--json`` is
+``-o json``), except cuda-checkpoint, which keeps NVIDIA's flags and prints one word, and
+nri-toggle (text or JSON). YAML is the JSON document in YAML (``nri_plugin.yamlout``).
 Exit codes: 0 success, 1 failure, 2 usage error. An error is one line on stderr
-(``rekindle: error: ...``; a usage error also shows the usage); with ``-o json`` it is one JSON
-object on stdout instead, ``{"error": "...", "exit_code": N}``, so that a script reading stdout
-always gets JSON. Log lines: warnings and errors only, except for ``plugin`` (info); ``-v``
-(or ``$REKINDLE_LOG_LEVEL=debug``) shows every level and adds tracebacks.
+(``rekindle: error: ...``; a usage error also shows the usage); with ``-o json`` (``yaml``) it is
+one JSON (YAML) object on stdout instead, ``{"error": "...", "exit_code": N}``, so that a script
+reading stdout always gets a document.
+
+``checkpoint`` and ``restore`` show their live progress (phase, bytes, rate) on one line of stderr
+while it is a terminal, and nothing when it is not. ``status --watch`` prints the table again each
+time it changes, polling every ``--interval`` seconds, until Ctrl-C (exit 0).
+Log lines: warnings and errors only, except for ``plugin`` (info); ``-v`` (or
+``$REKINDLE_LOG_LEVEL=debug``) shows every level and adds tracebacks.
 
 ``restore`` checks before it touches anything, cheapest first: its arguments, the key, the
 artifact (present, signed), then the target (a container the plugin prepared, whose init waits
@@ -25,12 +31,13 @@ import argparse
 import contextvars
 import json
 import logging
+import math
 import os
 import re
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, NoReturn, TextIO
 
 from runtime.errors import KeyMissing, RekindleError
 
@@ -48,6 +55,7 @@ KEY_ENV = "REKINDLE_HMAC_KEY_FILE"  # the chart sets it in the plugin's pod, so 
 # containerd's identifier rule (its "identifiers" package); CRI ids are 64 hex digits.
 CONTAINER_ID = re.compile(r"[A-Za-z0-9]+(?:[._-][A-Za-z0-9]+)*")
 MAX_CONTAINER_ID = 76
+WATCH_MIN, WATCH_MAX = 0.1, 60.0  # status --watch poll interval bounds, seconds
 
 
 class UsageError(SystemExit):
@@ -92,13 +100,29 @@ def _paths(p: argparse.ArgumentParser) -> None:
     p.add_argument("--containerd-socket", default=d.containerd_socket, help="containerd socket (default: %(default)s)")
 
 
+FORMATS = ("text", "json", "yaml")
+
+
 def _output(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-o", "--output", choices=("text", "json"), default="text", help="output format")
+    p.add_argument("-o", "--output", choices=FORMATS, default="text", help="output format")
     p.add_argument("--json", dest="output", action="store_const", const="json", help="same as -o json")
 
 
 def _json(args: argparse.Namespace) -> bool:
-    return getattr(args, "output", "text") == "json"
+    """Whether the output is a document (JSON or YAML) rather than text."""
+    return getattr(args, "output", "text") in ("json", "yaml")
+
+
+def _render(fmt: str, doc: object, *, indent: int | None = 2, sort_keys: bool = False) -> str:
+    if fmt == "yaml":
+        from .yamlout import dumps
+        return dumps(json.loads(json.dumps(doc, sort_keys=sort_keys))).rstrip("\n")
+    return json.dumps(doc, indent=indent, sort_keys=sort_keys)
+
+
+def _emit(args: argparse.Namespace, doc: object, *, indent: int | None = 2, sort_keys: bool = False) -> None:
+    """Print ``doc`` as -o asks: JSON or YAML."""
+    print(_render(getattr(args, "output", "json"), doc, indent=indent, sort_keys=sort_keys))
 
 
 def _restore_path(p: argparse.ArgumentParser) -> None:
@@ -256,6 +280,10 @@ def build_parser() -> argparse.ArgumentParser:
                                       "and the live progress of running checkpoints and restores")
     _common(p); _paths(p)
     _output(p)
+    p.add_argument("-w", "--watch", action="store_true", help="print again on every change, until Ctrl-C")
+    p.add_argument("--interval", type=_interval, default=1.0, metavar="SECONDS",
+                   help=f"with --watch: seconds between polls, {WATCH_MIN}..{WATCH_MAX} (default: %(default)s)")
+    p.add_argument("--watch-count", type=_positive, default=0, help=argparse.SUPPRESS)  # polls, then stop (tests)
     p.set_defaults(func=cmd_status)
 
     p = sub.add_parser("doctor", help="check this node's prerequisites (connects to NRI and containerd)")
@@ -297,15 +325,52 @@ def _check_names(args: argparse.Namespace) -> None:
         raise UsageError(cmd, f"--container-id {args.container_id!r} is not a containerd container id")
 
 
+class TerminalProgress:
+    """The engine's progress as one line on a terminal, rewritten in place (``\\r``, erase line);
+    nothing at all when ``stream`` is not a terminal. Throttled by ``ProgressRecorder``, which
+    also works out the rate; ``close`` ends the line."""
+
+    INTERVAL = 0.2
+
+    def __init__(self, stream: TextIO, *, clock: Callable[[], float] = time.monotonic,
+                 wall: Callable[[], float] = time.time) -> None:
+        from .progress import ProgressRecorder
+        self.stream = stream
+        self.live = bool(getattr(stream, "isatty", lambda: False)())
+        self._wall = wall
+        self._shown = False
+        self._recorder = ProgressRecorder(self._show, interval=self.INTERVAL, clock=clock, wall=wall)
+
+    def __call__(self, phase: str, done: int, total: int) -> None:
+        if self.live:
+            self._recorder(phase, done, total)
+
+    def _show(self, p: Progress) -> None:
+        self.stream.write("\r\x1b[K" + _progress(p, now=self._wall()))
+        self.stream.flush()
+        self._shown = True
+
+    def close(self) -> None:
+        if self._shown:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
+            self._shown = False
+
+
 def cmd_checkpoint(args: argparse.Namespace) -> int:
     from .agent import checkpoint_once
     _check_names(args)
     t0 = time.monotonic()
-    timings = checkpoint_once(_settings(args), args.container_id, args.namespace, args.name, exit_after=args.exit)
+    live = TerminalProgress(sys.stderr)
+    try:
+        timings = checkpoint_once(_settings(args), args.container_id, args.namespace, args.name,
+                                  exit_after=args.exit, progress=live if live.live else None)
+    finally:
+        live.close()
     total = time.monotonic() - t0
     if _json(args):
-        print(json.dumps({"namespace": args.namespace, "name": args.name, "seconds": round(total, 3),
-                          "timings": timings}, indent=2))
+        _emit(args, {"namespace": args.namespace, "name": args.name, "seconds": round(total, 3),
+                     "timings": timings})
         return 0
     print(f"published {args.namespace}/{args.name} in {total:.2f}s")
     for phase, secs in timings.items():
@@ -326,11 +391,16 @@ def cmd_restore(args: argparse.Namespace) -> int:
     target = restore_target.check(settings.containerd_state, settings.state_dir, args.container_id)
     from .agent import restore_once  # the engine: CUDA, containerd, the node's facts
     t0 = time.monotonic()
-    timings = restore_once(settings, args.container_id, args.namespace, args.name, image=target.image)
+    live = TerminalProgress(sys.stderr)
+    try:
+        timings = restore_once(settings, args.container_id, args.namespace, args.name, image=target.image,
+                               progress=live if live.live else None)
+    finally:
+        live.close()
     total = time.monotonic() - t0
     if _json(args):
-        print(json.dumps({"namespace": args.namespace, "name": args.name, "container_id": args.container_id,
-                          "seconds": round(total, 3), "timings": timings}, indent=2))
+        _emit(args, {"namespace": args.namespace, "name": args.name, "container_id": args.container_id,
+                     "seconds": round(total, 3), "timings": timings})
         return 0
     print(f"restored {args.namespace}/{args.name} into {args.container_id[:12]} in {total:.2f}s")
     for phase, secs in timings.items():
@@ -361,7 +431,7 @@ def cmd_artifacts(args: argparse.Namespace) -> int:
     if args.action == "delete":
         store.delete(args.namespace, args.name, wait=args.wait)
         if _json(args):
-            print(json.dumps({"deleted": f"{args.namespace}/{args.name}"}))
+            _emit(args, {"deleted": f"{args.namespace}/{args.name}"}, indent=None)
         else:
             print(f"deleted {args.namespace}/{args.name}")
         return 0
@@ -371,7 +441,7 @@ def cmd_artifacts(args: argparse.Namespace) -> int:
         done = store_gc.prune(store, args.namespace, older_than=args.older_than, keep_last=args.keep_last)
         swept = store_gc.sweep(store, args.namespace) if args.leftovers else []
         if _json(args):
-            print(json.dumps({"removed": done, "swept": [f"{r.namespace}/{r.entry}" for r in swept]}, indent=2))
+            _emit(args, {"removed": done, "swept": [f"{r.namespace}/{r.entry}" for r in swept]})
         else:
             for item in done:
                 print(f"removed {item}")
@@ -386,7 +456,7 @@ def cmd_artifacts(args: argparse.Namespace) -> int:
         doc = json.loads(artifact.manifest.to_json())
         m = artifact.manifest
     if _json(args):
-        print(json.dumps(doc, indent=2, sort_keys=True))
+        _emit(args, doc, sort_keys=True)
         return 0
     size = sum(f.size for f in m.files)
     print(f"{m.namespace}/{m.name}  created {m.created_at}  generation {m.generation}  {len(m.files)} files, "
@@ -422,7 +492,7 @@ def _list(store: ArtifactStore, key: bytes, args: argparse.Namespace) -> int:
             doc += [{"namespace": x.namespace, "name": x.entry, "kind": x.kind, "bytes": x.bytes,
                      "age_seconds": round(x.age, 1),
                      "owner": (f"{x.owner.node} pid {x.owner.pid}" if x.owner else None)} for x in extra]
-        print(json.dumps(doc, indent=2))
+        _emit(args, doc)
         return 0
     for r in rows:
         if r.manifest is None:
@@ -447,7 +517,7 @@ def _bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
-def _progress(p: Progress) -> str:
+def _progress(p: Progress, now: float | None = None) -> str:
     """``fill 3.1 GiB of 17.6 GiB (17%), 1.8 GiB/s, 2s`` for a running phase."""
     text = p.phase
     if p.bytes_total:
@@ -455,24 +525,68 @@ def _progress(p: Progress) -> str:
     if p.rate:
         text += f", {_bytes(p.rate)}/s"
     if p.phase_started_at:
-        text += f", {max(time.time() - p.phase_started_at, 0):.0f}s"
+        text += f", {max((time.time() if now is None else now) - p.phase_started_at, 0):.0f}s"
     return text
 
 
-def cmd_status(args: argparse.Namespace) -> int:
+def status_view(state_dir: str, fmt: str) -> str:
+    """What ``rekindle status`` prints, as one string (no final newline)."""
     from runtime.status import StatusBook
-    rows = StatusBook(args.state_dir).list()
-    if _json(args):
-        print(json.dumps([json.loads(r.to_json()) for r in rows], indent=2))
-        return 0
+    rows = StatusBook(state_dir).list()
+    if fmt != "text":
+        return _render(fmt, [json.loads(r.to_json()) for r in rows])
     if not rows:
-        print("no annotated containers seen")
+        return "no annotated containers seen"
+    lines = []
     for r in rows:
         timing = ", ".join(f"{k} {v:.2f}s" for k, v in r.timings.items())
         live = f"  <{_progress(r.progress)}>" if r.progress is not None and not r.phase.final else ""
         size = f"  {_bytes(r.bytes)}" if r.bytes else ""
-        print(f"{r.namespace}/{r.pod}:{r.container}  {r.role or '-'} {r.artifact or '-'}  {r.phase.value}"
-              + live + size + (f"  ({r.reason})" if r.reason else "") + (f"  [{timing}]" if timing else ""))
+        lines.append(f"{r.namespace}/{r.pod}:{r.container}  {r.role or '-'} {r.artifact or '-'}  {r.phase.value}"
+                     + live + size + (f"  ({r.reason})" if r.reason else "") + (f"  [{timing}]" if timing else ""))
+    return "\n".join(lines)
+
+
+def watch(view: Callable[[], str], out: TextIO, *, interval: float, count: int = 0,
+          sleep: Callable[[float], None] = time.sleep, fmt: str = "text") -> int:
+    """Print ``view()`` now and again each time it changes, polling every ``interval`` seconds;
+    ``count`` > 0 stops after that many polls (tests). Ctrl-C ends it with status 0."""
+    last: str | None = None
+    polls = 0
+    try:
+        while True:
+            text = view()
+            if text != last:
+                if last is not None and fmt == "yaml":
+                    print("---", file=out)
+                elif last is not None and fmt == "text":
+                    print(file=out)
+                print(text, file=out, flush=True)
+                last = text
+            polls += 1
+            if count and polls >= count:
+                return 0
+            sleep(interval)
+    except KeyboardInterrupt:
+        return 0
+
+
+def _interval(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not WATCH_MIN <= value <= WATCH_MAX:  # also NaN
+        raise argparse.ArgumentTypeError(f"want seconds in {WATCH_MIN}..{WATCH_MAX}: {text!r}")
+    return value
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    fmt = getattr(args, "output", "text")
+    if args.watch:
+        return watch(lambda: status_view(args.state_dir, fmt), sys.stdout, interval=args.interval,
+                     count=args.watch_count, fmt=fmt)
+    print(status_view(args.state_dir, fmt))
     return 0
 
 
@@ -480,7 +594,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from .preflight import run_checks
     checks = run_checks(_settings(args))
     if _json(args):
-        print(json.dumps([c.__dict__ for c in checks], indent=2))
+        _emit(args, [c.__dict__ for c in checks])
     else:
         for c in checks:
             mark = "ok" if c.ok else ("FAIL" if c.required else "warn")
@@ -507,20 +621,22 @@ def _describe(exc: RekindleError, args: argparse.Namespace) -> str:
     return f"{exc} (pass --create-key to create one, or mount the chart's Secret there)"
 
 
-def _wants_json(argv: Sequence[str]) -> bool:
-    """Whether the command line asks for JSON output, read before (and whether or not) it parses."""
+def _wants_format(argv: Sequence[str]) -> str:
+    """The output format the command line asks for, read before (and whether or not) it parses."""
+    fmt = "text"
     for i, arg in enumerate(argv):
-        if arg in ("--json", "-ojson", "--output=json"):
-            return True
-        if arg in ("-o", "--output") and argv[i + 1:i + 2] == ["json"]:
-            return True
-    return False
+        if arg == "--json":
+            fmt = "json"
+        for name in ("json", "yaml"):
+            if arg in (f"-o{name}", f"--output={name}") or (arg in ("-o", "--output") and argv[i + 1:i + 2] == [name]):
+                fmt = name
+    return fmt
 
 
-def _fail(message: str, code: int, as_json: bool, prog: str = "rekindle", usage: str = "") -> int:
-    """The one error report: a JSON object on stdout under -o json, else a line on stderr."""
-    if as_json:
-        print(json.dumps({"error": message, "exit_code": code}))
+def _fail(message: str, code: int, fmt: str, prog: str = "rekindle", usage: str = "") -> int:
+    """The one error report: a JSON (YAML) object on stdout under -o json (yaml), else a line on stderr."""
+    if fmt != "text":
+        print(_render(fmt, {"error": message, "exit_code": code}, indent=None))
     else:
         print(f"{usage}{prog}: error: {message}", file=sys.stderr)
     return code
@@ -536,26 +652,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         logs.setup(verbose=False, fmt="text")
         logging.getLogger().setLevel(logging.WARNING)
         return int(args.func(args) or 0)
-    as_json = _wants_json(argv)
+    fmt = _wants_format(argv)
     token = _RAISE_USAGE.set(True)
     try:
         args = build_parser().parse_args(argv)
     except UsageError as exc:
-        return _fail(exc.message, 2, as_json, exc.prog, exc.usage)
+        return _fail(exc.message, 2, fmt, exc.prog, exc.usage)
     finally:
         _RAISE_USAGE.reset(token)
     verbose = args.verbose or os.environ.get("REKINDLE_LOG_LEVEL", "").lower() == "debug"
     logs.setup(verbose=verbose, fmt=args.log_format)
     if not verbose and args.command != "plugin":
         logging.getLogger().setLevel(logging.WARNING)  # a tool's output is its result, not its progress
-    as_json = _json(args)
+    fmt = getattr(args, "output", "text")
     try:
         return int(args.func(args) or 0)
     except UsageError as exc:
-        return _fail(exc.message, 2, as_json, exc.prog, exc.usage)
+        return _fail(exc.message, 2, fmt, exc.prog, exc.usage)
     except (RekindleError, OSError) as exc:
         if args.verbose:
             log.exception("failed")
-        return _fail(_describe(exc, args) if isinstance(exc, RekindleError) else str(exc), 1, as_json)
+        return _fail(_describe(exc, args) if isinstance(exc, RekindleError) else str(exc), 1, fmt)
     except KeyboardInterrupt:
         return 130

@@ -48,6 +48,7 @@ SMP = "application/strategic-merge-patch+json"
 EVENTS: dict[OutcomeKind, tuple[str, str]] = {
     OutcomeKind.RESTORED: ("Normal", "Restored"),
     OutcomeKind.COLD_START: ("Warning", "ColdStart"),
+    OutcomeKind.RESTORE_FAILED: ("Warning", "RestoreFailed"),
     OutcomeKind.RESTORE_EXITED: ("Warning", "RestoreExited"),
     OutcomeKind.PUBLISHED: ("Normal", "CheckpointPublished"),
     OutcomeKind.CHECKPOINT_FAILED: ("Warning", "CheckpointFailed"),
@@ -108,7 +109,8 @@ def condition_reason(outcome: Outcome) -> str:
 
 def condition_patch(outcome: Outcome, now: datetime.datetime) -> dict[str, Any] | None:
     """The status patch for a restore's outcome (None for anything else)."""
-    if outcome.kind not in (OutcomeKind.RESTORED, OutcomeKind.COLD_START, OutcomeKind.RESTORE_EXITED):
+    if outcome.kind not in (OutcomeKind.RESTORED, OutcomeKind.COLD_START, OutcomeKind.RESTORE_EXITED,
+                            OutcomeKind.RESTORE_FAILED):
         return None
     return {
         "metadata": {"uid": outcome.pod_uid},  # precondition: never patch a newer pod of that name

@@ -22,6 +22,14 @@ return an error to containerd: that would fail the pod instead of starting it co
 handler does not catch itself, the stub's fail-open boundary answers empty and hands to
 ``on_handler_error``, which records the cold start and undoes what was prepared.
 
+Failing closed (``rekindle.dev/on-restore-failure: fail``): a failed restore must never start the
+original command. The init gets ``--on-failure fail`` and exits with the reason (status 75) where
+it would start cold; a pre-check that fails still puts the init in place, with ``restore-failed``
+already written, so the container exits at once. Each new container of such a pod (kubelet's
+restarts) tries the restore again: no fail-once check, the artifact may have been fixed. Only
+where the init cannot be put in place at all (CreateContainer overran and was answered empty, no
+control dir, no way to swap the entrypoint) does the container still run unadjusted.
+
 Late results: CreateContainer registers a container (``_pending``, read by PostCreate and
 PostStart) and records its status only in the ``commit`` of its ``Reply``, which the stub runs
 when it sends that reply. A create that overran its budget was answered empty (no mounts, no
@@ -48,7 +56,7 @@ from runtime.store import ArtifactStore
 from . import guards, logs
 from .config import Settings
 from .events import RuntimeInfo
-from .jobs import Jobs, Skipped, Work
+from .jobs import Jobs, Skipped, Work, restore_failure_phase
 from .prefetch import Prefetcher
 from .policy import Intent, Role, decide, role_hint
 from .proto import nri_api_pb2 as api
@@ -69,6 +77,7 @@ class Pending:
     work: Work
     manifest: Manifest | None = None
     swapped: bool = False
+    failed: str = ""  # fails closed: the pre-check failed for this reason (restore-failed is written)
 
 
 # Handlers that run before the container's process does: an error there means a cold start.
@@ -136,16 +145,24 @@ class RekindlePlugin:
         if intent is None:
             return empty
         logs.bind(artifact=intent.artifact)
+        failed = ""
         try:
             ctl = control.control_dir_for(self.settings.state_dir, pod.uid, ctr.name)
             if intent.role is Role.RESTORE:
-                manifest = self._precheck_restore(pod, ctr, intent)
+                try:
+                    manifest: Manifest | None = self._precheck_restore(pod, ctr, intent)
+                except RekindleError as exc:
+                    if not intent.fails_closed or isinstance(exc, Skipped):
+                        raise
+                    manifest, failed = None, str(exc)  # the init is put in place to fail the container
             else:
                 manifest = None
                 skip = guards.existing_artifact(self.store, self.key, pod.namespace, intent)
                 if skip:
                     raise Skipped(skip)
             ctl.prepare()
+            if failed:
+                ctl.write(control.RESTORE_FAILED, failed + "\n")
         except Skipped as exc:
             log.info("%s: %s %s: %s", who(pod, ctr), intent.role.value, intent.artifact, exc)
             self._record(pod, ctr, intent, Phase.SKIPPED, str(exc))
@@ -164,24 +181,29 @@ class RekindlePlugin:
         for name in control.ENV_NAMES:
             adjust.env.add(key=name, value=control.CONTAINER_PATH)
         work = self._work(pod, ctr, intent, ctl)
-        pending = Pending(work, manifest)
+        pending = Pending(work, manifest, failed=failed)
         if self.strategy is Strategy.ARGS_ADJUSTMENT and ctr.args:
-            adjust.args.extend(init_command(work.mode, intent.restore_timeout, list(ctr.args)))
+            adjust.args.extend(init_command(work.mode, intent.restore_timeout, list(ctr.args), intent.fails_closed))
             pending.swapped = True
         phase = Phase.RESTORE_PENDING if intent.role is Role.RESTORE else Phase.WAITING_READY
+        if failed:
+            phase = Phase.RESTORE_FAILED
+            log.warning("%s: restore %s: %s; failing the container (on-restore-failure: fail)", who(pod, ctr),
+                        intent.artifact, failed)
 
         def commit() -> None:  # run by the stub as it sends this reply, never for a late one
             with self._lock:
                 self._pending[ctr.id] = pending
-            self._record(pod, ctr, intent, phase, "")
+            self._record(pod, ctr, intent, phase, failed)
             log.info("%s: %s %s: control dir %s", who(pod, ctr), intent.role.value, intent.artifact, ctl.path)
         return Reply(api.CreateContainerResponse(adjust=adjust), commit)
 
     def _precheck_restore(self, pod: api.PodSandbox, ctr: api.Container, intent: Intent) -> Manifest:
         """Cheap checks only (reads the manifest, not the images): this runs inside the handler."""
         prev = self.status.read(pod.namespace, pod.name, ctr.name)
-        if prev and prev.pod_uid == pod.uid and prev.phase in (Phase.COLD_START, Phase.RESTORED, Phase.RESTORING,
-                                                                 Phase.RESTORE_EXITED):
+        # A pod that fails closed tries again in each new container: never a cold start instead.
+        attempted = (Phase.COLD_START, Phase.RESTORED, Phase.RESTORING, Phase.RESTORE_EXITED)
+        if not intent.fails_closed and prev and prev.pod_uid == pod.uid and prev.phase in attempted:
             raise RekindleError(f"a restore was already attempted for this pod ({prev.phase.value}"
                                 f"{': ' + prev.reason if prev.reason else ''}); not retrying")
         with self.store.open(pod.namespace, intent.artifact, self.key) as artifact:
@@ -220,16 +242,25 @@ class RekindlePlugin:
             if not pending.swapped:
                 if self.specs is None:
                     raise RekindleError("no containerd API to swap the entrypoint with")
-                swap_by_spec_update(self.specs, ctr.id, work.mode, work.intent.restore_timeout, spec)
+                swap_by_spec_update(self.specs, ctr.id, work.mode, work.intent.restore_timeout, spec,
+                                    fail_closed=work.intent.fails_closed)
                 pending.swapped = True
         except Exception as exc:  # noqa: BLE001 - fail open: the container runs its own command
+            if work.intent.fails_closed and not pending.swapped and self.specs is not None:
+                try:  # the init must still be there to fail the container, not start it cold
+                    swap_by_spec_update(self.specs, ctr.id, work.mode, work.intent.restore_timeout, spec,
+                                        fail_closed=True)
+                    pending.swapped = True
+                except Exception as swap_exc:  # noqa: BLE001
+                    log.error("%s: cannot put the init in place to fail closed: %s", who(pod, ctr), swap_exc)
             if pending.swapped:
-                # args were set at create (NRI >= 0.10): tell the init to start cold right away.
+                # args were set at create (NRI >= 0.10): tell the init to start cold (or fail) right away.
                 work.control.write(control.RESTORE_FAILED, str(exc))
             with self._lock:
                 self._pending.pop(ctr.id, None)
-            phase = Phase.COLD_START if work.intent.role is Role.RESTORE else Phase.CHECKPOINT_FAILED
-            log.warning("%s: %s; cold start", who(pod, ctr), exc)
+            phase = (restore_failure_phase(work.intent) if pending.swapped else Phase.COLD_START) \
+                if work.intent.role is Role.RESTORE else Phase.CHECKPOINT_FAILED
+            log.warning("%s: %s; %s", who(pod, ctr), exc, phase.value)
             self._record(pod, ctr, work.intent, phase, str(exc))
             return
         log.info("%s: entrypoint swapped to rekindle-init (%s mode)", who(pod, ctr), work.mode)
@@ -238,8 +269,8 @@ class RekindlePlugin:
     async def post_start_container(self, pod: api.PodSandbox, ctr: api.Container) -> None:
         with self._lock:
             pending = self._pending.pop(ctr.id, None)
-        if pending is None or not pending.swapped:
-            return
+        if pending is None or not pending.swapped or pending.failed:
+            return  # failed: its init reads restore-failed and exits
         pending.work.container_id = ctr.id
         pending.work.pid = ctr.pid
         self.jobs.start(pending.work)
@@ -304,8 +335,12 @@ class RekindlePlugin:
                     ctl.write(control.RESTORE_FAILED, reason + "\n")
             except (OSError, RekindleError) as failed:
                 log.error("%s: cannot tell the init to start cold: %s", who(pod, ctr), failed)
-        phase = Phase.COLD_START if intent.role is Role.RESTORE or handler == "create_container" \
-            else Phase.CHECKPOINT_FAILED
+        if handler == "create_container":
+            phase = Phase.COLD_START  # answered empty: no init, the container runs unadjusted
+        elif intent.role is Role.RESTORE:
+            phase = restore_failure_phase(intent)
+        else:
+            phase = Phase.CHECKPOINT_FAILED
         self._record(pod, ctr, intent, phase, reason)
 
     # ------------------------------------------------------------------ helpers

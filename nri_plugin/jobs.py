@@ -11,9 +11,11 @@ Outcomes always reach the container through its control dir, exactly once:
   checkpoint: ``snapshot-complete`` or ``checkpoint-failed`` (also when the engine declines
               with ``Skipped``: the artifact exists, or the pod runs other containers);
   restore:    ``restore-pid`` + ``restore-complete``, or ``restore-failed`` (the init then starts
-              the original command — the cold start). A restore cut short by the agent's death
-              is failed by the next agent after ``Engine.recover`` rolled back its rootfs
-              changes (``rootfs-pending`` keeps the init from starting cold meanwhile).
+              the original command — the cold start; under ``rekindle.dev/on-restore-failure: fail``
+              it exits with the reason instead, and the record says ``restore-failed``). A restore
+              cut short by the agent's death is failed by the next agent after ``Engine.recover``
+              rolled back its rootfs changes (``rootfs-pending`` keeps the init from starting cold
+              meanwhile).
 A restore's outcome is ``restored`` only once the process runs: the container's init, which
 adopted the restored process and exits with it, must still live ``settle`` seconds after the
 tree was resumed (the CUDA restore, which runs after the resume, counts). If it dies first, the outcome is ``restore-exited`` with the exit status
@@ -88,6 +90,11 @@ class Work:
     @property
     def who(self) -> str:
         return f"{self.namespace}/{self.pod}:{self.container}"
+
+
+def restore_failure_phase(intent: Intent) -> Phase:
+    """What a failed restore is recorded as: a cold start, or a failure where the pod fails closed."""
+    return Phase.RESTORE_FAILED if intent.fails_closed else Phase.COLD_START
 
 
 class Skipped(RekindleError):
@@ -185,8 +192,9 @@ class Jobs:
             reason += ("; its rootfs changes could not all be rolled back, so the container will not "
                        "start cold on them: " + "; ".join(problems[:3]))
         work.control.write(control.RESTORE_FAILED, reason + "\n")
-        self._set(work, Phase.COLD_START, reason)
-        log.warning("%s: %s; cold start", work.who, reason)
+        phase = restore_failure_phase(work.intent)
+        self._set(work, phase, reason)
+        log.warning("%s: %s; %s", work.who, reason, phase.value)
 
     def _call_soon(self, work: Work) -> None:
         # Synchronize runs in a worker thread; tasks belong to the loop.
@@ -256,8 +264,9 @@ class Jobs:
         self._set(work, Phase.RESTORING, "")
         # On failure the init reads restore-failed and starts the original command: the cold start.
         # On success the record stays restoring until the process is seen to run.
-        if not await self._run(self.engine.restore, work, Phase.RESTORING, Phase.RESTORING, Phase.COLD_START,
-                               control.RESTORE_FAILED):
+        # Under on-restore-failure: fail the init exits with the reason instead, and never runs it.
+        if not await self._run(self.engine.restore, work, Phase.RESTORING, Phase.RESTORING,
+                               restore_failure_phase(work.intent), control.RESTORE_FAILED):
             return
         self._running.add(work.container_id)  # its exit (a StopContainer) must not cut the watch short
         # The settle counts from the resume: the process already ran through the CUDA restore.

@@ -2,7 +2,7 @@
 
 The plugin records every decision in the container's status file (``runtime.status``).
 ``Reporter`` observes those writes; for a record in a final phase it builds one ``Outcome``
-(restored, restored but exited at once, cold start, checkpoint published, checkpoint failed,
+(restored, restored but exited at once, cold start, failed closed, checkpoint published, checkpoint failed,
 skipped) and hands it to each
 ``OutcomeSink`` (metrics, Kubernetes Events and pod condition). Each outcome is reported once
 per container instance, however often its record is rewritten.
@@ -37,6 +37,7 @@ class OutcomeKind(Enum):
     RESTORED = "restored"
     RESTORE_EXITED = "restore_exited"      # restored, and the process died right after
     COLD_START = "cold_start"
+    RESTORE_FAILED = "restore_failed"      # failed closed (rekindle.dev/on-restore-failure: fail)
     PUBLISHED = "published"
     CHECKPOINT_FAILED = "checkpoint_failed"
     SKIPPED = "skipped"
@@ -156,6 +157,9 @@ class Outcome:
             return f"{label}{size} in {self.seconds:.1f} s" + (f": {phases}" if phases else "")
         if self.kind is OutcomeKind.RESTORE_EXITED:
             return f"container {self.container} was restored from {label} and died: {self.reason}"
+        if self.kind is OutcomeKind.RESTORE_FAILED:
+            return (f"container {self.container} failed closed instead of restoring {label} "
+                    f"(the original command did not run): {self.reason}")
         if self.kind is OutcomeKind.COLD_START:
             return f"container {self.container} started cold instead of restoring {label}: {self.reason}"
         if self.kind is OutcomeKind.CHECKPOINT_FAILED:
@@ -174,6 +178,8 @@ def outcome_of(status: ContainerStatus) -> Outcome | None:
         kind = OutcomeKind.PUBLISHED
     elif status.phase is Phase.SKIPPED:
         kind = OutcomeKind.SKIPPED
+    elif status.phase is Phase.RESTORE_FAILED:
+        kind = OutcomeKind.RESTORE_FAILED
     elif status.phase is Phase.CHECKPOINT_FAILED:
         kind = OutcomeKind.CHECKPOINT_FAILED
     elif status.phase in (Phase.COLD_START, Phase.IGNORED):

@@ -15,6 +15,10 @@ Keys (pod annotations, documented in the README):
   rekindle.dev/max-layer-size   bytes (or N Ki/Mi/Gi/Ti), at most the node's --max-layer-bytes:
                                 the cap on this source's captured writable layer
   rekindle.dev/overwrite        true | false (default): checkpoint even when the artifact exists
+  rekindle.dev/on-restore-failure cold-start (default) | fail: what a failed restore does; fail:
+                                the container exits with the reason (the init's status 75) and
+                                its original command never runs; a restarted container tries the
+                                restore again (restore pods only)
 Unknown ``rekindle.dev/`` keys are errors (typos must not silently disable a restore).
 
 Which container: ``rekindle.dev/container``, else kubectl's ``kubectl.kubernetes.io/default-container``
@@ -47,8 +51,9 @@ AFTER_CHECKPOINT = PREFIX + "after-checkpoint"
 RESTORE_TIMEOUT = PREFIX + "restore-timeout"
 OVERWRITE = PREFIX + "overwrite"
 MAX_LAYER_SIZE = PREFIX + "max-layer-size"
+ON_RESTORE_FAILURE = PREFIX + "on-restore-failure"
 KNOWN_KEYS = {CHECKPOINT, RESTORE, CONTAINER, READY_PROBE, AFTER_CHECKPOINT, RESTORE_TIMEOUT, OVERWRITE,
-              MAX_LAYER_SIZE}
+              MAX_LAYER_SIZE, ON_RESTORE_FAILURE}
 SOURCE_ONLY_KEYS = (READY_PROBE, AFTER_CHECKPOINT, OVERWRITE, MAX_LAYER_SIZE)
 DEFAULT_LAYER_CAP = 8 << 30  # the node's cap on a writable layer in an artifact (--max-layer-bytes)
 _UNITS = {"": 1, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40}
@@ -68,6 +73,11 @@ class Role(Enum):
 class AfterCheckpoint(Enum):
     KEEP_RUNNING = "keep-running"
     EXIT = "exit"
+
+
+class OnRestoreFailure(Enum):
+    COLD_START = "cold-start"  # the init runs the original command (fail open, once)
+    FAIL = "fail"              # the init exits with the reason; the original command never runs
 
 
 class ProbeKind(Enum):
@@ -100,6 +110,11 @@ class Intent:
     overwrite: bool = False  # checkpoint even if the artifact exists (rekindle.dev/overwrite)
     max_layer_bytes: int = DEFAULT_LAYER_CAP  # the writable layer's cap for this source
     named: bool = False      # an annotation named this container (else: one of possibly many)
+    on_failure: OnRestoreFailure = OnRestoreFailure.COLD_START  # rekindle.dev/on-restore-failure
+
+    @property
+    def fails_closed(self) -> bool:
+        return self.role is Role.RESTORE and self.on_failure is OnRestoreFailure.FAIL
 
 
 MAX_DECIMAL_DIGITS = 18
@@ -212,12 +227,19 @@ def decide(annotations: dict[str, str], container_name: str,
         if asked > layer_cap:
             raise AnnotationError(MAX_LAYER_SIZE, f"{asked} bytes exceeds this node's cap of {layer_cap}")
         layer = asked
+    on_failure_raw = ours.get(ON_RESTORE_FAILURE, OnRestoreFailure.COLD_START.value)
+    try:
+        on_failure = OnRestoreFailure(on_failure_raw)
+    except ValueError:
+        raise AnnotationError(ON_RESTORE_FAILURE, f"must be cold-start or fail, got {on_failure_raw!r}") from None
     if role is Role.RESTORE:
         for source_key in SOURCE_ONLY_KEYS:
             if source_key in ours:
                 raise AnnotationError(source_key, "applies to checkpoint sources only")
+    elif ON_RESTORE_FAILURE in ours:
+        raise AnnotationError(ON_RESTORE_FAILURE, "applies to restore pods only")
     return Intent(role, name, probe, after, timeout, overwrite=overwrite_raw == "true",
-                  named=target_key is not None, max_layer_bytes=layer)
+                  named=target_key is not None, max_layer_bytes=layer, on_failure=on_failure)
 
 
 def role_hint(annotations: dict[str, str]) -> Role | None:

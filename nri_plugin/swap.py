@@ -44,17 +44,19 @@ def choose(runtime: RuntimeInfo) -> Strategy:
     return Strategy.ARGS_ADJUSTMENT if runtime.supports_args_adjustment else Strategy.SPEC_UPDATE
 
 
-def init_command(mode: str, timeout: int, original: list[str]) -> list[str]:
-    """The init in front of ``original``; the init falls back to ``original`` on any failure."""
+def init_command(mode: str, timeout: int, original: list[str], fail_closed: bool = False) -> list[str]:
+    """The init in front of ``original``; the init falls back to ``original`` on any failure,
+    unless ``fail_closed`` (then it exits with the reason instead)."""
+    closed = ["--on-failure", "fail"] if fail_closed else []
     return [INIT_IN_CONTAINER, "--mode", mode, "--control", CONTAINER_PATH,
-            "--timeout", str(timeout), "--", *original]
+            "--timeout", str(timeout), *closed, "--", *original]
 
 
 def is_swapped(args: list[str]) -> bool:
     return bool(args) and args[0] == INIT_IN_CONTAINER
 
 
-def swapped_spec(spec: dict[str, Any], mode: str, timeout: int) -> dict[str, Any]:
+def swapped_spec(spec: dict[str, Any], mode: str, timeout: int, fail_closed: bool = False) -> dict[str, Any]:
     """A copy of ``spec`` whose process runs the init; unknown fields are kept as they are."""
     new = copy.deepcopy(spec)
     process = new.get("process")
@@ -63,17 +65,17 @@ def swapped_spec(spec: dict[str, Any], mode: str, timeout: int) -> dict[str, Any
     original = [str(a) for a in process["args"]]
     if is_swapped(original):
         return new  # already done (e.g. a replayed PostCreate)
-    process["args"] = init_command(mode, timeout, original)
+    process["args"] = init_command(mode, timeout, original, fail_closed)
     annotations = new.setdefault("annotations", {})
     annotations[ORIGINAL_ARGS_ANNOTATION] = json.dumps(original)
     return new
 
 
 def swap_by_spec_update(access: SpecAccess, container_id: str, mode: str, timeout: int,
-                        spec: dict[str, Any] | None = None) -> list[str]:
+                        spec: dict[str, Any] | None = None, fail_closed: bool = False) -> list[str]:
     """Rewrite the stored spec (``spec``: the one just read in this handler, if any, saving a
     round trip to containerd); returns the new args."""
     spec = access.get_spec(container_id) if spec is None else spec
-    new = swapped_spec(spec, mode, timeout)
+    new = swapped_spec(spec, mode, timeout, fail_closed)
     access.update_spec(container_id, new)
     return list(new["process"]["args"])

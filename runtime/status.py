@@ -40,6 +40,7 @@ class Phase(str, Enum):
     RESTORED = "restored"
     RESTORE_EXITED = "restore-exited"  # restored, then the process died at once (it never ran on)
     COLD_START = "cold-start"
+    RESTORE_FAILED = "restore-failed"  # failed, and the pod fails closed: its container exits, never starts cold
     SKIPPED = "skipped"            # left alone on purpose (not this container, artifact exists)
 
     @property
@@ -49,7 +50,7 @@ class Phase(str, Enum):
 
 
 _FINAL = {Phase.IGNORED, Phase.PUBLISHED, Phase.CHECKPOINT_FAILED, Phase.RESTORED, Phase.RESTORE_EXITED,
-          Phase.COLD_START, Phase.SKIPPED}
+          Phase.COLD_START, Phase.RESTORE_FAILED, Phase.SKIPPED}
 
 
 @dataclass
@@ -65,7 +66,7 @@ class Progress:
 
 # Phases after which nothing more happens to a container's record.
 FINAL_PHASES = frozenset({Phase.IGNORED, Phase.PUBLISHED, Phase.CHECKPOINT_FAILED, Phase.RESTORED,
-                          Phase.RESTORE_EXITED, Phase.COLD_START})
+                          Phase.RESTORE_EXITED, Phase.COLD_START, Phase.RESTORE_FAILED})
 
 
 @dataclass

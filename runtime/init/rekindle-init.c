@@ -1,7 +1,8 @@
 /*
  * rekindle-init: the in-container init of Rekindle.
  *
- *   rekindle-init --mode source|restore [--control DIR] [--timeout SEC] -- CMD [ARGS...]
+ *   rekindle-init --mode source|restore [--control DIR] [--timeout SEC]
+ *                 [--on-failure cold-start|fail] -- CMD [ARGS...]
  *
  * It runs as PID 1 of a container whose entrypoint the plugin swapped (docs/design.md,
  * "The init"). Duties in both modes: reap every child, forward SIGTERM, SIGINT, SIGHUP,
@@ -18,6 +19,10 @@
  *            agent's `rootfs-pending` is there, the rootfs holds a restore's changes that are
  *            still to be rolled back: instead of starting CMD on it, the init exits with
  *            status 1, so that the container is made again from its image.
+ *            With `--on-failure fail` (the pod's rekindle.dev/on-restore-failure: fail) there is
+ *            no cold start at all: where it would start CMD, the init writes the reason to
+ *            stderr (the container log) and exits with status 75 (FAIL_CLOSED_STATUS), and CMD
+ *            never runs.
  *
  * Built static with no dependencies, because it is bind-mounted into arbitrary images.
  * Signals are blocked and read from a signalfd, so there is no handler race and no busy loop.
@@ -47,6 +52,8 @@
 #define ORPHAN_POLL_MS 100     /* liveness poll of an adopted main pid that is not our child */
 #define KILL_REAP_MS 5000      /* how long to reap SIGKILLed processes before the cold start */
 #define REAPED_MAX 64          /* reaped pid -> status memory, see remember() */
+#define FAIL_CLOSED_STATUS 75  /* a failed restore under --on-failure fail (sysexits' EX_TEMPFAIL:
+                                * a restarted container tries the restore again) */
 
 static const int forwarded[] = {SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2, SIGWINCH};
 
@@ -54,6 +61,7 @@ static sigset_t orig_mask;  /* restored in the child before exec */
 static int sfd = -1;        /* signalfd for SIGCHLD and the forwarded signals */
 static pid_t main_pid;      /* 0 until there is a main child */
 static int main_is_child;   /* 0 when the adopted pid is not (yet) our child */
+static int fail_closed;     /* --on-failure fail: a failed restore never starts CMD */
 
 /* While waiting for a restore, the restored tree is reparented to us and may exit (and be
  * reaped) before `restore-complete` is read; remember recent statuses so we can report them. */
@@ -400,6 +408,11 @@ static int wait_for_restore(const char *ctl, int timeout_s, char *reason, size_t
 /* The restore did not happen: clear the namespace, record why, start the original command. */
 static void cold_start(const char *ctl, const char *reason, char **cmd)
 {
+    if (fail_closed) {
+        /* Exiting as PID 1 also kills whatever a half-done restore left in the namespace. */
+        logmsg("restore failed: %s; not starting the original command (on-restore-failure: fail)", reason);
+        finish(FAIL_CLOSED_STATUS);
+    }
     if (control_exists(ctl, "rootfs-pending")) {
         /* The agent has not rolled back (or could not roll back) what the restore changed in
          * the rootfs: the original command must never run on a half-restored rootfs. */
@@ -469,12 +482,13 @@ static void supervise(void)
 
 static void usage(void)
 {
-    logmsg("usage: rekindle-init --mode source|restore [--control DIR] [--timeout SEC] -- CMD [ARGS...]");
+    logmsg("usage: rekindle-init --mode source|restore [--control DIR] [--timeout SEC] "
+           "[--on-failure cold-start|fail] -- CMD [ARGS...]");
 }
 
 int main(int argc, char **argv)
 {
-    const char *mode = NULL, *ctl = DEFAULT_CONTROL;
+    const char *mode = NULL, *ctl = DEFAULT_CONTROL, *on_failure = "cold-start";
     int timeout_s = DEFAULT_TIMEOUT;
     char **cmd = NULL;
 
@@ -488,9 +502,9 @@ int main(int argc, char **argv)
             usage();
             return 0;
         }
-        const char *names[] = {"--mode", "--control", "--timeout"};
+        const char *names[] = {"--mode", "--control", "--timeout", "--on-failure"};
         int which = -1;
-        for (int k = 0; k < 3; k++) {
+        for (int k = 0; k < 4; k++) {
             size_t l = strlen(names[k]);
             if (strcmp(a, names[k]) == 0) {
                 if (i + 1 >= argc) {
@@ -518,6 +532,8 @@ int main(int argc, char **argv)
                 return 2;
             }
             timeout_s = (int)t;
+        } else if (which == 3) {
+            on_failure = val;
         } else {
             logmsg("unknown argument '%s'", a);
             usage();
@@ -529,6 +545,12 @@ int main(int argc, char **argv)
         usage();
         return 2;
     }
+    if (strcmp(on_failure, "cold-start") != 0 && strcmp(on_failure, "fail") != 0) {
+        logmsg("--on-failure must be cold-start or fail");
+        usage();
+        return 2;
+    }
+    fail_closed = strcmp(on_failure, "fail") == 0;
     if (cmd == NULL || cmd[0] == NULL || ctl[0] == '\0') {
         logmsg("no command given after --");
         usage();
@@ -553,7 +575,8 @@ int main(int argc, char **argv)
     if (getpid() != 1 && prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) < 0)
         logmsg("prctl(PR_SET_CHILD_SUBREAPER): %s", strerror(errno));
 
-    logmsg("mode=%s control=%s timeout=%d pid=%d", mode, ctl, timeout_s, (int)getpid());
+    logmsg("mode=%s control=%s timeout=%d pid=%d%s", mode, ctl, timeout_s, (int)getpid(),
+           fail_closed ? " on-failure=fail" : "");
     if (strcmp(mode, "source") == 0) {
         main_pid = spawn(cmd);
         main_is_child = 1;

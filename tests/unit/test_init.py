@@ -427,3 +427,53 @@ def test_adopted_pid_that_is_not_our_child_is_polled(run, ctl, tmp_path):
         if outside.poll() is None:
             outside.kill()
             outside.wait(timeout=10)
+
+
+# --- restore mode, failing closed (--on-failure fail) -----------------------------------------
+
+
+@pytest.mark.parametrize("verdict", ["restore-failed", "timeout", "bad-pid", "rootfs-pending"])
+def test_fail_closed_never_runs_the_command(run, ctl, tmp_path, verdict):
+    """--on-failure fail: where the init would start cold, it exits with status 75 and the reason
+    on stderr (the container log); the original command never runs and no cold-start is written."""
+    if verdict == "rootfs-pending":
+        write_control(ctl, "rootfs-pending", "a restore is changing the rootfs\n")
+    init = run([*restore_args(ctl, timeout=1 if verdict == "timeout" else 30), "--on-failure", "fail"], RECORD)
+    init.wait_log("waiting for a restore")
+    if verdict in ("restore-failed", "rootfs-pending"):
+        write_control(ctl, "restore-failed", "image differs\n")
+    elif verdict == "bad-pid":
+        write_control(ctl, "restore-pid", "nope\n")
+        write_control(ctl, "restore-complete", "")
+    assert init.wait() == 75
+    assert not (tmp_path / "runs").exists()
+    assert not (ctl / "cold-start").exists()
+    reason = {"restore-failed": "restore-failed: image differs", "rootfs-pending": "restore-failed: image differs",
+              "timeout": "no restore within 1 s", "bad-pid": "restore-pid is not a usable pid: 'nope'"}[verdict]
+    assert (f"restore failed: {reason}; not starting the original command (on-restore-failure: fail)\n"
+            in init.stderr()), init.stderr()
+    assert "exiting with status 75\n" in init.stderr()
+
+
+def test_fail_closed_at_once_when_the_control_dir_is_missing(run, tmp_path):
+    init = run([*restore_args(tmp_path / "absent"), "--on-failure", "fail"], RECORD)
+    assert init.wait(timeout=5) == 75
+    assert not (tmp_path / "runs").exists()
+
+
+def test_fail_closed_still_adopts_a_completed_restore(run, ctl, tmp_path):
+    init = run([*restore_args(ctl), "--on-failure", "fail"], RECORD)
+    init.wait_log("on-failure=fail")
+    init.nsenter("sh -c 'sleep 0.5; exit 7' & echo $! > restored")
+    write_control(ctl, "restore-pid", (tmp_path / "restored").read_text().strip() + "\n")
+    write_control(ctl, "restore-complete", "")
+    assert init.wait() == 7
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("value", ["", "Fail", "closed"])
+def test_on_failure_takes_only_cold_start_or_fail(run, value):
+    init = run(["--mode", "restore", "--on-failure", value], ["true"], pidns=False)
+    assert init.wait() == 2
+    init = run(["--mode", "restore", "--timeout", "1", f"--on-failure=cold-start"], ["true"], pidns=False)
+    assert init.wait() == 0

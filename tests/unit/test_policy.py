@@ -150,3 +150,37 @@ def test_max_layer_size_refuses_what_the_node_does_not_allow(value, cap):
 def test_max_layer_size_applies_to_sources_only():
     with pytest.raises(AnnotationError, match="checkpoint sources only"):
         decide({RS: "a", "rekindle.dev/max-layer-size": "1Mi"}, "app")
+
+
+# ---------------------------------------------------------------- rekindle.dev/on-restore-failure
+@pytest.mark.parametrize("value, want, closed", [
+    (None, "cold-start", False), ("cold-start", "cold-start", False), ("fail", "fail", True),
+])
+def test_on_restore_failure_defaults_to_cold_start(value, want, closed):
+    ann = {"rekindle.dev/restore": "a"}
+    if value is not None:
+        ann["rekindle.dev/on-restore-failure"] = value
+    intent = decide(ann, "c")
+    assert intent is not None and intent.on_failure.value == want and intent.fails_closed is closed
+
+
+@pytest.mark.parametrize("value", ["", "Fail", "FAIL", "fail ", " fail", "closed", "true", "cold_start",
+                                   "fail\n", "ｆａｉｌ"])
+def test_on_restore_failure_is_parsed_strictly(value):
+    with pytest.raises(AnnotationError) as exc:
+        decide({"rekindle.dev/restore": "a", "rekindle.dev/on-restore-failure": value}, "c")
+    assert exc.value.key == "rekindle.dev/on-restore-failure"
+
+
+def test_on_restore_failure_applies_to_restore_pods_only():
+    with pytest.raises(AnnotationError) as exc:
+        decide({"rekindle.dev/checkpoint": "a", "rekindle.dev/on-restore-failure": "fail"}, "c")
+    assert exc.value.key == "rekindle.dev/on-restore-failure" and "restore pods only" in str(exc.value)
+
+
+def test_on_restore_failure_follows_the_named_container():
+    ann = {"rekindle.dev/restore": "a", "rekindle.dev/container": "server",
+           "rekindle.dev/on-restore-failure": "fail"}
+    assert decide(ann, "sidecar") is None
+    intent = decide(ann, "server")
+    assert intent is not None and intent.fails_closed
