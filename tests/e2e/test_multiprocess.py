@@ -19,6 +19,7 @@ from tests.e2e.plugin_process import PluginProcess
 from devtools.cri import ContainerState, Mount
 from devtools.gpu import host_python_mounts
 from runtime.status import Phase, StatusBook
+from tests.nccl_forge import FORGE_PROXY_SOCKET
 from tests.waiting import wait_for
 
 BUSYBOX = "localhost/rekindle/busybox:1"
@@ -140,33 +141,7 @@ def test_tree_with_io_uring_is_refused_before_anything_is_touched(sandbox, pod, 
 # and hides NCCL's proxy socket in /proc/net/unix behind lines forged with socket names that hold
 # a newline (varied until a forged line comes after the real one). No /dev/shm/nccl-* file: the
 # socket is the only mark of the live communicator.
-NCCL_FORGER = r"""
-import ctypes, os, socket, time
-libc = ctypes.CDLL(None)
-def last_name(ino):
-    name = None
-    for line in open("/proc/self/net/unix").read().splitlines()[1:]:
-        f = line.split(None, 7)
-        if len(f) >= 7 and f[6] == str(ino):
-            name = f[7] if len(f) > 7 else ""
-    return name
-keep = []
-for attempt in range(64):
-    sk = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sk.bind(b"\0/tmp/nccl-socket-0-%x" % (os.getpid() << 8 | attempt))
-    sk.listen()
-    ino = os.fstat(sk.fileno()).st_ino
-    forged = "0000000000000000: 00000002 00000000 00010000 0001 01 %5d @harmless" % ino
-    forgers = []
-    while last_name(ino) != "@harmless" and len(forgers) < 64:
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        s.bind(b"\0x%d-%d\n" % (attempt, len(forgers)) + forged.encode())
-        forgers.append(s)
-    if last_name(ino) == "@harmless":
-        keep = [sk, *forgers]
-        break
-    for s in [sk, *forgers]:
-        s.close()
+NCCL_FORGER = "import ctypes, os, socket, time\n" + FORGE_PROXY_SOCKET + r"""
 assert keep, "no forged line came after the real one"
 del os.environ["NCCL_P2P_DISABLE"], os.environ["NCCL_SHM_DISABLE"]  # P2P back on, after start
 control = os.environ["REKINDLE_CONTROL_DIR"]

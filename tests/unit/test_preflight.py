@@ -7,11 +7,13 @@ import os
 import subprocess
 import sys
 import textwrap
+
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.nccl_forge import FORGE_PROXY_SOCKET
 from runtime import preflight, procfs, unixdiag
 from runtime.preflight import Kind, NcclTransport
 
@@ -323,37 +325,11 @@ def test_real_userfaultfd_and_character_device_are_refused(child) -> None:
 
 # ---- unix socket names that pose as other sockets --------------------------------------------
 
-FORGED = """
-    # A rank whose only live mark is NCCL's proxy socket, and sockets whose names hold a newline
-    # and then a line of /proc/net/unix naming that socket's inode with a harmless name. The
-    # table's order is its hash order; a parser that keeps the last line per inode is fooled once
-    # a forged line comes after the real one, so the names are varied until one does.
-    def last_name(ino):
-        name = None
-        for line in open("/proc/self/net/unix").read().splitlines()[1:]:
-            f = line.split(None, 7)
-            if len(f) >= 7 and f[6] == str(ino):
-                name = f[7] if len(f) > 7 else ""
-        return name
-    for attempt in range(64):
-        sk = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sk.bind(b"\\0/tmp/nccl-socket-0-%x" % (os.getpid() << 8 | attempt))
-        sk.listen()
-        ino = os.fstat(sk.fileno()).st_ino
-        forged = "0000000000000000: 00000002 00000000 00010000 0001 01 %5d @harmless" % ino
-        forgers = []
-        while last_name(ino) != "@harmless" and len(forgers) < 64:
-            s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-            s.bind(b"\\0x%d-%d\\n" % (attempt, len(forgers)) + forged.encode())
-            forgers.append(s)
-        if last_name(ino) == "@harmless":
-            break
-        sk.close()
-        for s in forgers:
-            s.close()
-    else:
-        print("no forged line came after the real one", flush=True); sys.exit(1)
-    ready()
+# A rank whose only live mark is NCCL's proxy socket, hidden behind forged /proc/net/unix lines.
+FORGED = FORGE_PROXY_SOCKET + """
+if not keep:
+    print("no forged line came after the real one", flush=True); sys.exit(1)
+ready()
 """
 
 

@@ -1,0 +1,35 @@
+"""A rank's NCCL proxy socket hidden in /proc/net/unix behind forged lines: Python source that
+the preflight tests run in a child or a pod (``os`` and ``socket`` imported first).
+
+Sockets whose names hold a newline and then a line of /proc/net/unix naming the proxy socket's
+inode with a harmless name. The table's order is its hash order; a parser that keeps the last
+line per inode is fooled once a forged line comes after the real one, so the names are varied
+until one does. Leaves ``keep``: the sockets to hold open, or empty when no order fooled it.
+"""
+
+FORGE_PROXY_SOCKET = r"""
+def last_name(ino):
+    name = None
+    for line in open("/proc/self/net/unix").read().splitlines()[1:]:
+        f = line.split(None, 7)
+        if len(f) >= 7 and f[6] == str(ino):
+            name = f[7] if len(f) > 7 else ""
+    return name
+keep = []
+for attempt in range(64):
+    sk = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sk.bind(b"\0/tmp/nccl-socket-0-%x" % (os.getpid() << 8 | attempt))
+    sk.listen()
+    ino = os.fstat(sk.fileno()).st_ino
+    forged = "0000000000000000: 00000002 00000000 00010000 0001 01 %5d @harmless" % ino
+    forgers = []
+    while last_name(ino) != "@harmless" and len(forgers) < 64:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        s.bind(b"\0x%d-%d\n" % (attempt, len(forgers)) + forged.encode())
+        forgers.append(s)
+    if last_name(ino) == "@harmless":
+        keep = [sk, *forgers]
+        break
+    for s in [sk, *forgers]:
+        s.close()
+"""
