@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import json
 import logging
 import os
@@ -239,6 +240,10 @@ class Bench:
             rec["first_answer_s"] = round(answered, 3)
             rec["identical"] = same
             rec["answer"] = extra
+            if path == "stream":  # the serve's own figures: faults, the time they waited, threads
+                with contextlib.suppress(OSError, ValueError):
+                    rec["stream"] = json.loads((Path(plugin.control_dir(b.uid, CONTAINER)) /
+                                                "timings.json").read_text()).get("stream")
         finally:
             (self.args.out_dir / f"worker-{path}-{cache}.log").write_text(gpu_pods.container_logs(cri, cid)[-100_000:])
             self.stop(cri, b)

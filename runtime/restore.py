@@ -42,6 +42,7 @@ copy of them too), for comparison.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import logging
 import os
@@ -278,11 +279,12 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
                 cuda_restore(cuda, host_pids, gpu_map, result.host_pid, result.tree)
             log.info("CUDA restored for %d process(es)%s", len(host_pids),
                      f", remapped {gpu_map}" if gpu_map else "")
+        served: dict[str, object] = {}
         if streamed is not None:
             with t.phase("stream"):  # until the last piece is in: then the uffds are closed
-                streamed.wait()
+                served = dataclasses.asdict(streamed.wait())
         if control is not None:
-            control.write_json(control_mod.TIMINGS, {"restore": dict(t)})
+            control.write_json(control_mod.TIMINGS, {"restore": dict(t), **({"stream": served} if served else {})})
             control.write(control_mod.RESTORE_PID, f"{result.ns_pid}\n")
             control.write(control_mod.RESTORE_COMPLETE, req.name + "\n")
         final = True

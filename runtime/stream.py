@@ -37,6 +37,7 @@ fill uses them; the server installs 2 MiB pieces, each chunk checked before any 
 from __future__ import annotations
 
 import bisect
+import collections
 import functools
 import ctypes
 import logging
@@ -68,6 +69,7 @@ log = logging.getLogger(__name__)
 SOCKET_NAME = "lazy-pages.socket"
 RESTORE_FINISHED = 0x52535446  # "RSTF"
 PIECE = 2 << 20  # what one install takes, and what a fault brings in at once: whole chunks
+FAULT_THREADS = 2
 # flags of a VMA CRIU registers with userfaultfd (criu/include/vma.h vma_entry_can_be_lazy)
 MAP_PRIVATE, MAP_ANONYMOUS, MAP_LOCKED, MAP_HUGETLB = 0x02, 0x20, 0x2000, 0x40000
 _NOT_LAZY_STATUS = img.VMA_AREA_VDSO | img.VMA_AREA_VVAR | img.VMA_AREA_VSYSCALL
@@ -264,13 +266,50 @@ class _Piece:
 
 @dataclass
 class _Target:
-    """One address space (a restored task, or a child forked since)."""
+    """One address space (a restored task, or a child forked since). Its ranges are looked up
+    by address (a fault) and by file offset (a piece) through two sorted indexes, rebuilt only
+    when the space changes (an event): a restored process has thousands of ranges, and both
+    look-ups run once per piece or fault."""
     fd: int
     ranges: list[tuple[int, int, int, int]]  # (vaddr, length, file, file offset), by vaddr
     pending: set[int]  # pieces not yet installed here
     name: str
     alive: bool = True
     moves: int = 0  # REMAP events seen: an install that overlapped one is redone
+    starts: list[int] = field(default_factory=list)  # of ranges
+    by_offset: list[tuple[int, int, int, int]] = field(default_factory=list)  # (file, offset, vaddr, length)
+
+    def __post_init__(self) -> None:
+        self.reindex(self.ranges)
+
+    def reindex(self, ranges: list[tuple[int, int, int, int]]) -> None:
+        self.ranges = sorted(ranges)
+        self.starts = [r[0] for r in self.ranges]
+        self.by_offset = sorted((f, off, vaddr, length) for vaddr, length, f, off in self.ranges)
+
+    def at(self, address: int) -> tuple[int, int] | None:
+        """(file, offset in it) of the byte at ``address``, or None (not a bulk range now)."""
+        i = bisect.bisect_right(self.starts, address) - 1
+        if i < 0:
+            return None
+        vaddr, length, f, off = self.ranges[i]
+        return (f, off + address - vaddr) if address < vaddr + length else None
+
+    def spans(self, file: int, lo: int, hi: int) -> list[tuple[int, int, int]]:
+        """(vaddr, offset, length) of the parts of ``file``'s [lo, hi) mapped here now."""
+        out = []
+        # ranges of one file do not overlap in the file: only the one before lo may reach in
+        i = max(bisect.bisect_left(self.by_offset, (file, lo)) - 1, 0)
+        while i < len(self.by_offset):
+            f, off, vaddr, length = self.by_offset[i]
+            i += 1
+            if f < file or off + length <= lo:
+                continue
+            if f > file or off >= hi:
+                break
+            a, b = max(off, lo), min(off + length, hi)
+            out.append((vaddr + (a - off), a, b - a))
+        return out
 
 
 @dataclass(frozen=True)
@@ -282,6 +321,10 @@ class StreamStats:
     forks: int
     seconds: float
     threads: int
+    # from each fault's event read to its wake, summed over faults (threads wait in parallel)
+    # and the longest: a lower bound of what the tree waited on pages
+    fault_wait_s: float = 0.0
+    fault_wait_max_s: float = 0.0
 
 
 @dataclass
@@ -291,6 +334,8 @@ class _Counters:
     faults: int = 0
     by_fault: int = 0
     forks: int = 0
+    fault_wait: float = 0.0
+    fault_wait_max: float = 0.0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -309,7 +354,9 @@ class Server:
         self.threads = max(0, threads)
         self.fds = [os.dup(fd) for fd in fds]  # the caller's may close before the serve ends
         self.pieces: list[_Piece] = []
+        self.first: list[int] = []  # of each file's pieces: its piece at offset o is first + o // PIECE
         for i, (f, fd, ds) in enumerate(zip(files, self.fds, sums, strict=True)):
+            self.first.append(len(self.pieces))
             size = os.fstat(fd).st_size
             if len(ds) != -(-size // SUM_CHUNK) * DIGEST_BYTES or any(r.offset + r.length > size for r in f.ranges):
                 raise StreamError(f"{label}: {f.path} does not match its ranges or chunk digests")
@@ -326,19 +373,22 @@ class Server:
         self.finished = threading.Event()
         self._stop = threading.Event()
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
-        self._faults: list[tuple[_Target, int]] = []
+        self._faults: collections.deque[tuple[_Target, int, float]] = collections.deque()  # with when read
         self._woken: set[tuple[int, int]] = set()  # (target, page) woken with its piece already in
         self._fault_cv = threading.Condition()
         self._events_read = threading.Condition()  # notified after each batch of events is read
         self._next = 0
+        self._again: collections.deque[int] = collections.deque()  # pieces pending again (fork, move)
         self._busy = 0
         self._threads: list[threading.Thread] = []
         self._t0 = time.monotonic()
         self._local = threading.local()
         self._installing = False
         self._installers = 0  # install threads running
-        for name, fn in (("rekindle-uffd-events", self._read_events), ("rekindle-uffd-faults", self._serve_faults)):
-            self._spawn(name, fn)
+        self._spawn("rekindle-uffd-events", self._read_events)
+        # more than one: a fault waiting on a piece an installer holds keeps no other waiting
+        for i in range(FAULT_THREADS):
+            self._spawn(f"rekindle-uffd-faults-{i}", self._serve_faults)
 
     # -- lifecycle
 
@@ -384,10 +434,12 @@ class Server:
             raise StreamError(f"{self.label}: streamed restore failed: {self.failure}")
         c = self.counters
         stats = StreamStats(c.verified, c.installed, c.faults, c.by_fault, c.forks,
-                            time.monotonic() - self._t0, self.threads)
-        log.info("stream: %.1f MiB verified, %.1f MiB installed, %d faults (%d pieces first by fault), "
-                 "%d forks, %d threads, %.2fs (%.2f GB/s)", stats.bytes_verified / 2**20,
-                 stats.bytes_installed / 2**20, stats.faults, stats.pieces_by_fault, stats.forks,
+                            round(time.monotonic() - self._t0, 3), self.threads,
+                            round(c.fault_wait, 3), round(c.fault_wait_max, 4))
+        log.info("stream: %.1f MiB verified, %.1f MiB installed, %d faults (%d pieces first by fault, "
+                 "waited %.2fs in all, %.3fs at most), %d forks, %d threads, %.2fs (%.2f GB/s)",
+                 stats.bytes_verified / 2**20, stats.bytes_installed / 2**20, stats.faults,
+                 stats.pieces_by_fault, stats.fault_wait_s, stats.fault_wait_max_s, stats.forks,
                  stats.threads, stats.seconds, stats.bytes_verified / 1e9 / max(stats.seconds, 1e-9))
         return stats
 
@@ -513,14 +565,11 @@ class Server:
 
     def _segments(self, t: _Target, p: _Piece) -> list[tuple[int, int, int]]:
         """(dst, offset in the piece, length) of ``p``'s bytes in ``t`` now."""
-        out = []
-        for vaddr, length, f, off in t.ranges:
-            if f != p.file:
-                continue
-            lo, hi = max(off, p.offset), min(off + length, p.offset + p.length)
-            if lo < hi:
-                out.append((vaddr + (lo - off), lo - p.offset, hi - lo))
-        return out
+        return [(dst, off - p.offset, n) for dst, off, n in t.spans(p.file, p.offset, p.offset + p.length)]
+
+    def _pieces_of(self, file: int, lo: int, hi: int) -> range:
+        """The ids of ``file``'s pieces holding any of [lo, hi)."""
+        return range(self.first[file] + lo // PIECE, self.first[file] + -(-hi // PIECE))
 
     def _install_into(self, t: _Target, p: _Piece, addr: int) -> None:
         installed = 0
@@ -546,8 +595,10 @@ class Server:
             except uffd.Gone:
                 i += 1  # unmapped since, or the process exited
         with self.table:
-            if t.moves == moves:  # else part of it may have moved away before its copy: again
+            if t.moves == moves:
                 t.pending.discard(p.id)
+            else:  # part of it may have moved away before its copy: again
+                self._again.append(p.id)
         with self.counters.lock:
             self.counters.installed += installed
 
@@ -565,14 +616,15 @@ class Server:
                 if self._next < len(self.pieces):
                     pid = self._next
                     self._next += 1
-                else:  # a child forked mid-piece: what it still lacks
-                    left = [q for t in self.targets if t.alive for q in sorted(t.pending)]
-                    if not left:
-                        break
-                    pid = next((q for q in left if not self.locks[q].locked()), -1)
+                elif self._again:  # a child forked, or a range moved, mid-serve: what it lacks
+                    pid = self._again.popleft()
+                elif any(t.pending for t in self.targets if t.alive):
+                    pid = -1  # the last pieces are being installed now: look again shortly
+                else:
+                    break
                 if pid >= 0:
                     self._busy += 1
-            if pid < 0:  # all of it is being installed now: look again shortly
+            if pid < 0:
                 self._stop.wait(0.01)
                 continue
             try:
@@ -586,11 +638,8 @@ class Server:
 
     def _piece_at(self, t: _Target, address: int) -> int | None:
         with self.table:
-            for vaddr, length, f, off in t.ranges:
-                if vaddr <= address < vaddr + length:
-                    rel = off + (address - vaddr)
-                    return next(p.id for p in self.pieces if p.file == f and p.offset <= rel < p.offset + p.length)
-        return None
+            where = t.at(address)
+        return None if where is None else self.first[where[0]] + where[1] // PIECE
 
     def _serve_faults(self) -> None:
         while True:
@@ -599,7 +648,7 @@ class Server:
                     self._fault_cv.wait()
                 if self._stop.is_set():
                     return
-                t, address = self._faults.pop(0)
+                t, address, seen = self._faults.popleft()
             if t.fd < 0 or not t.alive:
                 continue
             page = address & ~(uffd.PAGE - 1)
@@ -611,6 +660,7 @@ class Server:
                         if key in self._woken:  # woken once and back: missing after all, install again
                             self._woken.discard(key)
                             t.pending.add(pid)
+                            self._again.append(pid)
                         else:  # likely a fault queued as its piece went in: a wake is all it needs
                             self._woken.add(key)
             while True:
@@ -621,6 +671,10 @@ class Server:
                         self._install(pid, by_fault=True)
                         self._check_done()
                     uffd.wake(t.fd, page, uffd.PAGE)
+                    waited = time.monotonic() - seen
+                    with self.counters.lock:
+                        self.counters.fault_wait += waited
+                        self.counters.fault_wait_max = max(self.counters.fault_wait_max, waited)
                     break
                 except uffd.Changing:
                     with self._events_read:
@@ -664,7 +718,7 @@ class Server:
             with self.counters.lock:
                 self.counters.faults += 1
             with self._fault_cv:
-                self._faults.append((t, ev.address))
+                self._faults.append((t, ev.address, time.monotonic()))
                 self._fault_cv.notify()
         elif ev.kind == uffd.EVENT_FORK:
             # The child's missing pages are the parent's now; hold its uffd at once (the child
@@ -674,18 +728,20 @@ class Server:
             with self.table:
                 child = _Target(ev.fd, list(t.ranges), set(t.pending), f"child of {t.name}")
                 self.targets.append(child)
+                self._again.extend(sorted(child.pending))
             with self.counters.lock:
                 self.counters.forks += 1
             log.info("stream: %s forked; %d pieces pending there", t.name, len(child.pending))
         elif ev.kind == uffd.EVENT_REMAP:
             with self.table:
-                t.ranges = _moved(t.ranges, ev.start, ev.end, ev.to)
+                t.reindex(_moved(t.ranges, ev.start, ev.end, ev.to))
                 t.moves += 1
                 # what moved is installed again where it is now (pages already there: EEXIST)
                 for vaddr, length, f, off in t.ranges:
                     if ev.to < vaddr + length and vaddr < ev.to + (ev.end - ev.start):
-                        t.pending.update(p.id for p in self.pieces
-                                         if p.file == f and p.offset < off + length and off < p.offset + p.length)
+                        again = self._pieces_of(f, off, off + length)
+                        t.pending.update(again)
+                        self._again.extend(again)
                 respawn = self._installing and self.threads > 0 and self._installers == 0 and bool(t.pending)
                 if respawn:
                     self._installers += 1
@@ -693,7 +749,7 @@ class Server:
                 self._spawn("rekindle-stream-again", self._install_loop)
         elif ev.kind in (uffd.EVENT_REMOVE, uffd.EVENT_UNMAP):
             with self.table:
-                t.ranges = _cut(t.ranges, ev.start, ev.end)
+                t.reindex(_cut(t.ranges, ev.start, ev.end))
         self._check_done()
 
 
