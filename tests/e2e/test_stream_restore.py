@@ -230,3 +230,34 @@ def test_three_streamed_restores_of_one_artifact_at_once(sandbox, pod, streaming
         assert get(ip, "/verify") == warm
     for p in pods:
         wait_for(lambda: not _holders(p.uid), 10, "the holders to exit")
+
+
+def test_a_containerd_restart_while_it_serves_lets_the_serve_finish(sandbox, pod, streaming):
+    """containerd restarts while the restored process runs with most of its memory not served
+    (faults only): the plugin reconnects, the serve goes on, and once the process has touched
+    all of it the pod is restored with the source's memory, not started cold."""
+    plugin = streaming
+    plugin.kill()
+    plugin.env = {"REKINDLE_RESTORE_PATH": "stream", "REKINDLE_STREAM_THREADS": "0"}
+    plugin.start()
+    served = plugin.log().count("MiB verified")
+    src = _checkpoint(sandbox, pod, plugin, "served-ctrd-restart", 128)
+    warm = get(src, "/verify")
+    b = pod("dst-served-ctrd-restart", annotations={"rekindle.dev/restore": "served-ctrd-restart"})
+    cid = sandbox.run_container(b, "server", COUNTER, command=SERVER, env={"WARMUP_MIB": "128", "WARMUP_PASSES": "1"})
+    ip = sandbox.cri.pod_ip(b.id)
+    wait_status(plugin, "default", b.name, "server", {"restoring"}, timeout=30)
+    wait_for(lambda: fields(get(ip, "/", 1.0))["count"] == "4", 60, "the restored process to answer",
+             interval=0.05, ignore=(OSError,))
+    assert plugin.log().count("MiB verified") == served  # mid-serve
+    synced = plugin.log().count("synchronized:")
+    sandbox.sandbox.restart()
+    plugin.wait_log("synchronized:", count=synced + 1, timeout=60)
+    assert get(ip, "/verify", 60.0) == warm  # touches every page: the serve ends
+    st = wait_status(plugin, "default", b.name, "server", {"restored", "cold-start"}, timeout=60)
+    assert st["phase"] == "restored", st
+    assert plugin.log().count("MiB verified") == served + 1
+    out = sandbox.cri.exec_sync(cid, ["/bin/sh", "-c", "ps -o comm | grep -cx counter-server"], timeout=10)
+    assert out.out.strip() == "1", out
+    assert not (plugin.control_dir(b.uid, "server") / "cold-start").exists()
+    wait_for(lambda: not _holders(b.uid), 10, "the holder to exit")

@@ -10,11 +10,11 @@ Each ``[[test]]`` table names one of CRIU's zdtm static tests and what it expect
 ``timeout``   seconds it may take to check and exit after SIGTERM (default 30)
 ``alone``     run in a pod of its own (it makes its pod's whole checkpoint or restore fail)
 ``skip``      not run: why an unprivileged pod cannot run it (zdtm's .desc flags in words)
-``xfail``     ``{bulk = "why", stock = "why"}``: known to fail after a restore on that path
+``xfail``     ``{bulk = "why", stock = "why", stream = "why"}``: known to fail after a restore on that path
               (strict: a pass fails the run, so the entry goes once it is fixed)
 
 Every test not skipped must PASS in a pod without any checkpoint first; after a restore it must
-PASS on both paths unless ``xfail`` names the path.
+PASS on every path unless ``xfail`` names the path.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 SELECTION = HERE / "selection.toml"
-PATHS = ("bulk", "stock")  # the plugin's restore paths (--restore-path / $REKINDLE_RESTORE_PATH)
+PATHS = ("bulk", "stock", "stream")  # the plugin's restore paths (--restore-path / $REKINDLE_RESTORE_PATH)
 KINDS = ("nofile", "file", "dir", "dirfile")
 KEYS = {"name", "covers", "kind", "args", "timeout", "alone", "skip", "xfail"}
 

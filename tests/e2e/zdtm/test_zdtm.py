@@ -1,5 +1,5 @@
 """CRIU's zdtm static tests, each checkpointed by annotation through the real plugin and restored
-into a new pod, on both restore paths (bulk, the default, and stock).
+into a new pod, on every restore path (bulk, the default; stock; stream).
 
 The tests come from the CRIU source package hack/build-criu.sh builds (hack/build-zdtm.sh links
 the ones in selection.toml statically into build/zdtm/bin) and run in a busybox image: the pod's
@@ -14,8 +14,8 @@ to its own output file, so every test's result stays its own within a batch.
    artifact into a new pod with the plugin on that path, checks the restore really happened
    (status ``restored``, no cold start by the init, the bulk fill on the bulk path only, the
    source's test pids), signals the tests and reads back each one's PASS.
-3. The source batches and both paths' restores run once for the module: one pod per batch, all
-   started together (about a minute for both paths on 2 cores).
+3. The source batches and every path's restores run once for the module: one pod per batch, all
+   started together (about a minute for every path on 2 cores).
 
 selection.toml says what is skipped (why an unprivileged pod cannot run it) and what fails
 after a restore on one path (strict xfail, with the reason).
