@@ -325,6 +325,11 @@ class StreamStats:
     # and the longest: a lower bound of what the tree waited on pages
     fault_wait_s: float = 0.0
     fault_wait_max_s: float = 0.0
+    # thread-seconds spent reading pieces into private memory, hashing them, installing them
+    read_s: float = 0.0
+    hash_s: float = 0.0
+    install_s: float = 0.0
+    first_pieces: int = 0  # installed before the rest: the CUDA driver's host copy
 
 
 @dataclass
@@ -336,6 +341,9 @@ class _Counters:
     forks: int = 0
     fault_wait: float = 0.0
     fault_wait_max: float = 0.0
+    read: float = 0.0
+    hash: float = 0.0
+    install: float = 0.0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -349,7 +357,10 @@ class Server:
     def __init__(self, label: str, files: Sequence[BulkFile], fds: Sequence[int],
                  sums: Sequence[bytes], kill: Callable[[], object],
                  threads: int = WORKERS, holder: Holder | None = None,
-                 progress: Callable[[int], None] | None = None) -> None:
+                 progress: Callable[[int], None] | None = None,
+                 first: Sequence[tuple[int, int, int]] = ()) -> None:
+        """``first``: (pid, start, end) address spans whose pieces are installed before the rest
+        (the CUDA driver's host copy, which its restore reads while the pieces arrive)."""
         self.label, self.kill, self.holder, self.progress = label, kill, holder, progress
         self.threads = max(0, threads)
         self.fds = [os.dup(fd) for fd in fds]  # the caller's may close before the serve ends
@@ -365,6 +376,7 @@ class Server:
                 d = ds[off // SUM_CHUNK * DIGEST_BYTES:-(-(off + n) // SUM_CHUNK) * DIGEST_BYTES]
                 self.pieces.append(_Piece(len(self.pieces), i, off, n, d))
         self.files = list(files)
+        self.order, self.first_pieces = self._order(first)  # of the installs
         self.targets: list[_Target] = []
         self.table = threading.Lock()  # targets, their ranges and pending sets
         self.locks = [threading.Lock() for _ in self.pieces]
@@ -389,6 +401,21 @@ class Server:
         # more than one: a fault waiting on a piece an installer holds keeps no other waiting
         for i in range(FAULT_THREADS):
             self._spawn(f"rekindle-uffd-faults-{i}", self._serve_faults)
+
+    def _order(self, first: Sequence[tuple[int, int, int]]) -> tuple[list[int], int]:
+        """The pieces in install order, and how many of them come first: those holding bytes
+        of a ``first`` span, then the rest, each in file (= address) order."""
+        ahead: set[int] = set()
+        for i, f in enumerate(self.files):
+            for pid, start, end in first:
+                if pid != f.pid:
+                    continue
+                for r in f.ranges:
+                    lo, hi = max(r.vaddr, start), min(r.vaddr + r.length, end)
+                    if lo < hi:
+                        ahead.update(self._pieces_of(i, r.offset + lo - r.vaddr, r.offset + hi - r.vaddr))
+        front = sorted(ahead)
+        return front + [p.id for p in self.pieces if p.id not in ahead], len(front)
 
     # -- lifecycle
 
@@ -435,12 +462,15 @@ class Server:
         c = self.counters
         stats = StreamStats(c.verified, c.installed, c.faults, c.by_fault, c.forks,
                             round(time.monotonic() - self._t0, 3), self.threads,
-                            round(c.fault_wait, 3), round(c.fault_wait_max, 4))
+                            round(c.fault_wait, 3), round(c.fault_wait_max, 4),
+                            round(c.read, 3), round(c.hash, 3), round(c.install, 3), self.first_pieces)
         log.info("stream: %.1f MiB verified, %.1f MiB installed, %d faults (%d pieces first by fault, "
-                 "waited %.2fs in all, %.3fs at most), %d forks, %d threads, %.2fs (%.2f GB/s)",
+                 "waited %.2fs in all, %.3fs at most), %d forks, %d threads, %.2fs (%.2f GB/s; thread-seconds: "
+                 "read %.2f, hash %.2f, install %.2f)",
                  stats.bytes_verified / 2**20, stats.bytes_installed / 2**20, stats.faults,
                  stats.pieces_by_fault, stats.fault_wait_s, stats.fault_wait_max_s, stats.forks,
-                 stats.threads, stats.seconds, stats.bytes_verified / 1e9 / max(stats.seconds, 1e-9))
+                 stats.threads, stats.seconds, stats.bytes_verified / 1e9 / max(stats.seconds, 1e-9),
+                 stats.read_s, stats.hash_s, stats.install_s)
         return stats
 
     def close(self) -> None:
@@ -523,20 +553,26 @@ class Server:
             except OSError:
                 pass
         got = 0
+        reading = hashing = 0.0
         while got < p.length:  # chunk by chunk, each hashed while still in the core's cache
             start, want = got, min(p.length, got + SUM_CHUNK)
+            t0 = time.perf_counter()
             while got < want:
                 n = os.preadv(fd, [view[got:want]], p.offset + got)
                 if n <= 0:
                     raise StreamError(f"bulk file shrank while read (at {p.offset + got})")
                 got += n
+            t1 = time.perf_counter()
             digest = new_hash()
             digest.update(view[start:want])
             k = start // SUM_CHUNK * DIGEST_BYTES
             if digest.digest() != p.digests[k:k + DIGEST_BYTES]:
                 raise StreamError(f"chunk at {p.offset + start} of {self.files[p.file].path} does not match its digest")
+            reading, hashing = reading + (t1 - t0), hashing + (time.perf_counter() - t1)
         with self.counters.lock:
             self.counters.verified += p.length
+            self.counters.read += reading
+            self.counters.hash += hashing
             verified = self.counters.verified
         if self.progress is not None:
             self.progress(verified)
@@ -573,6 +609,7 @@ class Server:
 
     def _install_into(self, t: _Target, p: _Piece, addr: int) -> None:
         installed = 0
+        t0 = time.perf_counter()
         with self.table:
             segs = self._segments(t, p)
             moves = t.moves
@@ -601,6 +638,7 @@ class Server:
                 self._again.append(p.id)
         with self.counters.lock:
             self.counters.installed += installed
+            self.counters.install += time.perf_counter() - t0
 
     def _install_loop(self) -> None:
         try:
@@ -613,8 +651,8 @@ class Server:
     def _install_pieces(self) -> None:
         while not self._stop.is_set():
             with self.table:
-                if self._next < len(self.pieces):
-                    pid = self._next
+                if self._next < len(self.order):
+                    pid = self.order[self._next]
                     self._next += 1
                 elif self._again:  # a child forked, or a range moved, mid-serve: what it lacks
                     pid = self._again.popleft()
@@ -811,6 +849,21 @@ def threads(default: int) -> int:
     return int(raw) if raw.isdigit() and int(raw) <= 1024 else default
 
 
+def driver_spans(images: str, cuda_pids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(pid, start, end) of the CUDA driver's host copy in CRIU's images: the VMAs the
+    checkpoint marked MADV_HUGEPAGE in the CUDA processes (``runtime.bulk``'s split). An order
+    only: which pieces the serve installs first."""
+    spans = []
+    for pid in cuda_pids:
+        try:
+            vmas = img.read_mm(images, pid).entry.vmas
+        except (OSError, ValueError):
+            continue
+        spans += [(pid, v.start, v.end) for v in vmas
+                  if v.madv & (1 << img.MADV_HUGEPAGE) and img.is_private_anon_writable(v)]
+    return spans
+
+
 def prepare(files: Sequence[BulkFile], images: str) -> str | None:
     """Make CRIU's images lazy for ``files``, or say why this restore cannot stream (then
     nothing was changed: the bulk path can run)."""
@@ -842,7 +895,8 @@ class Session:
     @classmethod
     def begin(cls, work_dir: str, target: ContainerInfo, control: ControlDir | None, label: str,
               files: Sequence[BulkFile], fds: Sequence[int], sums: Sequence[bytes],
-              threads: int, progress: Callable[[int], None] | None = None) -> Session:
+              threads: int, progress: Callable[[int], None] | None = None,
+              first: Sequence[tuple[int, int, int]] = ()) -> Session:
         from runtime.stream_holder import kill_namespace, now_ticks
         pidns, init_pid = target.namespaces["pid"].inode, target.init_pid
         holder = Holder(pidns, init_pid, str(control.path) if control is not None else None,
@@ -855,7 +909,7 @@ class Session:
         try:
             # whatever the tree forked since is in its pid namespace: kill all of it, but the init
             server = Server(label, files, fds, sums, lambda: kill_namespace(pidns, init_pid, now_ticks()),
-                            threads=threads, holder=holder, progress=progress)
+                            threads=threads, holder=holder, progress=progress, first=first)
         except BaseException:
             listener.close()
             holder.close()

@@ -207,3 +207,25 @@ def test_a_region_moved_by_mremap_mid_serve_is_served_where_it_is_now(served) ->
     server.start()
     assert child.ask("move") == blake3.blake3(data).hexdigest()
     assert server.finished.wait(10)
+
+
+def test_the_driver_host_copy_is_installed_before_the_rest(tmp_path) -> None:
+    """The pieces of the ``first`` spans (the CUDA driver's host copy, which its restore reads
+    while the serve runs) go first, in address order; then the rest."""
+    length = 4 * PIECE
+    path = tmp_path / "pages.bulk"
+    path.write_bytes(bytes(length))
+    sums = blake3.blake3(bytes(SUM_CHUNK)).digest() * (length // SUM_CHUNK)
+    f = BulkFile(7, bulk_file(7), 1, (BulkRange(0x10000000, 2 * PIECE, 0), BulkRange(0x20000000, 2 * PIECE, 2 * PIECE)))
+    fd = os.open(path, os.O_RDONLY)
+    server = stream.Server("test", [f], [fd], [sums], lambda: None, threads=0,
+                           first=[(7, 0x20000000 + PIECE, 0x20000000 + 2 * PIECE), (7, 0x20000000, 0x20000000 + 1)])
+    os.close(fd)
+    try:
+        assert server.order == [2, 3, 0, 1] and server.first_pieces == 2
+        other = stream.Server("test", [f], [os.open(path, os.O_RDONLY)], [sums], lambda: None, threads=0,
+                              first=[(8, 0x20000000, 0x20000000 + 2 * PIECE)])  # another process's span
+        assert other.order == [0, 1, 2, 3] and other.first_pieces == 0
+        other.close()
+    finally:
+        server.close()
