@@ -300,7 +300,7 @@ class Bench:
             doc["artifact_bytes"] = phases.phase_bytes(art)
             doc["ceilings"] = ceil = self.ceilings(art, disk=":disk" in args.runs)
             self.save()
-            current = ("bulk", "")
+            current = ("", "")  # every path starts in a fresh plugin: no run finds caches warmed by another
             for spec in args.runs.split(","):
                 how, cache = spec.split(":")
                 path, _, threads = how.partition("@")  # bulk@16: the fill on 16 threads

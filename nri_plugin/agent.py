@@ -286,6 +286,15 @@ async def _heartbeat(health: Health) -> None:
         await asyncio.sleep(HEARTBEAT)
 
 
+def _say_if_streams() -> None:
+    from runtime import stream
+    why = stream.unsupported()
+    if why is None:
+        log.info("restores stream: this kernel's userfaultfd and CRIU's lazy-pages hand-off are there")
+    else:
+        log.warning("restores take the bulk path, not the streamed one: %s", why)
+
+
 def run_plugin(settings: Settings, max_parallel: int = 2) -> int:
     os.makedirs(settings.state_dir, exist_ok=True)
     store, key, facts, engine, specs, image_ref = _engine(settings)  # a key problem stops us here
@@ -295,6 +304,8 @@ def run_plugin(settings: Settings, max_parallel: int = 2) -> int:
     log.info("node %s: kernel %s, CRIU %s, CUDA %s", facts.hostname, facts.kernel, facts.criu_version,
              facts.cuda.driver_version if facts.cuda else "none")
     metrics, health, endpoint, kube = _reporting(settings, status, facts)
+    if settings.restore_path == "stream":  # asked once now, not in the first restore's time
+        threading.Thread(target=_say_if_streams, name="rekindle-stream-check", daemon=True).start()
 
     async def main() -> None:
         loop = asyncio.get_running_loop()

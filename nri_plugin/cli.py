@@ -213,7 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "4Ki: all of them)")
     p.add_argument("--fill-threads", type=_decimal, default=os.environ.get("REKINDLE_FILL_THREADS", "0"),
                    help="threads that fill a restore's bulk pages ($REKINDLE_FILL_THREADS, else 0: one "
-                        "per core, up to 16)")
+                        "per core, up to 16; on the streamed path up to 12)")
     p.add_argument("--capture-timeout", type=_positive, default=600,
                    help="seconds a checkpoint may spend capturing the writable layer (default: %(default)s)")
     p.add_argument("--no-prefetch", dest="prefetch", action="store_false",

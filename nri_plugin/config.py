@@ -45,7 +45,7 @@ class Settings:
     prefetch: bool = True           # read a restore's artifact ahead from RunPodSandbox on
     max_layer_bytes: int = 8 << 30  # cap on a captured writable layer (and on one applied)
     bulk_min_run: int = 4096        # page runs at least this long move beside CRIU at a checkpoint
-    fill_threads: int = 0           # threads filling bulk pages at a restore; 0: one per core, up to 16
+    fill_threads: int = 0           # threads filling bulk pages at a restore; 0: one per core, up to 16 (stream: 12)
     capture_timeout: int = 600      # seconds a checkpoint may spend capturing the writable layer
     probes_per_pod: int = 1         # ready-probes of one pod at once (its checkpoint sources)
     probes_per_node: int = 16       # ready-probes of the whole node at once

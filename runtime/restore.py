@@ -219,11 +219,12 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
                 fds, sums = _open_bulk(held, artifact, plan) if fill_bulk else ([], [])
                 total = sum(artifact.entry(b.path).size for b in plan.bulk)
                 report = (lambda done: progress("fill", done, total)) if progress else None
+                stream_report = (lambda done: progress("stream", done, total)) if progress else None
                 if fill_bulk and path is RestorePath.STREAM:  # serves faults from CRIU's hand-off on
                     first = (stream.driver_spans(os.path.join(private, layout.CRIU_DIR), manifest.cuda.pids)
                              if manifest.cuda is not None else [])
                     streamed = stream.Session.begin(work, target, control, artifact.label, plan.bulk, fds, sums,
-                                                    threads=stream.threads(req.threads or WORKERS), progress=report,
+                                                    threads=stream.threads(req.threads), progress=stream_report,
                                                     first=first)
             if generations is not None:
                 generations.record(req.namespace, req.name, manifest.generation)

@@ -330,6 +330,7 @@ class StreamStats:
     hash_s: float = 0.0
     install_s: float = 0.0
     first_pieces: int = 0  # installed before the rest: the CUDA driver's host copy
+    retries: int = 0  # installs the kernel refused while the address space changed (EAGAIN)
 
 
 @dataclass
@@ -344,6 +345,7 @@ class _Counters:
     read: float = 0.0
     hash: float = 0.0
     install: float = 0.0
+    retries: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -389,6 +391,7 @@ class Server:
         self._woken: set[tuple[int, int]] = set()  # (target, page) woken with its piece already in
         self._fault_cv = threading.Condition()
         self._events_read = threading.Condition()  # notified after each batch of events is read
+        self._events_batches = 0  # batches read so far: a retry waits only for a batch after its own try
         self._next = 0
         self._again: collections.deque[int] = collections.deque()  # pieces pending again (fork, move)
         self._busy = 0
@@ -463,14 +466,14 @@ class Server:
         stats = StreamStats(c.verified, c.installed, c.faults, c.by_fault, c.forks,
                             round(time.monotonic() - self._t0, 3), self.threads,
                             round(c.fault_wait, 3), round(c.fault_wait_max, 4),
-                            round(c.read, 3), round(c.hash, 3), round(c.install, 3), self.first_pieces)
+                            round(c.read, 3), round(c.hash, 3), round(c.install, 3), self.first_pieces, c.retries)
         log.info("stream: %.1f MiB verified, %.1f MiB installed, %d faults (%d pieces first by fault, "
                  "waited %.2fs in all, %.3fs at most), %d forks, %d threads, %.2fs (%.2f GB/s; thread-seconds: "
-                 "read %.2f, hash %.2f, install %.2f)",
+                 "read %.2f, hash %.2f, install %.2f; %d retries)",
                  stats.bytes_verified / 2**20, stats.bytes_installed / 2**20, stats.faults,
                  stats.pieces_by_fault, stats.fault_wait_s, stats.fault_wait_max_s, stats.forks,
                  stats.threads, stats.seconds, stats.bytes_verified / 1e9 / max(stats.seconds, 1e-9),
-                 stats.read_s, stats.hash_s, stats.install_s)
+                 stats.read_s, stats.hash_s, stats.install_s, stats.retries)
         return stats
 
     def close(self) -> None:
@@ -618,14 +621,14 @@ class Server:
             if self._stop.is_set():
                 return
             dst, rel, length = segs[i]
+            batches = self._events_batches
             try:
                 installed += uffd.copy(t.fd, dst, addr + rel, length)
                 i += 1
             except uffd.Changing:
                 # the space changes under us: once the event is read, redo what is left as the
                 # (maybe moved or shrunk) ranges say; a page installed already is skipped (EEXIST)
-                with self._events_read:
-                    self._events_read.wait(0.05)
+                self._await_events(batches)
                 with self.table:
                     segs = self._segments(t, p)
                 i = 0
@@ -702,6 +705,7 @@ class Server:
                         else:  # likely a fault queued as its piece went in: a wake is all it needs
                             self._woken.add(key)
             while True:
+                batches = self._events_batches
                 try:
                     if pid is None:
                         uffd.zeropage(t.fd, page, uffd.PAGE)  # a hole, or discarded since
@@ -715,8 +719,7 @@ class Server:
                         self.counters.fault_wait_max = max(self.counters.fault_wait_max, waited)
                     break
                 except uffd.Changing:
-                    with self._events_read:
-                        self._events_read.wait(0.05)
+                    self._await_events(batches)
                     pid = self._piece_at(t, page)
                 except uffd.Gone:
                     break
@@ -749,7 +752,16 @@ class Server:
                 for ev in events:
                     self._event(t, ev)
             with self._events_read:
+                self._events_batches += 1
                 self._events_read.notify_all()
+
+    def _await_events(self, batches: int) -> None:
+        """Wait until a batch of events was read after ``batches`` (the count before a try that
+        the kernel refused while the space changed): at once if one was read meanwhile."""
+        with self.counters.lock:
+            self.counters.retries += 1
+        with self._events_read:
+            self._events_read.wait_for(lambda: self._events_batches != batches or self._stop.is_set(), 0.05)
 
     def _event(self, t: _Target, ev: uffd.Event) -> None:
         if ev.kind == uffd.EVENT_PAGEFAULT:
@@ -842,11 +854,19 @@ def unsupported(criu: str = CRIU) -> str | None:
 THREADS_ENV = "REKINDLE_STREAM_THREADS"
 
 
-def threads(default: int) -> int:
-    """Install threads: ``$REKINDLE_STREAM_THREADS`` when set, else ``default``. 0 serves faults
-    only (a measurement setting: the restore completes only once every piece was touched)."""
+# Measured on 16 cores beside the driver's CUDA restore (bench/results/h200): 8 and 12 threads
+# serve 6.1-6.4 GB/s, 4 serve 4.5-5.0 and 16 fewer than 12 (they take the driver's cores).
+DEFAULT_THREADS = min(12, WORKERS)
+
+
+def threads(asked: int | None) -> int:
+    """Install threads: ``$REKINDLE_STREAM_THREADS`` when set, else ``asked`` (the restore's
+    fill threads), else :data:`DEFAULT_THREADS`. 0 serves faults only (a measurement setting:
+    the restore completes only once every piece was touched)."""
     raw = os.environ.get(THREADS_ENV, "")
-    return int(raw) if raw.isdigit() and int(raw) <= 1024 else default
+    if raw.isdigit() and int(raw) <= 1024:
+        return int(raw)
+    return asked if asked else DEFAULT_THREADS
 
 
 def driver_spans(images: str, cuda_pids: Sequence[int]) -> list[tuple[int, int, int]]:
