@@ -304,6 +304,9 @@ def run_plugin(settings: Settings, max_parallel: int = 2) -> int:
     log.info("node %s: kernel %s, CRIU %s, CUDA %s", facts.hostname, facts.kernel, facts.criu_version,
              facts.cuda.driver_version if facts.cuda else "none")
     metrics, health, endpoint, kube = _reporting(settings, status, facts)
+    if settings.idx < "50":  # two digits: compared as the runtime sorts them
+        log.warning("NRI index %s: plugins at a higher index (the GPU Operator's CDI plugin, say) adjust "
+                    "containers after Rekindle has seen them; use 50-99 (the chart refuses less)", settings.idx)
     if settings.restore_path == "stream":  # asked once now, not in the first restore's time
         threading.Thread(target=_say_if_streams, name="rekindle-stream-check", daemon=True).start()
 

@@ -310,8 +310,8 @@ def test_gpu_values(gpu_render):
     assert cm["data"]["REKINDLE_RESTORE_TIMEOUT"] == "3600"
 
 
-def test_index_zero_padded():
-    for idx, want in [(0, "00"), (5, "05"), (99, "99")]:
+def test_index_two_digits():
+    for idx, want in [(50, "50"), (77, "77"), (99, "99")]:
         r = render({"nri": {"plugin": {"index": idx}}}, namespace=NAMESPACE)
         assert _flag(_plugin(_daemonset(r))["args"], "--idx") == want
 
@@ -336,6 +336,9 @@ def test_kind_values(kind_render):
 BAD_VALUES = [
     ("index 100", {"nri": {"plugin": {"index": 100}}}, "/nri/plugin/index"),
     ("index -1", {"nri": {"plugin": {"index": -1}}}, "/nri/plugin/index"),
+    # below 50: before plugins that adjust containers (the GPU Operator's CDI NRI plugin)
+    ("index 7", {"nri": {"plugin": {"index": 7}}}, "/nri/plugin/index"),
+    ("index 49", {"nri": {"plugin": {"index": 49}}}, "/nri/plugin/index"),
     ("index not an integer", {"nri": {"plugin": {"index": "90"}}}, "/nri/plugin/index"),
     ("logFormat xml", {"settings": {"logFormat": "xml"}}, "/settings/logFormat"),
     ("logLevel trace", {"settings": {"logLevel": "trace"}}, "/settings/logLevel"),
