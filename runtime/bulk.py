@@ -162,7 +162,8 @@ def _runs(pagemap: img.Pagemap, vmas: list[Any], min_run: int, cap: int = MAX_RA
 
 
 def _kept_by_kind(pagemap: img.Pagemap, vmas: list[Any], moved: set[int], min_run: int,
-                  written: img.Written = _NOTHING) -> dict[str, int]:
+                  written: img.Written = _NOTHING,
+                  inherited: frozenset[tuple[int, int]] = frozenset()) -> dict[str, int]:
     """Bytes left with CRIU, by why: what a benchmark needs to see where CRIU's time goes."""
     starts = [v.start for v in vmas]
     kinds: dict[str, int] = {}
@@ -173,6 +174,8 @@ def _kept_by_kind(pagemap: img.Pagemap, vmas: list[Any], moved: set[int], min_ru
         i = bisect.bisect_right(starts, e.vaddr) - 1
         if i < 0 or e.vaddr + length > vmas[i].end:
             kind = "straddling"
+        elif (vmas[i].start, vmas[i].end) in inherited:
+            kind = "copy-on-write with a parent or child"
         elif written.hits(e.vaddr, e.vaddr + length):
             kind = "stacks and rseq areas"
         elif img.is_private_anon_writable(vmas[i]):
@@ -270,6 +273,22 @@ def _mark_huge(images: str, pid: int, ranges: Iterable[tuple[int, int]], bulk: l
     return marked
 
 
+def _inherited(procs: Sequence[img.PstreeEntry], vmas_of: Mapping[int, list[Any]]) -> dict[int, frozenset[tuple[int, int]]]:
+    """Per process, the private anonymous VMAs it has at the very place its parent in the tree
+    has one: inherited at a fork, their pages shared copy-on-write. CRIU restores such a VMA in
+    the parent before the fork and keeps in the child each page equal to the parent's (shared
+    again); a fill writes each process's copy privately, doubling a forked tree's memory. So
+    they stay with CRIU, in both processes."""
+    spans = {pid: {(v.start, v.end) for v in vmas if img.is_private_anon_writable(v)} for pid, vmas in vmas_of.items()}
+    out: dict[int, set[tuple[int, int]]] = {p.pid: set() for p in procs}
+    for p in procs:
+        if p.ppid in spans:
+            common = spans[p.pid] & spans[p.ppid]
+            out[p.pid] |= common
+            out[p.ppid] |= common
+    return {pid: frozenset(v) for pid, v in out.items()}
+
+
 def split(artifact_dir: str, huge: Mapping[int, Sequence[tuple[int, int]]] | None = None,
           min_run: int = MIN_RUN) -> tuple[tuple[BulkFile, ...], SplitStats]:
     """Move the bulk page runs of the dump in ``artifact_dir/criu`` to ``artifact_dir/bulk``.
@@ -282,14 +301,18 @@ def split(artifact_dir: str, huge: Mapping[int, Sequence[tuple[int, int]]] | Non
     files, moved_total, kept_total = [], 0, 0
     procs = [e for e in img.read_pstree(images)
              if os.path.exists(os.path.join(images, f"pagemap-{e.pid}.img"))]  # not zombies
+    vmas_of = {p.pid: sorted(img.read_mm(images, p.pid).entry.vmas, key=lambda v: v.start) for p in procs}
+    inherited = _inherited(procs, vmas_of)
     for proc in procs:
         pid = proc.pid
-        vmas = sorted(img.read_mm(images, pid).entry.vmas, key=lambda v: v.start)
+        vmas = vmas_of[pid]
         written = img.written_after_restore(images, proc, vmas)
+        if inherited[pid]:  # kept whole with CRIU, which restores them shared (see _inherited)
+            written = dataclasses.replace(written, vmas=(*written.vmas, *sorted(inherited[pid])))
         pagemap = img.read_pagemap(images, pid)
         pagemap = dataclasses.replace(pagemap, entries=_cut(pagemap.entries, written.pages))
         ranges, moved = _runs(pagemap, vmas, min_run, cap=MAX_RANGES // max(1, len(procs)), written=written)
-        kept = _kept_by_kind(pagemap, vmas, moved, min_run, written)
+        kept = _kept_by_kind(pagemap, vmas, moved, min_run, written, inherited[pid])
         if kept:
             log.info("pid %d: left with CRIU: %s", pid, ", ".join(
                 f"{v / 2**20:.1f} MiB {k}" for k, v in sorted(kept.items(), key=lambda kv: -kv[1])))
