@@ -90,6 +90,20 @@ def prepare_images(images: str, files: Sequence[BulkFile]) -> None:
     the bulk ranges lazy (no data), everything else eager. StreamError when a bulk range lies
     where CRIU registers no userfaultfd (then nothing was written)."""
     rewritten = []
+    by_pid = {f.pid: f for f in files}
+    # Every process CRIU restores, not only those with bulk files: a dump tags each private
+    # anonymous page lazy, and a lazy page nobody serves would read zero (a tree's pages kept
+    # with CRIU: a forked child's inherited VMAs, short runs).
+    for proc in img.read_pstree(images):
+        if proc.pid in by_pid or not os.path.exists(os.path.join(images, f"pagemap-{proc.pid}.img")):
+            continue
+        pagemap = img.read_pagemap(images, proc.pid)
+        entries = list(pagemap.entries)
+        if any(e.HasField("flags") and e.flags & img.PE_LAZY for e in entries):
+            for e in entries:
+                if e.HasField("flags"):
+                    e.flags &= ~img.PE_LAZY
+            rewritten.append((pagemap, entries))
     for f in files:
         pagemap = img.read_pagemap(images, f.pid)
         vmas = sorted(img.read_mm(images, f.pid).entry.vmas, key=lambda v: v.start)
