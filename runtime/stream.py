@@ -869,7 +869,7 @@ THREADS_ENV = "REKINDLE_STREAM_THREADS"
 
 
 # Measured on 16 cores beside the driver's CUDA restore (bench/results/h200): 8 and 12 threads
-# serve 6.1-6.4 GB/s, 4 serve 4.5-5.0 and 16 fewer than 12 (they take the driver's cores).
+# serve 5.9-6.4 GB/s, 4 serve 4.5-5.0, and 16 fewer than 8 (they take the driver's cores).
 DEFAULT_THREADS = min(12, WORKERS)
 
 
