@@ -46,7 +46,7 @@ from typing import Any
 from bench.gpu_restore import GB, GIB, measure_h2d, pick_image_root
 from bench.llm_restore import drop_caches
 from devtools import phases
-from runtime import prefetch
+from runtime import control, prefetch
 from devtools.cri import Mount, Pod
 from devtools.sandbox import Runtime, Sandbox, SandboxConfig
 
@@ -243,7 +243,7 @@ class Bench:
             if path == "stream":  # the serve's own figures: faults, the time they waited, threads
                 with contextlib.suppress(OSError, ValueError):
                     rec["stream"] = json.loads((Path(plugin.control_dir(b.uid, CONTAINER)) /
-                                                "timings.json").read_text()).get("stream")
+                                                control.TIMINGS).read_text()).get("stream")
         finally:
             (self.args.out_dir / f"worker-{path}-{cache}.log").write_text(gpu_pods.container_logs(cri, cid)[-100_000:])
             self.stop(cri, b)
