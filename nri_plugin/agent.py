@@ -33,12 +33,14 @@ from runtime.containerd.cri_lookup import CRIError
 from runtime.cuda import Checkpointer
 from runtime.gpu_target import node_cuda
 from runtime.keys import load_key
+from runtime.nodecache import NodeCache
 from runtime.probe import probe as run_probe
 from runtime.rollback import GenerationBook
 from runtime.status import StatusBook
 from runtime.store import ArtifactStore
 
 from . import guards
+from .cache import CacheWriter, cache_bytes, cache_dir, map_mode, open_cache
 from .config import Settings
 from .handlers import ImageRef, RekindlePlugin
 from .imageids import ImageIds
@@ -110,6 +112,8 @@ class NodeEngine:
         self.running = running  # pod sandbox id -> [(container id, name)] running or created
         self.generations = GenerationBook(settings.state_dir)
         self.prefetcher: Prefetcher | None = None  # set by run_plugin
+        self.cache: NodeCache | None = None  # the node cache, and its writer (run_plugin)
+        self.cache_writer: CacheWriter | None = None
         self.exit_code: ExitCode | None = None      # set by _engine when containerd answers
 
     def _source_rules(self, work: Work) -> None:
@@ -149,8 +153,11 @@ class NodeEngine:
             threads=self.settings.fill_threads, undo_dir=undo_dir(self.settings))
         prefetcher = self.prefetcher
         staged = (lambda art: prefetcher.take(work.pod_uid, art)) if prefetcher is not None else None
+        writer = self.cache_writer
         return restore_flow.restore(req, self.store, self.key, self.facts, control=work.control, cuda=self.cuda,
-                                    generations=self.generations, progress=work.progress, staged=staged)
+                                    generations=self.generations, progress=work.progress, staged=staged,
+                                    cache=self.cache, map_mode=map_mode(self.settings),
+                                    on_cold=writer.submit if writer is not None else None)
 
     def recover(self, work: Work) -> list[str] | None:
         return restore_flow.recover_rootfs(undo_dir(self.settings), work.container_id, work.pid, work.control)
@@ -317,7 +324,11 @@ def run_plugin(settings: Settings, max_parallel: int = 2) -> int:
         jobs = Jobs(engine, status, max_parallel=max_parallel,
                     probes=ProbeSlots(settings.probes_per_pod, settings.probes_per_node))
         jobs.bind_loop(loop)
-        engine.prefetcher = (Prefetcher(store, key, staging_dir=os.path.join(settings.state_dir, "logs"))
+        cache = engine.cache = open_cache(settings)
+        engine.cache_writer = CacheWriter(cache, store, key) if cache.enabled else None
+        mode = map_mode(settings)
+        engine.prefetcher = (Prefetcher(store, key, staging_dir=os.path.join(settings.state_dir, "logs"),
+                                        cached=lambda manifest_id: cache.has(manifest_id, mode))
                              if settings.prefetch else None)
         plugin = RekindlePlugin(settings, store=store, key=key, status=status, jobs=jobs,
                                 specs=specs, facts=facts, image_ref=ImageIds(image_ref) if image_ref else None,
@@ -340,6 +351,8 @@ def run_plugin(settings: Settings, max_parallel: int = 2) -> int:
         stop_housekeeping.set()
         beat.cancel()
         await jobs.shutdown()
+        if engine.cache_writer is not None:
+            engine.cache_writer.shutdown()
         log.info("rekindle plugin stopped")
 
     try:
@@ -420,5 +433,7 @@ def restore_once(settings: Settings, container_id: str, namespace: str, name: st
         name=name, image=image, image_ref=engine._image_id(image), log_dir=os.path.join(settings.state_dir, "logs"),
         path=restore_flow.RestorePath(settings.restore_path), max_layer_bytes=settings.max_layer_bytes,
         threads=settings.fill_threads, undo_dir=undo_dir(settings))
+    cache = NodeCache(cache_dir(settings), cache_bytes(settings), settings.cache_entries)  # read only
     return restore_flow.restore(req, store, key, facts, control=_control_of(settings, container_id),
-                                cuda=engine.cuda, generations=engine.generations, progress=progress)
+                                cuda=engine.cuda, generations=engine.generations, progress=progress,
+                                cache=cache, map_mode=map_mode(settings))

@@ -138,7 +138,8 @@ def _settings(args: argparse.Namespace) -> Settings:
     fields = {k: getattr(args, k) for k in ("state_dir", "store", "hmac_key_file", "containerd_state",
                                               "containerd_socket") if hasattr(args, k)}
     for k in ("name", "idx", "socket_path", "init_binary", "restore_timeout", "restore_path", "create_key",
-              "probes_per_pod", "probes_per_node", "prefetch", "max_layer_bytes", "bulk_min_run", "fill_threads", "capture_timeout", "metrics_port", "metrics_address", "events",
+              "probes_per_pod", "probes_per_node", "prefetch", "max_layer_bytes", "bulk_min_run", "fill_threads", "cache_dir", "cache_bytes", "cache_entries", "cache_tmpfs",
+              "map_ranges", "capture_timeout", "metrics_port", "metrics_address", "events",
               "kubeconfig", "node_name", "containerd_config"):
         if hasattr(args, k):
             fields[k] = getattr(args, k)
@@ -169,6 +170,10 @@ def _size(text: str) -> int:
     if not value:
         raise argparse.ArgumentTypeError(f"want bytes, or a number with Ki, Mi, Gi or Ti: {text!r}")
     return value
+
+
+def _cache_bytes(text: str) -> int:
+    return -1 if text == "auto" else 0 if text == "0" else _size(text)
 
 
 def _positive(text: str) -> int:
@@ -214,6 +219,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fill-threads", type=_decimal, default=os.environ.get("REKINDLE_FILL_THREADS", "0"),
                    help="threads that fill a restore's bulk pages ($REKINDLE_FILL_THREADS, else 0: one "
                         "per core, up to 16; on the streamed path up to 12)")
+    p.add_argument("--cache-dir", default=os.environ.get("REKINDLE_CACHE_DIR", ""),
+                   help="the node cache of verified artifact copies ($REKINDLE_CACHE_DIR, else <state-dir>/cache)")
+    p.add_argument("--cache-bytes", type=_cache_bytes, default=os.environ.get("REKINDLE_CACHE_BYTES", "auto"),
+                   help="its byte bound: 0 turns it off ($REKINDLE_CACHE_BYTES, else auto: a quarter of the "
+                        "node's memory)")
+    p.add_argument("--cache-entries", type=_positive, default=os.environ.get("REKINDLE_CACHE_ENTRIES", "8"),
+                   help="its entry bound ($REKINDLE_CACHE_ENTRIES, else 8)")
+    p.add_argument("--cache-tmpfs", action="store_true", default=os.environ.get("REKINDLE_CACHE_TMPFS", "0") == "1",
+                   help="mount a huge=always tmpfs at the cache dir in the plugin's mount namespace "
+                        "($REKINDLE_CACHE_TMPFS=1)")
+    p.add_argument("--map-ranges", choices=("driver", "all", "none"), default=os.environ.get("REKINDLE_MAP", "driver"),
+                   help="what a restore from the node cache maps instead of copying: driver (the CUDA "
+                        "driver's host copy), all (every large private anonymous range: it then reads the "
+                        "cached bytes back after MADV_DONTNEED, not zeros) or none ($REKINDLE_MAP, else driver)")
     p.add_argument("--capture-timeout", type=_positive, default=600,
                    help="seconds a checkpoint may spend capturing the writable layer (default: %(default)s)")
     p.add_argument("--no-prefetch", dest="prefetch", action="store_false",

@@ -46,6 +46,11 @@ class Settings:
     max_layer_bytes: int = 8 << 30  # cap on a captured writable layer (and on one applied)
     bulk_min_run: int = 4096        # page runs at least this long move beside CRIU at a checkpoint
     fill_threads: int = 0           # threads filling bulk pages at a restore; 0: one per core, up to 16 (stream: 12)
+    cache_dir: str = ""             # the node cache (runtime.nodecache); "": <state_dir>/cache
+    cache_bytes: int = -1           # its byte bound; 0: no cache; -1: a quarter of the node's memory
+    cache_entries: int = 8          # its entry bound
+    cache_tmpfs: bool = False       # mount a huge=always tmpfs there (in the plugin's mount namespace)
+    map_ranges: str = "driver"      # what a restore from the cache maps: driver, all or none (runtime.bulk_map)
     capture_timeout: int = 600      # seconds a checkpoint may spend capturing the writable layer
     probes_per_pod: int = 1         # ready-probes of one pod at once (its checkpoint sources)
     probes_per_node: int = 16       # ready-probes of the whole node at once
@@ -84,6 +89,10 @@ class Settings:
                 problems.append(f"{label} must be an absolute path, got {path!r}")
         if not 1 <= self.restore_timeout <= 86400:
             problems.append(f"--restore-timeout must be 1..86400 seconds, got {self.restore_timeout}")
+        if self.map_ranges not in ("driver", "all", "none"):
+            problems.append(f"--map-ranges must be driver, all or none, got {self.map_ranges!r}")
+        if self.cache_bytes < -1 or not 1 <= self.cache_entries <= 1024:
+            problems.append("--cache-bytes must be -1 or more and --cache-entries 1..1024")
         if not 0 <= self.fill_threads <= 1024:
             problems.append(f"--fill-threads must be 0..1024 (0: one per core, up to 16), got {self.fill_threads}")
         if self.restore_path not in ("bulk", "stock", "stream"):

@@ -18,6 +18,7 @@ import os
 import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from runtime import layout, names, prefetch
@@ -81,8 +82,10 @@ class Prefetcher:
                  staging_dir: str | None = None, max_staged: int = MAX_STAGED,
                  max_staged_bytes: int = MAX_STAGED_BYTES,
                  max_staged_per_namespace: int = MAX_STAGED_PER_NAMESPACE,
-                 max_staged_bytes_per_namespace: int = MAX_STAGED_BYTES_PER_NAMESPACE) -> None:
+                 max_staged_bytes_per_namespace: int = MAX_STAGED_BYTES_PER_NAMESPACE,
+                 cached: Callable[[str], bool] | None = None) -> None:
         self.store, self.key, self.threads = store, key, threads
+        self.cached = cached  # manifest id -> whether the node cache holds that version whole
         self.staging_dir = staging_dir  # None: read ahead only, no staging
         self.max_running = max_running
         self.max_staged, self.max_staged_bytes = max_staged, max_staged_bytes
@@ -200,6 +203,9 @@ class Prefetcher:
             if pod.cancel.is_set():
                 return
             with self.store.open(namespace, name, self.key) as artifact:
+                if self.cached is not None and self.cached(artifact.manifest_id):
+                    log.info("%s/%s: in the node cache, nothing to prefetch", namespace, name)
+                    return
                 try:
                     self._stage(pod, artifact)
                 except (OSError, RekindleError) as exc:

@@ -97,10 +97,14 @@ class Artifact:
             raise ArtifactRejected(self.label, f"file {path}: content changed (size {size}, "
                                    f"want {want.size})")
 
-    def copy_verified(self, path: str, dest: str) -> None:
+    def copy_verified(self, path: str, dest: str, source: Callable[[str], int] | None = None) -> None:
         """Copy ``path`` to the private file ``dest`` while hashing; refuse a mismatch (and
-        remove ``dest``). Only ``dest`` may be used afterwards."""
-        src = self.open_file(path)
+        remove ``dest``). Only ``dest`` may be used afterwards. ``source``: opens the copy to
+        read instead of the store's (the node cache's), verified all the same."""
+        try:
+            src = (source or self.open_file)(path)
+        except OSError as exc:
+            raise ArtifactRejected(self.label, f"file {path}: {why(exc)}") from exc
         try:
             dst = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
             try:
@@ -119,9 +123,11 @@ class Artifact:
             os.unlink(dest)
             raise
 
-    def materialize(self, dest_dir: str, skip: Callable[[str], bool] = lambda _p: False) -> int:
+    def materialize(self, dest_dir: str, skip: Callable[[str], bool] = lambda _p: False,
+                    source: Callable[[str], int] | None = None) -> int:
         """Copy every listed file not ``skip``ped into ``dest_dir`` (private, created 0700),
-        verifying each, several files at once; returns the bytes copied."""
+        verifying each, several files at once; returns the bytes copied. ``source``: as for
+        :meth:`copy_verified`."""
         os.makedirs(dest_dir, mode=0o700, exist_ok=True)
         jobs = []
         for f in self.manifest.files:
@@ -133,7 +139,7 @@ class Artifact:
             os.makedirs(os.path.join(dest_dir, *parts[:-1]), mode=0o700, exist_ok=True)
             jobs.append((f, os.path.join(dest_dir, *parts)))
         with ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="rekindle-stage") as pool:
-            list(pool.map(lambda job: self.copy_verified(job[0].path, job[1]), jobs))
+            list(pool.map(lambda job: self.copy_verified(job[0].path, job[1], source), jobs))
         return sum(f.size for f, _ in jobs)
 
     def verify_files(self) -> None:

@@ -471,14 +471,15 @@ def check_targets(files: Sequence[BulkFile], images: str, tree: Iterable[int],
     return hosts
 
 
-def read_sums(artifact: Artifact, f: BulkFile) -> bytes:
+def read_sums(artifact: Artifact, f: BulkFile, source: Callable[[str], int] | None = None) -> bytes:
     """The chunk digests of ``f``, checked against the manifest (read them when the bulk file
-    is opened: a later open may find the version gone)."""
+    is opened: a later open may find the version gone). ``source``: opens the node cache's
+    copy instead of the store's."""
     path = layout.bulk_sums(f.pid)
     want = -(-artifact.entry(f.path).size // SUM_CHUNK) * DIGEST_BYTES
     if artifact.entry(path).size != want:
         raise FillError(f"{artifact.label}: {path} is {artifact.entry(path).size} bytes, want {want}")
-    fd = artifact.open_file(path)
+    fd = (source or artifact.open_file)(path)
     try:
         data = os.pread(fd, want + 1, 0)
     finally:
@@ -526,6 +527,12 @@ class _Filler:
                 pass
         while pos < end:
             want = min(CHUNK, end - pos)  # one SUM_CHUNK: pieces start on one
+            i = max(bisect.bisect_right(segs, (pos, 1 << 65, 0)) - 1, 0)
+            if not any(off < pos + want and pos < off + length for off, _v, length in segs[i:i + 2]):
+                # No range of this chunk to fill (a node cache's copy has a hole where a range
+                # is mapped instead): nothing of it is read or written.
+                pos += want
+                continue
             got = 0
             while got < want:
                 n = os.preadv(fd, [view[got:want]], pos + got)
@@ -539,7 +546,6 @@ class _Filler:
             if digest.digest() != sums[k:k + DIGEST_BYTES]:
                 raise FillError(f"file {self.files[p.file].path}: content changed (the bytes at {pos} "
                                 "do not match their digest)")
-            i = max(bisect.bisect_right(segs, (pos, 1 << 65, 0)) - 1, 0)
             while i < len(segs) and segs[i][0] < pos + want:
                 off, vaddr, length = segs[i]
                 lo, hi = max(off, pos), min(off + length, pos + want)

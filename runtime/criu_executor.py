@@ -38,6 +38,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from runtime import criu as criu_mod
@@ -199,6 +200,7 @@ def restore_into(
     lsm: LsmOptions = LsmOptions(),
     tcp_established: bool = False,
     lazy_pages: bool = False,
+    inherit: Sequence[tuple[int, str]] = (),
 ) -> RestoreResult:
     """Restore the tree in ``images_dir`` into ``target`` (whose init waits in restore mode).
 
@@ -207,6 +209,8 @@ def restore_into(
     ``tcp_established``: the mode the dump was taken with (``RestorePlan.tcp_established``).
     ``lazy_pages``: ``--lazy-pages``: the lazy pagemap entries are served through userfaultfd by
     whoever listens on ``lazy-pages.socket`` in the work dir (``runtime.stream``).
+    ``inherit``: more (fd, key) for ``--inherit-fd`` (the node cache's files that ranges map,
+    ``runtime.bulk_map``); the caller keeps and closes them.
     ``cgroups_first=False`` runs CRIU in the caller's cgroups and only moves the tree afterwards
     (memory restored until then stays charged to the caller's cgroup).
     """
@@ -227,7 +231,7 @@ def restore_into(
                 root=target.rootfs,
                 pidfile=pidfile,
                 work_dir=work_dir,
-                inherit_fds=fds,
+                inherit_fds=[*fds, *inherit],
                 join_ns=[("ipc", "/proc/1/ns/ipc"), ("uts", "/proc/1/ns/uts")],
                 external_mounts=externals,
                 shell_job=image_is_shell_job(images_dir),
@@ -246,7 +250,8 @@ def restore_into(
                        else ns.nsenter_argv(target.init_pid, ["pid"], []))
             if cgroups_first:
                 wrapper = ns.enter_cgroups_argv(target.cgroups.values(), wrapper)
-            criu_seconds = criu_mod.run_criu(opts, wrapper=wrapper, pass_fds=[*(fd for fd, _ in fds), *launch.pass_fds],
+            criu_seconds = criu_mod.run_criu(opts, wrapper=wrapper, pass_fds=[*(fd for fd, _ in (*fds, *inherit)),
+                                                                                *launch.pass_fds],
                                              timeout=timeout, launcher=launch.argv,
                                              criu=hostview.criu_binary(launch, criu_mod.CRIU))
         finally:

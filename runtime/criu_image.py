@@ -412,3 +412,10 @@ def read_reg_files(images_dir: str) -> list[RegFile]:
             continue  # (without a mode, the reader of the file checks what it is)
         out.append(RegFile(e.id, e.name, e.size))
     return out
+
+
+def file_ids(images_dir: str) -> list[int]:
+    """The id of every entry of ``files.img``, whatever its type (one id space)."""
+    path = os.path.join(images_dir, "files.img")
+    return [v for raw in read_raw(path).entries for n, v in _wire_fields(raw, path)
+            if n == _FILE_ID and isinstance(v, int)]

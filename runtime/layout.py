@@ -64,6 +64,11 @@ def is_bulk(path: str) -> bool:
     return path.startswith(BULK_DIR + "/")
 
 
+def is_bulk_pages(path: str) -> bool:
+    """A bulk file itself (not its chunk digests or pagemap)."""
+    return is_bulk(path) and path.endswith(".bulk")
+
+
 @dataclass(frozen=True, slots=True)
 class MountPlanEntry:
     """One external mount of the dumped tree: CRIU key, where it is mounted, and its kind."""

@@ -54,6 +54,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from runtime import bulk
+from runtime import bulk_map
+from runtime import nodecache
 from runtime import stream
 from runtime import control as control_mod
 from runtime import criu_image
@@ -110,6 +112,29 @@ class RestoreRequest:
 Progress = Callable[[str, int, int], None]  # (phase, bytes done, bytes total)
 
 
+@dataclass(frozen=True)
+class CacheWork:
+    """What the node cache's entry of a version is written from, after a restore found none."""
+
+    namespace: str
+    name: str
+    manifest_id: str
+    files: tuple[layout.BulkFile, ...]
+    spans: tuple[bulk_map.Span, ...]
+    mode: bulk_map.MapMode
+
+
+@dataclass(frozen=True)
+class CacheUse:
+    """How a restore used the node cache (``cache`` in the container's ``timings.json``)."""
+
+    state: str  # "warm": mapped and filled from an entry; "cold": none yet; "off": no cache
+    mapped_bytes: int = 0
+    filled_bytes: int = 0
+    store_bytes_read: int = 0  # of the bulk files, from the shared store
+    entry: str = ""
+
+
 def _shm_dir(target: ContainerInfo) -> str | None:
     for m in target.spec_mounts:
         if os.path.normpath(m.get("destination", "")) == "/dev/shm" and m.get("type") == "bind":
@@ -117,10 +142,12 @@ def _shm_dir(target: ContainerInfo) -> str | None:
     return None
 
 
-def _stage(artifact: Artifact, private: str, path: RestorePath, ahead: str | None = None) -> layout.RestorePlan:
+def _stage(artifact: Artifact, private: str, path: RestorePath, ahead: str | None = None,
+           source: Callable[[str], int] | None = None) -> layout.RestorePlan:
     """Copy (and verify) what this restore reads into ``private``; parse the plan from there.
     ``ahead``: a work dir whose ``private`` already holds verified copies of exactly this
-    version (staged from RunPodSandbox on): it is moved in instead."""
+    version (staged from RunPodSandbox on): it is moved in instead. ``source``: where the
+    copies are read from when not the store (the node cache), verified all the same."""
     taken = False
     if ahead is not None:
         try:
@@ -131,7 +158,7 @@ def _stage(artifact: Artifact, private: str, path: RestorePath, ahead: str | Non
             log.info("%s: the copy staged ahead cannot be used (%s); staging again", artifact.label, exc)
         shutil.rmtree(ahead, ignore_errors=True)
     if not taken:
-        artifact.materialize(private, skip=layout.is_bulk)
+        artifact.materialize(private, skip=layout.is_bulk, source=source)
     try:
         with open(os.path.join(private, layout.RESTORE_PLAN), "rb") as f:
             plan = layout.RestorePlan.from_json(f.read())
@@ -167,9 +194,14 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
             control: control_mod.ControlDir | None = None, cuda: Checkpointer | None = None,
             check_image: bool = True, generations: GenerationBook | None = None,
             progress: Progress | None = None,
-            staged: Callable[[Artifact], str | None] | None = None) -> dict[str, float]:
+            staged: Callable[[Artifact], str | None] | None = None,
+            cache: nodecache.NodeCache | None = None, map_mode: bulk_map.MapMode = bulk_map.MapMode.DRIVER,
+            on_cold: Callable[[CacheWork], object] | None = None) -> dict[str, float]:
     """Restore ``req``; ``staged(artifact)`` may hand over a work dir with this version's
-    verified copies, staged ahead (``nri_plugin.prefetch``)."""
+    verified copies, staged ahead (``nri_plugin.prefetch``). With a ``cache`` whose entry of
+    this version is complete, the chosen bulk ranges (``map_mode``) are mapped from it and the
+    rest filled from it (``runtime.bulk_map``); without one, ``on_cold`` is handed what the
+    entry would be written from, once the restore succeeded."""
     t = Timings()
     if progress is not None:
         t.on_phase = lambda phase: progress(phase, 0, 0)
@@ -182,6 +214,9 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
     final = False  # restore-complete written: the restored rootfs stays
     target: ContainerInfo | None = None
     streamed: stream.Session | None = None
+    entry: nodecache.Held | None = None
+    use = CacheUse("off" if cache is None or not cache.enabled else "cold")
+    cold_work: CacheWork | None = None
     try:
         # Who made them: if this process dies mid-restore, housekeeping removes them.
         write_owner(work)
@@ -208,16 +243,51 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
                 if reasons:
                     raise ArtifactRejected(artifact.label, "; ".join(reasons))
             with t.phase("stage"):
-                plan = _stage(artifact, private, req.path, staged(artifact) if staged is not None else None)
+                if cache is not None and req.path is not RestorePath.STOCK:
+                    entry = cache.hold(artifact, map_mode)
+                ahead = staged(artifact) if staged is not None else None
+                plan = _stage(artifact, private, req.path, ahead, entry.open_copy if entry is not None else None)
+                images = os.path.join(private, layout.CRIU_DIR)
                 path = req.path
+                spans: list[bulk_map.Span] = []
+                inherit: list[tuple[int, str]] = []
+                if cache is not None and cache.enabled and plan.bulk and path is not RestorePath.STOCK:
+                    spans = bulk_map.choose(plan.bulk, images, map_mode, manifest.cuda.pids if manifest.cuda else ())
+                    if entry is not None and entry.record.span_list() != spans:
+                        log.warning("%s: node cache entry %s maps other ranges than this restore would; not used",
+                                    artifact.label, entry.record.key)
+                        entry.close()
+                        entry = None
+                    if entry is None:
+                        cold_work = CacheWork(req.namespace, req.name, artifact.manifest_id, plan.bulk,
+                                              tuple(spans), map_mode)
+                bulk_files = plan.bulk
+                if entry is not None:
+                    ekey = entry.record.key
+                    bulk_map.rewrite_images(images, spans, ekey, {s.name: entry.stat(s.name).st_size for s in spans})
+                    inherit = [(entry.fd(s.name), bulk_map.inherit_key(s, ekey)) for s in spans]
+                    bulk_files = bulk_map.remainder(plan.bulk, spans)
+                    use = CacheUse("warm", sum(s.length for s in spans), sum(b.bytes for b in bulk_files), 0, ekey)
+                    if path is RestorePath.STREAM:
+                        log.info("%s: mapped from the node cache, the rest filled (nothing left to stream)",
+                                 artifact.label)
+                        path = RestorePath.BULK
+                elif plan.bulk:
+                    use = dataclasses.replace(use, store_bytes_read=sum(b.bytes for b in plan.bulk))
                 if path is RestorePath.STREAM and plan.bulk:
                     why = stream.prepare(plan.bulk, os.path.join(private, layout.CRIU_DIR))
                     if why is not None:
                         log.warning("%s: the bulk path instead of the streamed one: %s", artifact.label, why)
                         path = RestorePath.BULK
-                fill_bulk = bool(plan.bulk) and path in (RestorePath.BULK, RestorePath.STREAM)
-                fds, sums = _open_bulk(held, artifact, plan) if fill_bulk else ([], [])
-                total = sum(artifact.entry(b.path).size for b in plan.bulk)
+                fill_bulk = bool(bulk_files) and path in (RestorePath.BULK, RestorePath.STREAM)
+                if not fill_bulk:
+                    fds, sums = [], []
+                elif entry is not None:
+                    fds = [entry.fd(nodecache.fill_name(b.pid)) for b in bulk_files]
+                    sums = [bulk.read_sums(artifact, b, entry.open_copy) for b in bulk_files]
+                else:
+                    fds, sums = _open_bulk(held, artifact, plan)
+                total = sum(b.bytes for b in bulk_files)
                 report = (lambda done: progress("fill", done, total)) if progress else None
                 stream_report = (lambda done: progress("stream", done, total)) if progress else None
                 if fill_bulk and path is RestorePath.STREAM:  # serves faults from CRIU's hand-off on
@@ -248,7 +318,8 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
                 stdio = plan.stdio if len(plan.stdio) == 3 else None
                 result = restore_into(target, os.path.join(private, layout.CRIU_DIR), list(plan.mounts),
                                       source_stdio=stdio, work_dir=work, lsm=lsm_options(security, lsm),
-                                      tcp_established=plan.tcp_established, lazy_pages=streamed is not None)
+                                      tcp_established=plan.tcp_established, lazy_pages=streamed is not None,
+                                      inherit=inherit)
             pause_for_test("criu")
             pidns = target.namespaces["pid"].inode
             host_pids: list[int] = []
@@ -259,9 +330,12 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
                         bulk.check_targets(plan.bulk, os.path.join(private, layout.CRIU_DIR), result.tree,
                                            lambda pid: host_pid_of(pidns, pid))
                         streamed.start()
-                elif fill_bulk:
+                if entry is not None and spans:
+                    bulk_map.check_mapped({s.pid: host_pid_of(pidns, s.pid) for s in spans}, spans,
+                                          {s.name: entry.stat(s.name) for s in spans})
+                if streamed is None and fill_bulk:
                     with t.phase("fill"):
-                        bulk.fill(artifact, plan.bulk, fds, lambda pid: host_pid_of(pidns, pid),
+                        bulk.fill(artifact, bulk_files, fds, lambda pid: host_pid_of(pidns, pid),
                                   sums=sums, images=os.path.join(private, layout.CRIU_DIR), tree=result.tree,
                                   threads=req.threads or WORKERS, progress=report)
                 if manifest.cuda is not None:
@@ -288,7 +362,8 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
             with t.phase("stream"):  # until the last piece is in: then the uffds are closed
                 served = dataclasses.asdict(streamed.wait())
         if control is not None:
-            control.write_json(control_mod.TIMINGS, {"restore": dict(t), **({"stream": served} if served else {})})
+            control.write_json(control_mod.TIMINGS, {"restore": dict(t), **({"stream": served} if served else {}),
+                                                     "cache": dataclasses.asdict(use)})
             control.write(control_mod.RESTORE_PID, f"{result.ns_pid}\n")
             control.write(control_mod.RESTORE_COMPLETE, req.name + "\n")
         final = True
@@ -298,6 +373,8 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
         if progress is not None:
             size = sum(f.size for f in manifest.files)
             progress("complete", size, size)
+        if cold_work is not None and on_cold is not None:
+            on_cold(cold_work)
         return dict(t)
     except BaseException as exc:
         if not final:
@@ -310,6 +387,8 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
     finally:
         if streamed is not None:
             streamed.abort()  # a no-op once served; else the tree is killed, the holder ends
+        if entry is not None:
+            entry.close()  # held until here: an entry a restore maps is not evicted meanwhile
         shutil.rmtree(private, ignore_errors=True)
 
 

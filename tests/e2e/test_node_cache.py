@@ -1,0 +1,188 @@
+"""The node cache through the plugin: the first restore of a version writes it, later ones map
+and fill from it (no bulk byte read from the store), pods restored from one entry share its
+pages; a changed entry is dropped and made again, a half-written one (its writer killed) is
+swept and never used, and the byte bound evicts the least recently used entry.
+
+The workload holds 96 MiB of seeded bytes in one anonymous mapping and answers their hash;
+``--map-ranges all`` maps that range from the cache (``driver``, the default, maps only the
+CUDA driver's host copy, which a CPU workload has not)."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.e2e.test_checkpoint_restore import get, wait_status
+from tests.e2e.test_stream_restore import _tree_in
+from tests.waiting import wait_for
+
+HOLDER = r"""
+import hashlib, os, random, socket
+data = bytearray(random.Random(11).randbytes(96 << 20))
+want = hashlib.sha256(data).hexdigest()
+srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+srv.bind(("0.0.0.0", 8080))
+srv.listen(8)
+open(os.environ["REKINDLE_CONTROL_DIR"] + "/ready-for-checkpoint", "w").close()
+while True:
+    conn, _ = srv.accept()
+    req = conn.recv(4096)
+    if b"/write" in req:
+        data[0] ^= 1; data[0] ^= 1  # a write: its page becomes the process's own
+    body = f"{'ok' if hashlib.sha256(data).hexdigest() == want else 'bad'} {want[:16]}\n"
+    conn.sendall(b"HTTP/1.0 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body.encode()))
+    conn.close()
+"""
+IMAGE, ENV = "localhost/rekindle/host-usr:1", {"PATH": "/usr/bin:/bin"}
+
+
+def _entries(plugin) -> list[str]:
+    return sorted(glob.glob(str(plugin.state_dir / "cache" / "v1" / "*" / "entry.json")))
+
+
+def _cache_use(plugin, pod) -> dict:
+    return json.loads((plugin.control_dir(pod.uid, "app") / "timings.json").read_text())["cache"]
+
+
+def _source(sandbox, pod, plugin, name: str) -> None:
+    from devtools.gpu import host_python_mounts
+    a = pod(f"src-{name}", annotations={"rekindle.dev/checkpoint": name})
+    sandbox.run_container(a, "app", IMAGE, command=[sys.executable, "-c", HOLDER], mounts=host_python_mounts(), env=ENV)
+    st = wait_status(plugin, "default", a.name, "app", {"published", "checkpoint-failed"}, timeout=120)
+    assert st["phase"] == "published", st
+
+
+def _restore(sandbox, pod, plugin, name: str, tag: str, wait: bool = True):
+    from devtools.gpu import host_python_mounts
+    b = pod(f"dst-{name}-{tag}", annotations={"rekindle.dev/restore": name})
+    cid = sandbox.run_container(b, "app", IMAGE, command=[sys.executable, "-c", HOLDER], mounts=host_python_mounts(),
+                                env=ENV)
+    if wait:
+        _answered(sandbox, plugin, b)
+    return b, cid
+
+
+def _answered(sandbox, plugin, b) -> None:
+    st = wait_status(plugin, "default", b.name, "app", {"restored", "cold-start"}, timeout=120)
+    assert st["phase"] == "restored", st
+    got = wait_for(lambda: get(sandbox.cri.pod_ip(b.id), "/", 30.0), 60, "the restored holder to answer",
+                   ignore=(OSError,))
+    assert got.startswith("ok "), got
+
+
+def _mapped_vma(pid: int) -> tuple[int, int]:
+    """(Rss, Pss) in KiB of the process's mapping of a cache file."""
+    with open(f"/proc/{pid}/smaps") as f:
+        lines = f.read().splitlines()
+    for i, line in enumerate(lines):
+        if "/map-" in line and line.split()[-1].endswith(".bin"):
+            fields = {k.rstrip(":"): int(v.split()[0]) for k, v in (x.split(None, 1) for x in lines[i + 1:i + 24]
+                                                                    if x.split(None, 1)[0].endswith(":")
+                                                                    and x.split()[0][:-1].isalpha())}
+            return fields["Rss"], fields["Pss"]
+    raise AssertionError(f"pid {pid} maps no cache file")
+
+
+@pytest.fixture()
+def cached_plugin(plugin):
+    plugin.kill()
+    plugin.env = {"REKINDLE_MAP": "all", "REKINDLE_CACHE_BYTES": "1Gi"}
+    plugin.start()
+    yield plugin
+    plugin.kill()
+    plugin.env = {}
+    plugin.start()
+
+
+def test_a_second_restore_maps_from_the_cache_and_two_pods_share_its_pages(sandbox, pod, cached_plugin):
+    plugin = cached_plugin
+    _source(sandbox, pod, plugin, "cache-share")
+    first, _ = _restore(sandbox, pod, plugin, "cache-share", "1")
+    assert _cache_use(plugin, first)["state"] == "cold"
+    assert _cache_use(plugin, first)["store_bytes_read"] >= 96 << 20
+    wait_for(lambda: _entries(plugin), 120, "the cache entry to be written")
+
+    b1, c1 = _restore(sandbox, pod, plugin, "cache-share", "2", wait=False)
+    b2, c2 = _restore(sandbox, pod, plugin, "cache-share", "3", wait=False)
+    for b in (b1, b2):
+        _answered(sandbox, plugin, b)
+        use = _cache_use(plugin, b)
+        assert use["state"] == "warm", use
+        assert use["store_bytes_read"] == 0 and use["mapped_bytes"] >= 96 << 20, use
+    (p1,), (p2,) = _tree_in(sandbox, c1), _tree_in(sandbox, c2)
+    # Both read every page (the hash): each holds the mapped range, and pays half of it.
+    for pid in (p1, p2):
+        rss, pss = _mapped_vma(pid)
+        assert rss >= 90 << 10 and pss <= rss * 0.6, (pid, rss, pss)
+    # A write stays the writer's: the other still answers the source's bytes, and so does it.
+    assert get(sandbox.cri.pod_ip(b1.id), "/write", 30.0).startswith("ok ")
+    assert get(sandbox.cri.pod_ip(b2.id), "/", 30.0).startswith("ok ")
+
+
+def test_a_changed_entry_is_dropped_and_made_again(sandbox, pod, cached_plugin):
+    plugin = cached_plugin
+    _source(sandbox, pod, plugin, "cache-change")
+    _restore(sandbox, pod, plugin, "cache-change", "1")
+    (entry,) = wait_for(lambda: _entries(plugin), 120, "the cache entry to be written")
+    victim = sorted(glob.glob(os.path.join(os.path.dirname(entry), "map-*.bin")))[0]
+    subprocess.run(["chattr", "-i", victim], check=False, capture_output=True)
+    os.chmod(victim, 0o644)
+    with open(victim, "r+b") as f:  # root changing it behind the plugin's back
+        f.seek(os.path.getsize(victim) - 4096)
+        f.write(b"\xff" * 4096)
+    os.chmod(victim, 0o444)
+    b, _ = _restore(sandbox, pod, plugin, "cache-change", "2")
+    assert _cache_use(plugin, b)["state"] == "cold"
+    assert "dropped" in plugin.log()
+    wait_for(lambda: _entries(plugin), 120, "the entry to be made again")
+    c, _ = _restore(sandbox, pod, plugin, "cache-change", "3")
+    assert _cache_use(plugin, c)["state"] == "warm"
+
+
+def test_a_writer_killed_mid_entry_leaves_nothing_used_and_is_swept(sandbox, pod, cached_plugin, tmp_path):
+    plugin = cached_plugin
+    _source(sandbox, pod, plugin, "cache-kill")
+    plugin.kill()
+    plugin.env = {**plugin.env, "REKINDLE_TEST_PAUSE": f"cache-write:{tmp_path}"}
+    plugin.start()
+    _restore(sandbox, pod, plugin, "cache-kill", "1")
+    wait_for(lambda: (tmp_path / "cache-write.reached").exists(), 120, "the cache writer to be mid-entry")
+    tmp = glob.glob(str(plugin.state_dir / "cache" / "v1" / ".tmp-*"))
+    assert tmp, "no unfinished entry to sweep"
+    plugin.kill()  # mid-write: the entry has bulk bytes but no entry.json
+    plugin.env = {k: v for k, v in plugin.env.items() if k != "REKINDLE_TEST_PAUSE"}
+    plugin.start()
+    assert not any(os.path.exists(t) for t in tmp), "the unfinished entry was not swept"
+    b, _ = _restore(sandbox, pod, plugin, "cache-kill", "2")
+    assert _cache_use(plugin, b)["state"] == "cold"
+
+
+def test_the_byte_bound_evicts_the_least_recently_used_entry(sandbox, pod, plugin):
+    plugin.kill()
+    plugin.env = {"REKINDLE_MAP": "all", "REKINDLE_CACHE_BYTES": "150Mi"}  # one 96 MiB entry fits, not two
+    plugin.start()
+    try:
+        for name in ("cache-lru-a", "cache-lru-b"):
+            _source(sandbox, pod, plugin, name)
+        _restore(sandbox, pod, plugin, "cache-lru-a", "1")
+        wait_for(lambda: len(_entries(plugin)) == 1, 120, "a's entry")
+        (a_entry,) = _entries(plugin)
+        time.sleep(0.05)  # (mtime order)
+        _restore(sandbox, pod, plugin, "cache-lru-b", "1")
+        wait_for(lambda: _entries(plugin) and _entries(plugin) != [a_entry], 120, "b's entry in place of a's")
+        assert len(_entries(plugin)) == 1 and "evicted" in plugin.log()
+        b, _ = _restore(sandbox, pod, plugin, "cache-lru-b", "2")
+        assert _cache_use(plugin, b)["state"] == "warm"
+        a, _ = _restore(sandbox, pod, plugin, "cache-lru-a", "2")
+        assert _cache_use(plugin, a)["state"] == "cold"
+    finally:
+        plugin.kill()
+        plugin.env = {}
+        plugin.start()
