@@ -495,17 +495,26 @@ def cmd_artifacts(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cached(args: argparse.Namespace) -> dict[tuple[str, str], int]:
+    """(label, version) -> bytes of each entry of this node's cache."""
+    from runtime.nodecache import NodeCache
+    from .cache import cache_dir
+    return {(e.label, e.version): e.bytes for e in NodeCache(cache_dir(_settings(args)), 1).entries()}
+
+
 def _list(store: ArtifactStore, key: bytes, args: argparse.Namespace) -> int:
     rows = store.list(args.namespace, key=key)
     from runtime import store_gc
     extra = store_gc.leftovers(store, args.namespace) if args.all else []
+    cached = _cached(args)
     if _json(args):
         doc: list[dict[str, object]] = [
                {"namespace": r.namespace, "name": r.name, "ok": r.problem is None, "problem": r.problem,
                 "version": r.version or None,
                 "generation": r.manifest.generation if r.manifest else None,
                 "created_at": r.manifest.created_at if r.manifest else None,
-                "bytes": sum(f.size for f in r.manifest.files) if r.manifest else None}
+                "bytes": sum(f.size for f in r.manifest.files) if r.manifest else None,
+                "cached_bytes": cached.get((f"{r.namespace}/{r.name}", r.version or ""), 0)}
                for r in rows]
         if args.all:
             doc += [{"namespace": x.namespace, "name": x.entry, "kind": x.kind, "bytes": x.bytes,
@@ -519,8 +528,10 @@ def _list(store: ArtifactStore, key: bytes, args: argparse.Namespace) -> int:
         else:
             m = r.manifest
             size = sum(f.size for f in m.files) / 2**20
+            here = cached.get((f"{r.namespace}/{r.name}", r.version or ""), 0)
             print(f"{r.namespace}/{r.name}  {m.created_at}  {size:.1f} MiB  from {m.source.pod or '?'}"
-                  f"  image {m.source.image or '?'}" + ("  cuda" if m.cuda else ""))
+                  f"  image {m.source.image or '?'}" + ("  cuda" if m.cuda else "")
+                  + (f"  cached on this node ({here / 2**20:.1f} MiB)" if here else ""))
     for x in extra:
         owner = f"  owner {x.owner.node} pid {x.owner.pid}" if x.owner else ""
         print(f"{x.namespace}/{x.entry}  {x.kind}  {x.bytes / 2**20:.1f} MiB  age {_age(x.age)}{owner}")
@@ -610,8 +621,11 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
+    from runtime.doctor import check_cache
+    from .cache import cache_bytes, cache_dir
     from .preflight import run_checks
-    checks = run_checks(_settings(args))
+    settings = _settings(args)
+    checks = [*run_checks(settings), check_cache(cache_dir(settings), cache_bytes(settings))]
     if _json(args):
         _emit(args, [c.__dict__ for c in checks])
     else:

@@ -92,6 +92,24 @@ def check_stream() -> Check:
     return Check("stream-restore", False, f"{why}: --restore-path stream falls back to bulk", required=False)
 
 
+def check_cache(path: str, max_bytes: int) -> Check:
+    """The node cache (``runtime.nodecache``): where, how full, on which file system."""
+    from runtime.nodecache import TMPFS_MAGIC, NodeCache, fs_magic
+    if max_bytes == 0:
+        return Check("node-cache", True, "off (--cache-bytes 0): every restore reads the store", required=False)
+    cache = NodeCache(path, max_bytes)
+    entries = cache.entries()
+    used = sum(e.bytes for e in entries)
+    try:
+        kind = "tmpfs" if fs_magic(path) == TMPFS_MAGIC else "disk (mapped ranges get 4 KiB pages)"
+    except OSError:
+        kind = "not made yet"
+    return Check("node-cache", True, f"{path}: {len(entries)} entries, {used / 2**20:.1f} of "
+                 f"{max_bytes / 2**20:.0f} MiB, on {kind}" + "".join(
+                     f"; {e.label} {e.version} {e.bytes / 2**20:.0f} MiB{' (in use)' if e.in_use else ''}"
+                     for e in entries[:8]), required=False)
+
+
 def check_hmac_key(path: str) -> Check:
     """The plugin's key, read with the plugin's checks. Absent is a warning (the plugin may be
     about to create it); present but unusable fails, since the plugin would refuse to start."""

@@ -442,7 +442,7 @@ class NodeCache:
 
     def _fits(self, need: int) -> bool:
         try:
-            if _fs_magic(self.dir) == TMPFS_MAGIC:
+            if fs_magic(self.dir) == TMPFS_MAGIC:
                 mem = meminfo()
                 left = mem.get("MemAvailable", 0) - need
                 if left < self.min_free * mem.get("MemTotal", 0):
@@ -514,7 +514,7 @@ class NodeCache:
             os.close(dir_fd)
 
 
-def _fs_magic(path: str) -> int:
+def fs_magic(path: str) -> int:
     """The file system type of ``path`` (statfs's f_type)."""
     import ctypes
     buf = ctypes.create_string_buffer(128)
