@@ -12,8 +12,9 @@ cold-started (timed) and checkpointed by annotation, then stopped. Then, for eac
 ``PATH:CACHE`` (PATH ``bulk`` or ``stream``: the plugin restarted with ``REKINDLE_RESTORE_PATH``;
 CACHE ``off``: ``REKINDLE_CACHE_BYTES=0``, no cache; ``warm``: the cache on, and one untimed
 restore first, then a wait until a complete entry (``<state dir>/cache/v1/*/entry.json``) is
-there; ``cold``: the cache on, its entries removed while the plugin is stopped, before each run),
-two runs: one pod alone, then ``--pods`` pods at once (their containers created together, one
+there; ``cold``: the cache on, its entries removed while the plugin is stopped, before each run;
+``--map-ranges`` sets ``REKINDLE_MAP``: the plugin's default maps only the CUDA driver's host
+copy, which a CPU workload has not, so its pods are filled from the entry, not mapped), two runs: one pod alone, then ``--pods`` pods at once (their containers created together, one
 thread each). The artifact is read into the page cache before each run (restore_speed's
 ``page-cache``). Each pod is timed from its container create to the plugin's ``restored`` and to
 its first answer, which must be the source's; its ``timings.json`` gives its restore phases and,
@@ -23,7 +24,9 @@ While a run goes, a thread samples every 0.1 s, from the first container create 
 answered and ``--steady-s`` (5) after: the node's used memory (MemTotal - MemAvailable) and the
 summed PSS of every process in the run's containers (found by their pid namespaces). Host bytes
 are counted from the node's used memory just before the run; ``steady_*`` is the median of the
-samples after the last answer.
+samples after the last answer. MemAvailable counts page cache as available, mapped or not, so a
+range mapped from a cache file on disk shows in the PSS (shared: each of N pods counts 1/N of
+it), hardly in the host bytes; on a tmpfs cache it shows in both.
 
 Writes ``--json`` (default OUT_DIR/scale-out.json) after every run: ``case``, ``pods``,
 ``cold_start_s``, ``source``, ``runs`` (one object per run: ``round``, ``pods``, ``path``,
@@ -43,6 +46,7 @@ import os
 import shutil
 import signal
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -81,10 +85,11 @@ class Round:
     def spec(self) -> str:
         return f"{self.path}:{self.cache}"
 
-    @property
-    def env(self) -> dict[str, str]:
-        """The plugin's environment for the round ('warm' and 'cold' keep the cache's default)."""
-        return {"REKINDLE_RESTORE_PATH": self.path, **({"REKINDLE_CACHE_BYTES": "0"} if self.cache == "off" else {})}
+    def env(self, map_ranges: str = "") -> dict[str, str]:
+        """The plugin's environment for the round ('warm' and 'cold' keep the cache's default
+        bound); ``map_ranges``: what a restore from the cache maps (the plugin's default if empty)."""
+        return {"REKINDLE_RESTORE_PATH": self.path, **({"REKINDLE_CACHE_BYTES": "0"} if self.cache == "off" else {}),
+                **({"REKINDLE_MAP": map_ranges} if map_ranges else {})}
 
 
 def parse_rounds(text: str) -> list[Round]:
@@ -312,7 +317,7 @@ class ScaleOut(Bench):
         self.doc = {"what": "bench/scale_out.py through containerd 1.7 + runc + CRIU + CNI + the plugin",
                     "host": self.doc["host"], "case": args.case, "pods": args.pods,
                     "rounds": [r.spec for r in args.rounds], "artifact": "page-cache", "sample_s": SAMPLE_S,
-                    "steady_s": args.steady_s, "runs": []}
+                    "steady_s": args.steady_s, "map_ranges": args.map_ranges or "(plugin default)", "runs": []}
         self.containerd_state = ""
 
     def cache_dir(self, plugin: Any) -> Path:
@@ -324,13 +329,17 @@ class ScaleOut(Bench):
     def fresh_plugin(self, plugin: Any, rnd: Round) -> None:
         """The plugin restarted with the round's environment; for 'cold', its cache emptied while it is stopped."""
         plugin.stop()
-        if rnd.cache == "cold" and self.cache_dir(plugin).is_dir():
-            for entry in self.cache_dir(plugin).iterdir():
+        cache = self.cache_dir(plugin)
+        if rnd.cache == "cold" and cache.is_dir():
+            # the engine seals an entry's files immutable where the file system allows
+            if shutil.which("chattr"):
+                subprocess.run(["chattr", "-R", "-i", str(cache)], capture_output=True)
+            for entry in cache.iterdir():
                 if entry.is_dir() and not entry.is_symlink():
                     shutil.rmtree(entry)
                 else:
                     entry.unlink()
-        restart_plugin(plugin, rnd.env)
+        restart_plugin(plugin, rnd.env(self.args.map_ranges))
 
     def warm_up(self, cri: Any, plugin: Any, wl: Workload, rnd: Round) -> str | None:
         """One untimed restore, then the wait for a complete cache entry; the error, or None."""
@@ -494,6 +503,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cold-timeout", type=float, default=400.0)
     ap.add_argument("--warm-timeout", type=float, default=300.0, help="wait for a complete cache entry")
     ap.add_argument("--steady-s", type=float, default=5.0, help="sampling after the last answer")
+    ap.add_argument("--map-ranges", choices=("", "driver", "all", "none"), default="",
+                    help="what a restore from the node cache maps ($REKINDLE_MAP; default: the plugin's)")
     args = ap.parse_args(argv)
     if args.pods < 1:
         ap.error("--pods must be at least 1")
