@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import logging
 import os
 import shutil
@@ -223,6 +224,17 @@ class PodProcs:
         return sorted({p for ino in self._pidns.values() for p in processes_in(ino)})
 
 
+def remove_sealed(path: Path) -> None:
+    """Remove a file or tree the node cache may have sealed (immutable, where the file system
+    allows: rm alone fails on it)."""
+    if shutil.which("chattr"):
+        subprocess.run(["chattr", "-R", "-i", str(path)], capture_output=True)
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
 # --- figures and tables (pure) ------------------------------------------------------------------
 
 def ratio(a: float | None, b: float | None) -> float | None:
@@ -331,14 +343,8 @@ class ScaleOut(Bench):
         plugin.stop()
         cache = self.cache_dir(plugin)
         if rnd.cache == "cold" and cache.is_dir():
-            # the engine seals an entry's files immutable where the file system allows
-            if shutil.which("chattr"):
-                subprocess.run(["chattr", "-R", "-i", str(cache)], capture_output=True)
             for entry in cache.iterdir():
-                if entry.is_dir() and not entry.is_symlink():
-                    shutil.rmtree(entry)
-                else:
-                    entry.unlink()
+                remove_sealed(entry)
         restart_plugin(plugin, rnd.env(self.args.map_ranges))
 
     def warm_up(self, cri: Any, plugin: Any, wl: Workload, rnd: Round) -> str | None:
@@ -479,7 +485,8 @@ class ScaleOut(Bench):
                         status = 1
             finally:
                 self.clean_up(cri, plugin, work)
-                shutil.rmtree(work, ignore_errors=True)  # the node cache's copies too
+                with contextlib.suppress(OSError):
+                    remove_sealed(work)  # the node cache's entries too
                 if started:
                     sb.down()
         finally:

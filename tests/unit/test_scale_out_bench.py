@@ -162,3 +162,20 @@ def test_the_table_shows_each_run_and_an_error_as_such() -> None:
     assert lines[0].split()[:3] == ["pods", "path", "cache"]
     assert lines[2].split() == ["2", "bulk", "warm", "3.00", "3.50", "1.75", "2.50", "1.50", "1.50", "True", "warm"]
     assert lines[3].split()[:4] == ["2", "stream", "warm", "ERROR:"] and "no complete cache entry" in lines[3]
+
+
+def test_a_sealed_tree_is_removed(tmp_path: Path) -> None:
+    import shutil
+    import subprocess
+    entry = tmp_path / "cache" / "v1" / "k"
+    entry.mkdir(parents=True)
+    (entry / "fill-8.bin").write_bytes(b"x" * 10)
+    (entry / "entry.json").write_text("{}")
+    if shutil.which("chattr"):  # where the file system has the flag, rm alone fails on it
+        subprocess.run(["chattr", "+i", str(entry / "fill-8.bin")], capture_output=True)
+    scale_out.remove_sealed(tmp_path / "cache")
+    assert not (tmp_path / "cache").exists()
+    (tmp_path / "f").write_text("")
+    scale_out.remove_sealed(tmp_path / "f")
+    scale_out.remove_sealed(tmp_path / "f")  # already gone: nothing to do
+    assert list(tmp_path.iterdir()) == []
