@@ -24,7 +24,6 @@ cell and the tables into ``OUT_DIR/README.md`` between the drill's markers.
 from __future__ import annotations
 
 import argparse
-import fcntl
 import logging
 import os
 import platform
@@ -39,23 +38,12 @@ from bench.drill.cells import CHECKPOINT_PHASES, RESTORE_ROWS, checkpoint_cell, 
 from bench.drill.faults import Fault
 from bench.drill.load import load_figure
 from bench.drill.rig import Rig, Workload, dump_json, fields
+from devtools.sandbox import hold_e2e_lock
 from runtime.status import Phase
 
 log = logging.getLogger("bench.fault_drill")
 
-LOCK_PATH = Path("/run/lock/rekindle-e2e.lock")
 BASE = "base"
-
-
-def _lock() -> Any:
-    LOCK_PATH.parent.mkdir(parents=True, exist_ok=True)
-    f = open(LOCK_PATH, "w")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        print(f"waiting for the e2e tests' sandbox ({LOCK_PATH})", file=sys.stderr, flush=True)
-        fcntl.flock(f, fcntl.LOCK_EX)
-    return f
 
 
 def _pick(all_names: tuple[str, ...], wanted: str | None) -> list[str]:
@@ -138,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     def save() -> None:
         dump_json(json_path, doc)
 
-    lock = _lock()
+    lock = hold_e2e_lock()
     t0 = time.monotonic()
     rig = Rig(args.work, store_mib)
     try:

@@ -132,6 +132,22 @@ class Workload:
         raise AssertionError(f"no answer from {ip}: {last}")
 
 
+def read_timings(plugin: Any, pod: Pod) -> dict[str, Any] | None:
+    """The engine's figures for the pod's restore (control dir's timings.json), None before it wrote them."""
+    with contextlib.suppress(OSError, ValueError):
+        doc = json.loads((Path(plugin.control_dir(pod.uid, CONTAINER)) / control.TIMINGS).read_text())
+        return doc if isinstance(doc, dict) else None
+    return None
+
+
+def restart_plugin(plugin: Any, env: dict[str, str]) -> None:
+    """Stop the plugin and start it again with ``env``, back once it synchronized with containerd."""
+    plugin.stop()
+    plugin.env = env
+    plugin.start(wait=False)
+    plugin.wait_log("synchronized:", count=plugin.log().count("synchronized:") + 1, timeout=60)
+
+
 def _get(ip: str, path: str) -> str:
     deadline = time.monotonic() + 60
     while True:
@@ -206,6 +222,36 @@ class Bench:
             c.update(measure_h2d(sys.executable, 4.0))
         return {k: round(v, 3) if isinstance(v, float) else v for k, v in c.items()}
 
+    def await_restore(self, cri: Any, plugin: Any, wl: Workload, b: Pod, path: str, t0: float,
+                      rec: dict[str, Any]) -> bool:
+        """After ``wl.start`` (at ``t0``) in a pod annotated to restore: the plugin's verdict, then
+        the first answer, into ``rec`` (restore_s, phases, first_answer_s, identical, answer; on
+        the streamed path its serve's figures). False when the plugin cold-started the pod."""
+        early: concurrent.futures.Future[tuple[tuple[bool, dict[str, Any]], float]] | None = None
+        if path == "stream":  # it runs (and answers) before the last page is in: ask at once
+            early = concurrent.futures.ThreadPoolExecutor(1).submit(
+                lambda: (wl.answer(cri, b, plugin.control_dir(b.uid, CONTAINER)), time.monotonic() - t0))
+        st = gpu_pods.wait_status(plugin, b, CONTAINER, {"restored", "cold-start"}, 600)
+        rec["restore_s"] = round(time.monotonic() - t0, 3)
+        rec["phases"] = st["timings"]
+        if st["phase"] != "restored":
+            rec["failure"] = st.get("reason")
+            rec["identical"] = False
+            return False
+        if early is not None:
+            (same, extra), answered = early.result(timeout=600)
+        else:
+            same, extra = wl.answer(cri, b, plugin.control_dir(b.uid, CONTAINER))
+            answered = time.monotonic() - t0
+        rec["first_answer_s"] = round(answered, 3)
+        rec["identical"] = same
+        rec["answer"] = extra
+        if path == "stream":  # the serve's own figures: faults, the time they waited, threads
+            doc = read_timings(plugin, b)
+            if doc is not None:
+                rec["stream"] = doc.get("stream")
+        return True
+
     def restore(self, cri: Any, plugin: Any, wl: Workload, path: str, cache: str, art: Path,
                 src: dict[str, Any], ceil: dict[str, float]) -> dict[str, Any]:
         rec: dict[str, Any] = {"case": self.args.case, "path": path, "cache": cache,
@@ -220,30 +266,9 @@ class Bench:
         self.pods.append(b)
         t0 = time.monotonic()
         cid = wl.start(cri, b)
-        early: concurrent.futures.Future[tuple[tuple[bool, dict[str, Any]], float]] | None = None
-        if path == "stream":  # it runs (and answers) before the last page is in: ask at once
-            early = concurrent.futures.ThreadPoolExecutor(1).submit(
-                lambda: (wl.answer(cri, b, plugin.control_dir(b.uid, CONTAINER)), time.monotonic() - t0))
         try:
-            st = gpu_pods.wait_status(plugin, b, CONTAINER, {"restored", "cold-start"}, 600)
-            rec["restore_s"] = round(time.monotonic() - t0, 3)
-            rec["phases"] = st["timings"]
-            if st["phase"] != "restored":
-                rec["failure"] = st.get("reason")
-                rec["identical"] = False
+            if not self.await_restore(cri, plugin, wl, b, path, t0, rec):
                 return rec
-            if early is not None:
-                (same, extra), answered = early.result(timeout=600)
-            else:
-                same, extra = wl.answer(cri, b, plugin.control_dir(b.uid, CONTAINER))
-                answered = time.monotonic() - t0
-            rec["first_answer_s"] = round(answered, 3)
-            rec["identical"] = same
-            rec["answer"] = extra
-            if path == "stream":  # the serve's own figures: faults, the time they waited, threads
-                with contextlib.suppress(OSError, ValueError):
-                    rec["stream"] = json.loads((Path(plugin.control_dir(b.uid, CONTAINER)) /
-                                                control.TIMINGS).read_text()).get("stream")
         finally:
             (self.args.out_dir / f"worker-{path}-{cache}.log").write_text(gpu_pods.container_logs(cri, cid)[-100_000:])
             self.stop(cri, b)
@@ -270,19 +295,8 @@ class Bench:
         args = self.args
         wl = Workload(args.case, args)
         doc = self.doc
-        if not wl.cpu:
-            doc["gpus"] = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-                                         capture_output=True, text=True).stdout.strip().splitlines()
-        doc["criu"] = subprocess.run([os.environ.get("REKINDLE_CRIU", "criu"), "--version"], capture_output=True,
-                                     text=True).stdout.split("\n")[0].strip()
-        if wl.gib is None:
-            r = subprocess.run([sys.executable, "-m", "bench.llm_restore", "make-model", "--model-dir",
-                                str(args.model_dir)], cwd=REPO, capture_output=True, text=True)
-            if r.returncode:
-                doc["failure"] = f"make-model: {r.stderr[-3000:]}"
-                self.save()
-                return 1
-            doc["model"] = json.loads(r.stdout.strip().splitlines()[-1])
+        if not self.describe(wl):
+            return 1
         # the artifact, and a private copy of it for a stock restore
         need = int((wl.gib or 15) * GIB * 1.15 * (2 if "stock:" in args.runs else 1)) + 4 * GIB
         work = args.work or pick_image_root(["/var/tmp", "/dev/shm"], need) / "rekindle-speed"
@@ -305,10 +319,8 @@ class Bench:
                 how, cache = spec.split(":")
                 path, _, threads = how.partition("@")  # bulk@16: the fill on 16 threads
                 if (path, threads) != current:
-                    plugin.stop()
-                    plugin.env = {"REKINDLE_RESTORE_PATH": path, **({"REKINDLE_FILL_THREADS": threads} if threads else {})}
-                    plugin.start(wait=False)
-                    plugin.wait_log("synchronized:", count=plugin.log().count("synchronized:") + 1, timeout=60)
+                    restart_plugin(plugin, {"REKINDLE_RESTORE_PATH": path,
+                                            **({"REKINDLE_FILL_THREADS": threads} if threads else {})})
                     current = (path, threads)
                 try:
                     rec = self.restore(cri, plugin, wl, path, cache, art, doc["source"], ceil)
@@ -321,16 +333,40 @@ class Bench:
                     status = 1
                 self.save()
         finally:
-            for p in list(self.pods):
-                self.stop(cri, p)
-            plugin.stop()
-            shutil.copy(plugin.log_path, args.out_dir / f"plugin-{args.case}.log")
-            # CRIU's own logs (timestamped, -v4): where its dump and restore time goes
-            for log_file in (work / "plugin" / "state" / "logs").glob("*/*.log"):
-                shutil.copy(log_file, args.out_dir / f"{log_file.parent.name}-{log_file.name}")
-            cri.close()
-            shutil.rmtree(work / "plugin" / "store", ignore_errors=True)
+            self.clean_up(cri, plugin, work)
         return status
+
+    def describe(self, wl: Workload) -> bool:
+        """The node's GPUs, CRIU's version and (llm-7b) the model, into the doc; False (saved)
+        when the model could not be made."""
+        doc, args = self.doc, self.args
+        if not wl.cpu:
+            doc["gpus"] = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                                         capture_output=True, text=True).stdout.strip().splitlines()
+        doc["criu"] = subprocess.run([os.environ.get("REKINDLE_CRIU", "criu"), "--version"], capture_output=True,
+                                     text=True).stdout.split("\n")[0].strip()
+        if wl.gib is None:
+            r = subprocess.run([sys.executable, "-m", "bench.llm_restore", "make-model", "--model-dir",
+                                str(args.model_dir)], cwd=REPO, capture_output=True, text=True)
+            if r.returncode:
+                doc["failure"] = f"make-model: {r.stderr[-3000:]}"
+                self.save()
+                return False
+            doc["model"] = json.loads(r.stdout.strip().splitlines()[-1])
+        return True
+
+    def clean_up(self, cri: Any, plugin: Any, work: Path) -> None:
+        """Every pod left stopped, the plugin stopped, its and CRIU's logs copied out, the store removed."""
+        args = self.args
+        for p in list(self.pods):
+            self.stop(cri, p)
+        plugin.stop()
+        shutil.copy(plugin.log_path, args.out_dir / f"plugin-{args.case}.log")
+        # CRIU's own logs (timestamped, -v4): where its dump and restore time goes
+        for log_file in (work / "plugin" / "state" / "logs").glob("*/*.log"):
+            shutil.copy(log_file, args.out_dir / f"{log_file.parent.name}-{log_file.name}")
+        cri.close()
+        shutil.rmtree(work / "plugin" / "store", ignore_errors=True)
 
 
 def summary(rec: dict[str, Any]) -> str:

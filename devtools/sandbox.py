@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import enum
+import fcntl
 import json
 import logging
 import os
@@ -34,7 +35,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import IO, Callable, Sequence
 
 from runtime.errors import RekindleError
 
@@ -53,6 +54,9 @@ RUNC_ROOT = Path("/run/containerd/runc/k8s.io")
 # Which sandbox dir owns which bridge: two sandboxes on one bridge would hand out the same IPs.
 BRIDGE_REGISTRY = Path("/run/rekindle-sandbox/bridges")
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# Held by whatever drives the default sandbox (an e2e session, the fault drill, a bench), so two
+# of them on one machine wait for each other instead of sharing one containerd and bridge.
+E2E_LOCK = Path("/run/lock/rekindle-e2e.lock")
 
 
 class SandboxError(RekindleError):
@@ -232,6 +236,19 @@ def render_cni_conflist(cfg: SandboxConfig, portmap: bool | None = None) -> str:
     if portmap:
         conf["plugins"].append({"type": "portmap", "capabilities": {"portMappings": True}})
     return json.dumps(conf, indent=2) + "\n"
+
+
+def hold_e2e_lock() -> IO[str]:
+    """Take :data:`E2E_LOCK` (waiting, with a line on stderr, while another holds it); closing
+    the returned file gives it back."""
+    E2E_LOCK.parent.mkdir(parents=True, exist_ok=True)
+    f = open(E2E_LOCK, "w")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        print(f"waiting for the e2e tests' sandbox ({E2E_LOCK})", file=sys.stderr, flush=True)
+        fcntl.flock(f, fcntl.LOCK_EX)
+    return f
 
 
 # --- process helpers ---------------------------------------------------------------------

@@ -6,10 +6,12 @@
 #    the sandbox up);
 # 2. with TESTS=1, tests/gpu (CUDA checkpoint API and the containerd end-to-end cases);
 # 3. with DISK_QUEUE=1, bench/disk_queue.py (how the restore's read shapes share the disk);
-# 4. each case of $CASES (default synthetic-16gib) with $RUNS (bench/restore_speed.py --runs).
+# 4. each case of $CASES (default synthetic-16gib) with $RUNS (bench/restore_speed.py --runs);
+# 5. with SCALE=N, bench/scale_out.py: N pods restored at once from one artifact, case $SCALE_CASE
+#    (default llm-7b), rounds $SCALE_ROUNDS (its --rounds), within $SCALE_TIMEOUT (default 500) s.
 # What lands in $OUT (few files: a call brings back eight at most): restore-speed-<case>.json,
-# disk-queue.json, and logs.tar.xz (node.txt, setup.log, gpu-tests.log, speed-<case>.log, and the
-# plugin, worker and CRIU logs).
+# disk-queue.json, scale-out.json, and logs.tar.xz (node.txt, setup.log, gpu-tests.log,
+# speed-<case>.log, scale-out.log, and the plugin, worker and CRIU logs).
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -45,6 +47,13 @@ for case in ${CASES:-synthetic-16gib}; do
   grep -vE "^[0-9-]+ [0-9:,]+ " "$scratch/speed-$case.log" | tail -40
   echo "$case done at $(( $(date +%s) - t0 ))s"
 done
+if [ -n "${SCALE:-}" ]; then
+  timeout "${SCALE_TIMEOUT:-500}" python3 -m bench.scale_out --case "${SCALE_CASE:-llm-7b}" --pods "$SCALE" \
+    ${SCALE_ROUNDS:+--rounds "$SCALE_ROUNDS"} --out-dir "$scratch/scale-out" --json "$out/scale-out.json" \
+    > "$scratch/scale-out.log" 2>&1 || rc=1
+  grep -vE "^[0-9-]+ [0-9:,]+ " "$scratch/scale-out.log" | tail -40
+  echo "scale-out done at $(( $(date +%s) - t0 ))s"
+fi
 find /var/lib/rekindle-sandbox/containerd.log "$scratch" \( -name '*.log' -o -name '*.txt' \) -size -20M 2>/dev/null \
   | tar -cJf "$out/logs.tar.xz" -T - 2>/dev/null
 exit $rc
