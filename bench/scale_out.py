@@ -89,7 +89,8 @@ class Round:
     def env(self, map_ranges: str = "") -> dict[str, str]:
         """The plugin's environment for the round ('warm' and 'cold' keep the cache's default
         bound); ``map_ranges``: what a restore from the cache maps (the plugin's default if empty)."""
-        return {"REKINDLE_RESTORE_PATH": self.path, **({"REKINDLE_CACHE_BYTES": "0"} if self.cache == "off" else {}),
+        return {"REKINDLE_RESTORE_PATH": self.path,
+                **({"REKINDLE_CACHE_BYTES": "0"} if self.cache == "off" else {"REKINDLE_CACHE_TMPFS": "1"}),
                 **({"REKINDLE_MAP": map_ranges} if map_ranges else {})}
 
 

@@ -13,8 +13,7 @@ into place whole; only root on the node can reach ``<root>`` (0700). An entry ho
   the identity of each bulk file once sealed (size, inode, ctime).
 
 Every byte written was hashed against the signed digests first (the bulk files' chunk sums,
-the manifest's digest of every other file). A written file is made read-only (0444) and, where
-the file system allows, immutable; an entry whose files do not have the recorded identity any
+the manifest's digest of every other file). A written file is made read-only (0444); an entry whose files do not have the recorded identity any
 more (changed, replaced, truncated) is dropped, never used, and so is a partial one (no
 ``entry.json``; swept once its writer is provably dead). A restore holds a shared lock on the
 entry's directory while it uses it; eviction (least recently used first, to stay under the
@@ -56,7 +55,6 @@ FILES = "files"
 TMP, EVICT = ".tmp-", ".evict-"
 MAX_ENTRY_JSON = 1 << 20
 TMPFS_MAGIC = 0x01021994
-FS_IOC_GETFLAGS, FS_IOC_SETFLAGS, FS_IMMUTABLE_FL = 0x80086601, 0x40086602, 0x10
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 MAX_ENTRIES = 8
@@ -76,7 +74,6 @@ class Sealed:
     size: int
     ino: int
     ctime_ns: int
-    immutable: bool
 
 
 @dataclass(frozen=True)
@@ -112,43 +109,14 @@ def entry_key(manifest_id: str, mode: MapMode) -> str:
     return hashlib.sha256(f"rekindle-cache-v1\0{manifest_id}\0{mode.value}".encode()).hexdigest()[:32]
 
 
-def _flags(fd: int) -> int | None:
-    try:
-        buf = fcntl.ioctl(fd, FS_IOC_GETFLAGS, struct.pack("i", 0))
-    except OSError:
-        return None
-    return int(struct.unpack("i", buf)[0])
-
-
-def _set_immutable(fd: int, on: bool) -> bool:
-    flags = _flags(fd)
-    if flags is None:
-        return False
-    flags = flags | FS_IMMUTABLE_FL if on else flags & ~FS_IMMUTABLE_FL
-    try:
-        fcntl.ioctl(fd, FS_IOC_SETFLAGS, struct.pack("i", flags))
-    except OSError:
-        return False
-    return True
-
-
 def _seal(fd: int) -> Sealed:
+    # Read-only, and its identity recorded: any change made through the file system (a write
+    # needs the mode changed back, which changes the ctime) makes the entry unusable. Not
+    # immutable: root can clear that flag as easily, and a cache dir a crash left behind
+    # (or a test's) must stay removable by anyone's ``rm -rf``.
     os.fchmod(fd, 0o444)
-    immutable = _set_immutable(fd, True)
     st = os.fstat(fd)
-    return Sealed(st.st_size, st.st_ino, st.st_ctime_ns, immutable)
-
-
-def _unseal_tree(path: str) -> None:
-    """Clear the immutable flag of every file below ``path`` (so it can be removed)."""
-    for top, _dirs, names in os.walk(path):
-        for n in names:
-            with contextlib.suppress(OSError):
-                fd = os.open(os.path.join(top, n), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-                try:
-                    _set_immutable(fd, False)
-                finally:
-                    os.close(fd)
+    return Sealed(st.st_size, st.st_ino, st.st_ctime_ns)
 
 
 def meminfo() -> dict[str, int]:
@@ -178,8 +146,7 @@ class Held:
         fd = os.open(name, FILE_FLAGS, dir_fd=self.dir_fd)
         st = os.fstat(fd)
         if (not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o7777 != 0o444
-                or (st.st_size, st.st_ino, st.st_ctime_ns) != (want.size, want.ino, want.ctime_ns)
-                or (want.immutable and not (_flags(fd) or 0) & FS_IMMUTABLE_FL)):
+                or (st.st_size, st.st_ino, st.st_ctime_ns) != (want.size, want.ino, want.ctime_ns)):
             os.close(fd)
             raise CacheError(f"cache entry {self.record.key}: {name} changed since it was sealed")
         self._fds[name] = fd
@@ -321,7 +288,6 @@ class NodeCache:
         return True
 
     def _remove(self, root: int, name: str) -> None:
-        _unseal_tree(os.path.join(self.dir, name))
         try:
             remove_tree(root, name)
         except OSError as exc:
