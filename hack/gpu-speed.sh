@@ -6,7 +6,7 @@
 #    the sandbox up);
 # 2. with TESTS=1, tests/gpu (CUDA checkpoint API and the containerd end-to-end cases);
 # 3. with DISK_QUEUE=1, bench/disk_queue.py (how the restore's read shapes share the disk);
-# 4. each case of $CASES (default synthetic-16gib) with $RUNS (bench/restore_speed.py --runs);
+# 4. each case of $CASES (default synthetic-16gib; "" none) with $RUNS (bench/restore_speed.py --runs);
 # 5. with SCALE=N, bench/scale_out.py: N pods restored at once from one artifact, case $SCALE_CASE
 #    (default llm-7b), rounds $SCALE_ROUNDS (its --rounds), within $SCALE_TIMEOUT (default 500) s.
 # What lands in $OUT (few files: a call brings back eight at most): restore-speed-<case>.json,
@@ -40,7 +40,7 @@ if [ "${DISK_QUEUE:-0}" = 1 ]; then
   rm -rf /var/tmp/rekindle-disk-queue.bin*
   echo "disk queue done at $(( $(date +%s) - t0 ))s"
 fi
-for case in ${CASES:-synthetic-16gib}; do
+for case in ${CASES-synthetic-16gib}; do  # CASES="" runs none
   timeout "${CASE_TIMEOUT:-540}" python3 -m bench.restore_speed --case "$case" \
     ${RUNS:+--runs "$RUNS"} --out-dir "$scratch/$case" --json "$out/restore-speed-$case.json" \
     > "$scratch/speed-$case.log" 2>&1 || rc=1
