@@ -86,10 +86,11 @@ class Round:
     def spec(self) -> str:
         return f"{self.path}:{self.cache}"
 
-    def env(self, map_ranges: str = "") -> dict[str, str]:
+    def env(self, map_ranges: str = "", pods: int = 1) -> dict[str, str]:
         """The plugin's environment for the round ('warm' and 'cold' keep the cache's default
-        bound); ``map_ranges``: what a restore from the cache maps (the plugin's default if empty)."""
-        return {"REKINDLE_RESTORE_PATH": self.path,
+        bound, on a huge tmpfs); ``map_ranges``: what a restore from the cache maps (the
+        plugin's default if empty); ``pods`` restores may run at once (all of them)."""
+        return {"REKINDLE_RESTORE_PATH": self.path, "REKINDLE_MAX_PARALLEL": str(max(2, pods)),
                 **({"REKINDLE_CACHE_BYTES": "0"} if self.cache == "off" else {"REKINDLE_CACHE_TMPFS": "1"}),
                 **({"REKINDLE_MAP": map_ranges} if map_ranges else {})}
 
@@ -346,7 +347,7 @@ class ScaleOut(Bench):
         if rnd.cache == "cold" and cache.is_dir():
             for entry in cache.iterdir():
                 remove_sealed(entry)
-        restart_plugin(plugin, rnd.env(self.args.map_ranges))
+        restart_plugin(plugin, rnd.env(self.args.map_ranges, self.args.pods))
 
     def warm_up(self, cri: Any, plugin: Any, wl: Workload, rnd: Round) -> str | None:
         """One untimed restore, then the wait for a complete cache entry; the error, or None."""

@@ -200,7 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--create-key", action="store_true",
                    help="create the HMAC key (32 random bytes, 0600) when it is absent; off under the chart, "
                         "whose Secret provides the key")
-    p.add_argument("--max-parallel", type=_positive, default=2, help="checkpoints/restores at once (default: %(default)s)")
+    p.add_argument("--max-parallel", type=_positive, default=os.environ.get("REKINDLE_MAX_PARALLEL", "2"),
+                   help="checkpoints/restores at once ($REKINDLE_MAX_PARALLEL, else 2; a node restoring one pod "
+                        "per GPU at once wants one per GPU)")
     p.add_argument("--max-probes-per-pod", dest="probes_per_pod", type=_decimal, default=1,
                    help="ready-probes of one pod at once (default: %(default)s)")
     p.add_argument("--max-probes", dest="probes_per_node", type=_decimal, default=16,

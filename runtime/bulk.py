@@ -519,7 +519,7 @@ class _Filler:
     def piece(self, p: _Piece) -> None:
         _m, view, addr = self._buffer()
         fd, pid, segs, sums = self.fds[p.file], self.pids[p.file], self.segments[p.file], self.sums[p.file]
-        pos, end, written = p.offset, p.offset + p.length, 0
+        pos, end, written, read = p.offset, p.offset + p.length, 0, 0
         if not is_cached(fd, pos, p.length):
             try:
                 os.posix_fadvise(fd, pos, p.length, os.POSIX_FADV_WILLNEED)
@@ -534,6 +534,7 @@ class _Filler:
                 pos += want
                 continue
             got = 0
+            read += want
             while got < want:
                 n = os.preadv(fd, [view[got:want]], pos + got)
                 if n <= 0:
@@ -555,7 +556,7 @@ class _Filler:
                 i += 1
             pos += want
         with self.lock:
-            self.read += p.length
+            self.read += read
             self.written += written
             done = self.read
         if self.progress is not None:

@@ -89,9 +89,11 @@ def test_memory_figures_peak_from_the_baseline_and_steady_after_the_last_answer(
 def test_rounds_parse_with_their_plugin_environment() -> None:
     got = scale_out.parse_rounds("bulk:off, bulk:warm,stream:cold")
     assert got == [Round("bulk", "off"), Round("bulk", "warm"), Round("stream", "cold")]
-    assert got[0].env() == {"REKINDLE_RESTORE_PATH": "bulk", "REKINDLE_CACHE_BYTES": "0"}
-    assert got[1].env() == {"REKINDLE_RESTORE_PATH": "bulk"}
-    assert got[2].env("all") == {"REKINDLE_RESTORE_PATH": "stream", "REKINDLE_MAP": "all"}
+    assert got[0].env() == {"REKINDLE_RESTORE_PATH": "bulk", "REKINDLE_MAX_PARALLEL": "2", "REKINDLE_CACHE_BYTES": "0"}
+    assert got[1].env(pods=4) == {"REKINDLE_RESTORE_PATH": "bulk", "REKINDLE_MAX_PARALLEL": "4",
+                                  "REKINDLE_CACHE_TMPFS": "1"}
+    assert got[2].env("all") == {"REKINDLE_RESTORE_PATH": "stream", "REKINDLE_MAX_PARALLEL": "2",
+                                 "REKINDLE_CACHE_TMPFS": "1", "REKINDLE_MAP": "all"}
     assert got[2].spec == "stream:cold"
 
 
