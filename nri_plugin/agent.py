@@ -82,7 +82,8 @@ def _cuda() -> Checkpointer | None:
     """The long-lived CUDA checkpointer, or None on nodes without a usable driver."""
     try:
         from runtime.cuda import CudaCheckpointer
-        cp = CudaCheckpointer()
+        # Restores' CUDA sequences at once ($REKINDLE_CUDA_PARALLEL, default 1: one at a time).
+        cp = CudaCheckpointer(parallel=int(os.environ.get("REKINDLE_CUDA_PARALLEL", "1") or 1))
         cp.gpus()
         return cp
     except Exception as exc:  # noqa: BLE001 - CPU nodes are fine

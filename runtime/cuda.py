@@ -2,10 +2,12 @@
 
 Contract:
 
-- :class:`CudaCheckpointer` owns ONE worker thread at a time; every libcuda call (``cuInit``
-  included) runs on it, so the agent never execs a helper per action. libcuda is loaded and ``cuInit`` called on first
-  use, on that thread. Sequences (``checkpoint_all``, ``restore_all``, ``release``) are driven
-  from the caller, one call at a time, one sequence at a time.
+- :class:`CudaCheckpointer` runs every libcuda call (``cuInit`` included) on a worker thread of
+  its own, so the agent never execs a helper per action. libcuda is loaded and ``cuInit`` called
+  once, on first use. Sequences (``checkpoint_all``, ``restore_all``, ``release``) are driven
+  from the caller, one call at a time; with ``parallel`` 1 (the default) one sequence at a time
+  on one worker; with more, up to that many sequences at once, each on its own worker (pods
+  restored together: each one's CUDA restore need not wait for the others').
 - Every driver call has a deadline (``call_timeout``; a lock: its own timeout plus
   :data:`LOCK_GRACE`). A call that has not returned by then raises :class:`CudaTimeout` (a
   :class:`runtime.errors.CudaError`, code 909); the worker it hangs on is given up (a daemon
@@ -40,13 +42,14 @@ Contract:
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import os
 import queue
 import re
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Protocol, TypeVar
@@ -210,16 +213,22 @@ class CudaCheckpointer:
 
     def __init__(self, library: str | None = None, *,
                  driver_factory: Callable[[], Driver] | None = None,
-                 call_timeout: float = CALL_TIMEOUT) -> None:
+                 call_timeout: float = CALL_TIMEOUT, parallel: int = 1) -> None:
         self._factory = driver_factory or (lambda: Driver(library or default_library()))
         self._driver: Driver | None = None
         self.call_timeout = call_timeout
         self._workers = 0
-        self._worker = self._new_worker()
+        self._worker = self._new_worker()  # single calls, and every sequence when parallel is 1
         self._hung: list[_Worker] = []  # given up on, their call still in the driver
         self._closed = False
         self._lock = threading.Lock()
-        self._seq = threading.RLock()  # one sequence at a time, as when a sequence was one job
+        self._init_lock = threading.Lock()
+        # Sequences at once (restores of pods started together, each on its own worker; their
+        # calls name other processes): 1 is one sequence at a time on the one worker.
+        self.parallel = max(1, parallel)
+        self._slots = threading.BoundedSemaphore(self.parallel)
+        self._spare: list[_Worker] = []
+        self._local = threading.local()  # .worker: the sequence's own (parallel > 1), .depth
 
     # ---- plumbing -------------------------------------------------------------------------
     def _new_worker(self) -> _Worker:
@@ -229,6 +238,7 @@ class CudaCheckpointer:
     def _run(self, fn: Callable[[Driver], T], call: str = "libcuda", timeout: float | None = None) -> T:
         """``fn`` on the worker, waited for at most ``timeout`` (``call_timeout``) seconds."""
         limit = self.call_timeout if timeout is None else timeout
+        own: _Worker | None = getattr(self._local, "worker", None)
         with self._lock:
             if self._closed:
                 raise CudaUnavailable("CudaCheckpointer is closed")
@@ -236,13 +246,18 @@ class CudaCheckpointer:
             if len(self._hung) >= MAX_HUNG:
                 raise CudaUnavailable(f"{len(self._hung)} CUDA driver calls never returned; "
                                       "CUDA checkpointing is off until the agent restarts")
-            worker = self._worker
+            worker = own or self._worker
             fut = worker.submit(lambda: self._call(fn, worker))
         try:
             return fut.result(limit)
         except FutureTimeout:
             with self._lock:
-                if self._worker is worker:  # give it up; its late answer goes nowhere
+                if own is not None and own is worker:  # the sequence's own: it goes on on a fresh one
+                    worker.given_up = True
+                    worker.stop()
+                    self._hung.append(worker)
+                    self._local.worker = self._new_worker()
+                elif self._worker is worker:  # give it up; its late answer goes nowhere
                     worker.given_up = True
                     worker.stop()
                     self._hung.append(worker)
@@ -251,14 +266,15 @@ class CudaCheckpointer:
             raise CudaTimeout(call, limit) from None
 
     def _call(self, fn: Callable[[Driver], T], worker: _Worker) -> T:
-        if self._driver is None:
-            drv = self._factory()
-            try:
-                drv.init()
-            except CudaError as exc:
-                raise CudaUnavailable(f"cuInit failed: {exc.name} ({exc.code})") from exc
-            self._driver = drv
-            log.debug("libcuda ready (CUDA driver API %d)", drv.version())
+        with self._init_lock:  # two sequences' first calls load and init it once
+            if self._driver is None:
+                drv = self._factory()
+                try:
+                    drv.init()
+                except CudaError as exc:
+                    raise CudaUnavailable(f"cuInit failed: {exc.name} ({exc.code})") from exc
+                self._driver = drv
+                log.debug("libcuda ready (CUDA driver API %d)", drv.version())
         if worker.given_up:  # what ran before on this worker hung: its caller has moved on
             raise CudaUnavailable("a call given up on before it ran")
         return fn(self._driver)
@@ -274,10 +290,42 @@ class CudaCheckpointer:
     def _lock_limit(self, timeout_ms: int) -> float:
         return timeout_ms / 1000 + LOCK_GRACE if timeout_ms > 0 else self.call_timeout
 
+    @contextlib.contextmanager
+    def _sequence(self) -> Iterator[None]:
+        """One sequence: with ``parallel`` > 1 on a worker of its own (at most ``parallel`` at
+        once), else on the one worker, one sequence at a time. Nested: the enclosing one's."""
+        depth = getattr(self._local, "depth", 0)
+        if depth:
+            self._local.depth = depth + 1
+            try:
+                yield
+            finally:
+                self._local.depth = depth
+            return
+        self._slots.acquire()
+        self._local.depth = 1
+        if self.parallel > 1:
+            with self._lock:
+                self._local.worker = self._spare.pop() if self._spare else self._new_worker()
+        try:
+            yield
+        finally:
+            worker = getattr(self._local, "worker", None)
+            self._local.worker, self._local.depth = None, 0
+            if worker is not None:
+                with self._lock:
+                    if self._closed:
+                        worker.stop()
+                    elif not worker.given_up:
+                        self._spare.append(worker)
+            self._slots.release()
+
     def close(self) -> None:
         with self._lock:
             self._closed = True
             self._worker.stop()
+            for w in self._spare:
+                w.stop()
         self._worker.thread.join(self.call_timeout)
 
     def __enter__(self) -> CudaCheckpointer:
@@ -330,7 +378,7 @@ class CudaCheckpointer:
     def release(self, pids: Iterable[int]) -> list[int]:
         """Bring processes left locked or checkpointed (an agent that died mid-checkpoint) back
         to running; returns the pids that needed it. Other states are left as they are."""
-        with self._seq:
+        with self._sequence():
             return [p for p in list(pids)
                     if self._settle(p, strict=False) in (ProcessState.CHECKPOINTED, ProcessState.LOCKED)]
 
@@ -387,7 +435,7 @@ class CudaCheckpointer:
         process not yet undone is stuck).
         """
         pids = list(dict.fromkeys(pids))
-        with self._seq:
+        with self._sequence():
             locked: list[int] = []
             done: list[int] = []
             hung: int | None = None
@@ -431,7 +479,7 @@ class CudaCheckpointer:
         caller must end the tree.
         """
         pids, pairs = list(dict.fromkeys(pids)), gpu_pairs(gpu_map)
-        with self._seq:
+        with self._sequence():
             for p in pids:
                 self._on(p, RESTORE, lambda d, q: d.restore(q, pairs))
             for p in pids:
