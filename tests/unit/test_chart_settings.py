@@ -20,7 +20,7 @@ NAMESPACE = "kube-system"
 # The plugin reads these at parse time as the defaults of their flags.
 PLUGIN_ENV = ("REKINDLE_RESTORE_PATH", "REKINDLE_FILL_THREADS", "REKINDLE_BULK_MIN_RUN", "REKINDLE_PREFETCH",
               "REKINDLE_RESTORE_TIMEOUT", "REKINDLE_CACHE_DIR", "REKINDLE_CACHE_BYTES", "REKINDLE_CACHE_ENTRIES",
-              "REKINDLE_CACHE_TMPFS", "REKINDLE_MAP")
+              "REKINDLE_CACHE_TMPFS", "REKINDLE_MAP", "REKINDLE_MAX_PARALLEL")
 
 
 @pytest.fixture(autouse=True)
@@ -176,12 +176,14 @@ def test_schema_refuses(values, where):
     ({"extraEnv": [{"name": "REKINDLE_CACHE_TMPFS", "value": "1"}]},
      "extraEnv: REKINDLE_CACHE_TMPFS is set by settings.cache.tmpfs"),
     ({"extraEnv": [{"name": "REKINDLE_MAP", "value": "all"}]}, "extraEnv: REKINDLE_MAP is set by settings.cache.mapRanges"),
+    ({"extraEnv": [{"name": "REKINDLE_MAX_PARALLEL", "value": "8"}]},
+     "extraEnv: REKINDLE_MAX_PARALLEL is set by settings.maxParallel"),
     ({"extraArgs": ["--cache-bytes=1Gi"]}, "extraArgs: --cache-bytes is rendered from settings.cache.bytes"),
     ({"extraArgs": ["--cache-entries", "2"]}, "extraArgs: --cache-entries is rendered from settings.cache.entries"),
     ({"extraArgs": ["--cache-tmpfs"]}, "extraArgs: --cache-tmpfs is rendered from settings.cache.tmpfs"),
     ({"extraArgs": ["--map-ranges=all"]}, "extraArgs: --map-ranges is rendered from settings.cache.mapRanges"),
 ], ids=["env-owned-by-a-setting", "env-set-by-the-chart", "flag-with-value", "bare-flag", "env-cache-bytes",
-        "env-cache-entries", "env-cache-tmpfs", "env-map", "flag-cache-bytes", "flag-cache-entries",
+        "env-cache-entries", "env-cache-tmpfs", "env-map", "env-max-parallel", "flag-cache-bytes", "flag-cache-entries",
         "flag-cache-tmpfs", "flag-map-ranges"])
 def test_what_a_setting_owns_is_refused_elsewhere(values, words):
     with pytest.raises(RenderError) as exc:
