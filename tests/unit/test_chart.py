@@ -143,6 +143,10 @@ def test_plugin_command_is_the_cli_contract(default_render):
         "--capture-timeout", "600",
         "--max-probes-per-pod", "1",
         "--max-probes", "16",
+        "--cache-bytes", "auto",
+        "--cache-entries", "8",
+        "--cache-tmpfs",
+        "--map-ranges", "driver",
         "--metrics-port", "9464",
         "--metrics-address", "$(POD_IP)",
     ]  # logLevel info: no --verbose; prefetch: no --no-prefetch; events.enabled false: no --events

@@ -292,3 +292,12 @@ def test_ci_values_follow_the_index_rule_and_render(path):
 def test_the_shipped_values_do_not_install_the_placeholder_image():
     with pytest.raises(RenderError, match="image.name localhost/rekindle/plugin is a placeholder"):
         render(namespace=NAMESPACE, registry_image=False)
+
+
+def test_gpu_values_size_the_memory_limit_for_the_cache_tmpfs(gpu_render):
+    """The worked example sets the cache's bytes and a limit that holds them: no warning."""
+    (c,) = [c for c in _pod_spec(gpu_render)["containers"] if c["name"] == "rekindle"]
+    args = c["args"]
+    assert args[args.index("--cache-bytes") + 1] == "64Gi" and "--cache-tmpfs" in args
+    assert c["resources"]["limits"]["memory"] == "72Gi"
+    assert "settings.cache.bytes auto" not in gpu_render["notes"]

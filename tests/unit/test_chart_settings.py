@@ -19,7 +19,8 @@ K8S_VERSION = "1.33"
 NAMESPACE = "kube-system"
 # The plugin reads these at parse time as the defaults of their flags.
 PLUGIN_ENV = ("REKINDLE_RESTORE_PATH", "REKINDLE_FILL_THREADS", "REKINDLE_BULK_MIN_RUN", "REKINDLE_PREFETCH",
-              "REKINDLE_RESTORE_TIMEOUT")
+              "REKINDLE_RESTORE_TIMEOUT", "REKINDLE_CACHE_DIR", "REKINDLE_CACHE_BYTES", "REKINDLE_CACHE_ENTRIES",
+              "REKINDLE_CACHE_TMPFS", "REKINDLE_MAP", "REKINDLE_MAX_PARALLEL")
 
 
 @pytest.fixture(autouse=True)
@@ -47,7 +48,7 @@ def _parsed(r: dict):
 
 
 TUNED = ["restore_path", "fill_threads", "max_layer_bytes", "bulk_min_run", "capture_timeout", "prefetch",
-         "probes_per_pod", "probes_per_node"]
+         "probes_per_pod", "probes_per_node", "cache_dir", "cache_bytes", "cache_entries", "map_ranges"]
 
 
 def test_defaults_are_the_plugins_own(default_render):
@@ -58,6 +59,15 @@ def test_defaults_are_the_plugins_own(default_render):
     assert {k: getattr(rendered, k) for k in TUNED} == {k: getattr(plain, k) for k in TUNED}
     assert args.max_parallel == bare.max_parallel
     assert rendered.restore_timeout == plain.restore_timeout == 1800
+
+
+def test_the_chart_mounts_the_cache_tmpfs_by_default(default_render):
+    """The one default that is not the plugin's: on a GPU node the mapped ranges want 2 MiB pages."""
+    _, rendered = _parsed(default_render)
+    assert rendered.cache_tmpfs is True
+    r = render({"settings": {"cache": {"tmpfs": False}}}, namespace=NAMESPACE)
+    assert "--cache-tmpfs" not in _plugin(r)["args"]
+    assert _parsed(r)[1].cache_tmpfs is False
 
 
 # values, the Settings field (or "max_parallel", the flag), what the plugin gets, the flag rendered
@@ -72,6 +82,14 @@ EACH_SETTING = [
     ({"prefetch": False}, "prefetch", False, ("--no-prefetch",)),
     ({"probes": {"perPod": 3}}, "probes_per_pod", 3, ("--max-probes-per-pod", "3")),
     ({"probes": {"perNode": 64}}, "probes_per_node", 64, ("--max-probes", "64")),
+    ({"cache": {"bytes": "2Gi"}}, "cache_bytes", 2 << 30, ("--cache-bytes", "2Gi")),
+    ({"cache": {"bytes": "0"}}, "cache_bytes", 0, ("--cache-bytes", "0")),
+    ({"cache": {"bytes": 0}}, "cache_bytes", 0, ("--cache-bytes", "0")),
+    ({"cache": {"bytes": "auto"}}, "cache_bytes", -1, ("--cache-bytes", "auto")),
+    ({"cache": {"entries": 64}}, "cache_entries", 64, ("--cache-entries", "64")),
+    ({"cache": {"tmpfs": True}}, "cache_tmpfs", True, ("--cache-tmpfs",)),
+    ({"cache": {"mapRanges": "all"}}, "map_ranges", "all", ("--map-ranges", "all")),
+    ({"cache": {"mapRanges": "none"}}, "map_ranges", "none", ("--map-ranges", "none")),
 ]
 
 
@@ -111,6 +129,15 @@ BAD_SETTINGS = [
     ("probes.perPod 0", {"settings": {"probes": {"perPod": 0}}}, "/settings/probes/perPod"),
     ("probes.perNode 1025", {"settings": {"probes": {"perNode": 1025}}}, "/settings/probes/perNode"),
     ("probes unknown key", {"settings": {"probes": {"perCluster": 2}}}, "perCluster"),
+    ("cache.bytes lots", {"settings": {"cache": {"bytes": "lots"}}}, "/settings/cache/bytes"),
+    ("cache.bytes 32GB", {"settings": {"cache": {"bytes": "32GB"}}}, "/settings/cache/bytes"),
+    ("cache.bytes -1", {"settings": {"cache": {"bytes": "-1"}}}, "/settings/cache/bytes"),
+    ("cache.bytes a number", {"settings": {"cache": {"bytes": 34359738368}}}, "/settings/cache/bytes"),
+    ("cache.entries 0", {"settings": {"cache": {"entries": 0}}}, "/settings/cache/entries"),
+    ("cache.entries 1025", {"settings": {"cache": {"entries": 1025}}}, "/settings/cache/entries"),
+    ("cache.tmpfs yes", {"settings": {"cache": {"tmpfs": "yes"}}}, "/settings/cache/tmpfs"),
+    ("cache.mapRanges some", {"settings": {"cache": {"mapRanges": "some"}}}, "/settings/cache/mapRanges"),
+    ("cache unknown key", {"settings": {"cache": {"dir": "/cache"}}}, "dir"),
     ("settings unknown key", {"settings": {"fillThread": 4}}, "fillThread"),
     ("extraEnv without a name", {"extraEnv": [{"value": "x"}]}, "/extraEnv/0"),
     ("extraEnv value not a string", {"extraEnv": [{"name": "N", "value": 1}]}, "/extraEnv/0/value"),
@@ -142,7 +169,22 @@ def test_schema_refuses(values, where):
      "extraEnv: REKINDLE_HMAC_KEY_FILE is set by the chart"),
     ({"extraArgs": ["--fill-threads=8"]}, "extraArgs: --fill-threads is rendered from settings.fillThreads"),
     ({"extraArgs": ["--no-prefetch"]}, "extraArgs: --no-prefetch is rendered from settings.prefetch"),
-], ids=["env-owned-by-a-setting", "env-set-by-the-chart", "flag-with-value", "bare-flag"])
+    ({"extraEnv": [{"name": "REKINDLE_CACHE_BYTES", "value": "1Gi"}]},
+     "extraEnv: REKINDLE_CACHE_BYTES is set by settings.cache.bytes"),
+    ({"extraEnv": [{"name": "REKINDLE_CACHE_ENTRIES", "value": "2"}]},
+     "extraEnv: REKINDLE_CACHE_ENTRIES is set by settings.cache.entries"),
+    ({"extraEnv": [{"name": "REKINDLE_CACHE_TMPFS", "value": "1"}]},
+     "extraEnv: REKINDLE_CACHE_TMPFS is set by settings.cache.tmpfs"),
+    ({"extraEnv": [{"name": "REKINDLE_MAP", "value": "all"}]}, "extraEnv: REKINDLE_MAP is set by settings.cache.mapRanges"),
+    ({"extraEnv": [{"name": "REKINDLE_MAX_PARALLEL", "value": "8"}]},
+     "extraEnv: REKINDLE_MAX_PARALLEL is set by settings.maxParallel"),
+    ({"extraArgs": ["--cache-bytes=1Gi"]}, "extraArgs: --cache-bytes is rendered from settings.cache.bytes"),
+    ({"extraArgs": ["--cache-entries", "2"]}, "extraArgs: --cache-entries is rendered from settings.cache.entries"),
+    ({"extraArgs": ["--cache-tmpfs"]}, "extraArgs: --cache-tmpfs is rendered from settings.cache.tmpfs"),
+    ({"extraArgs": ["--map-ranges=all"]}, "extraArgs: --map-ranges is rendered from settings.cache.mapRanges"),
+], ids=["env-owned-by-a-setting", "env-set-by-the-chart", "flag-with-value", "bare-flag", "env-cache-bytes",
+        "env-cache-entries", "env-cache-tmpfs", "env-map", "env-max-parallel", "flag-cache-bytes", "flag-cache-entries",
+        "flag-cache-tmpfs", "flag-map-ranges"])
 def test_what_a_setting_owns_is_refused_elsewhere(values, words):
     with pytest.raises(RenderError) as exc:
         render(values, namespace=NAMESPACE)
@@ -163,3 +205,53 @@ def test_extra_env_resources_and_args_pass_through():
     assert c["args"][-1] == "--init-binary=/opt/init"
     for obj in r["objects"]:
         kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+# cache.bytes, the plugin container's memory limit, whether the render goes through. The tmpfs's
+# pages are charged to that container and cannot be reclaimed: a cache the limit cannot hold
+# would have the kernel kill the plugin (or its CRIU) when an entry fills it.
+CACHE_UNDER_LIMIT = [
+    ("8Gi", "4Gi", False),
+    ("4Gi", "4Gi", False),  # nothing left for the plugin and CRIU
+    ("3Gi", "4Gi", True),
+    ("8Gi", "8589934592", False),
+    ("8Gi", 8589934592, False),  # a number: Helm reads it as a float
+    ("7Gi", "8G", True),
+    ("10Gi", "9.5Gi", False),
+    ("9Gi", "9.5Gi", True),
+    ("1Ti", "1e12", False),
+    ("1Ti", "1.2e12", True),
+    ("1048576", "2Mi", True),
+    ("2097152", "2048Ki", False),
+]
+
+
+@pytest.mark.parametrize("cache_bytes, limit, ok", CACHE_UNDER_LIMIT,
+                         ids=[f"{b}-under-{m!r}-{'ok' if ok else 'refused'}" for b, m, ok in CACHE_UNDER_LIMIT])
+def test_a_tmpfs_cache_must_fit_under_the_memory_limit(cache_bytes, limit, ok):
+    values = {"settings": {"cache": {"bytes": cache_bytes}}, "resources": {"limits": {"memory": limit}}}
+    if ok:
+        args, _ = _parsed(render(values, namespace=NAMESPACE))
+        assert args.cache_tmpfs
+        return
+    with pytest.raises(RenderError) as exc:
+        render(values, namespace=NAMESPACE)
+    assert f"settings.cache.bytes {cache_bytes} with settings.cache.tmpfs" in str(exc.value)
+    assert "resources.limits.memory" in str(exc.value)
+
+
+@pytest.mark.parametrize("values", [
+    {"settings": {"cache": {"bytes": "64Gi", "tmpfs": False}}},  # page cache of a disk: reclaimable
+    {"settings": {"cache": {"bytes": "64Gi"}}, "resources": {"limits": {"memory": None}}},
+], ids=["no-tmpfs", "no-memory-limit"])
+def test_a_large_cache_without_tmpfs_or_limit_renders(values):
+    args, settings = _parsed(render(values, namespace=NAMESPACE))
+    assert settings.cache_bytes == 64 << 30
+
+
+def test_notes_say_when_the_auto_cache_outgrows_the_memory_limit(default_render):
+    notes = default_render["notes"]
+    assert "settings.cache.bytes auto" in notes and "resources.limits.memory 4Gi" in notes
+    for values in ({"settings": {"cache": {"bytes": "2Gi"}}}, {"settings": {"cache": {"tmpfs": False}}},
+                   {"settings": {"cache": {"bytes": "0"}}}, {"resources": {"limits": {"memory": None}}}):
+        assert "resources.limits.memory" not in render(values, namespace=NAMESPACE)["notes"], values

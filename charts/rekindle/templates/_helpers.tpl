@@ -87,3 +87,14 @@ mount added to the plugin container belongs here too: tests/unit/test_chart.py c
 {{- define "rekindle.serviceAccountName" -}}
 {{- include "rekindle.fullname" . -}}
 {{- end -}}
+
+{{/*
+Bytes of a Kubernetes quantity ("4Gi", "8G", "9.5Gi", "1e12", a number) or of a size setting (a
+subset), as a float; validate.yaml compares the node cache with the memory limit with it.
+*/}}
+{{- define "rekindle.bytes" -}}
+{{- $q := trimPrefix "+" (toString .) -}}
+{{- $unit := regexFind "(Ki|Mi|Gi|Ti|Pi|Ei|m|k|M|G|T|P|E)$" $q -}}
+{{- $scale := dict "" 1 "m" 0.001 "k" 1e3 "M" 1e6 "G" 1e9 "T" 1e12 "P" 1e15 "E" 1e18 "Ki" 1024 "Mi" 1048576 "Gi" 1073741824 "Ti" 1099511627776 "Pi" 1125899906842624 "Ei" 1152921504606846976 -}}
+{{- mulf (float64 (trimSuffix $unit $q)) (get $scale $unit) -}}
+{{- end -}}
