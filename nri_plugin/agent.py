@@ -78,12 +78,11 @@ def install_init(settings: Settings) -> None:
     log.info("installed %s -> %s", src, settings.installed_init)
 
 
-def _cuda() -> Checkpointer | None:
+def _cuda(parallel: int = 1) -> Checkpointer | None:
     """The long-lived CUDA checkpointer, or None on nodes without a usable driver."""
     try:
         from runtime.cuda import CudaCheckpointer
-        # Restores' CUDA sequences at once ($REKINDLE_CUDA_PARALLEL, default 1: one at a time).
-        cp = CudaCheckpointer(parallel=int(os.environ.get("REKINDLE_CUDA_PARALLEL", "1") or 1))
+        cp = CudaCheckpointer(parallel=parallel)
         cp.gpus()
         return cp
     except Exception as exc:  # noqa: BLE001 - CPU nodes are fine
@@ -241,7 +240,7 @@ def _engine(settings: Settings) -> tuple[ArtifactStore, bytes, NodeFacts, NodeEn
     # Only the plugin, and only when told (--create-key), may make a key; everything else reads it.
     key = load_key(settings.key_path, create=settings.create_key)
     store = ArtifactStore(settings.store)
-    cuda = _cuda()
+    cuda = _cuda(settings.cuda_parallel)
     facts = NodeFacts.detect(cuda=node_cuda(cuda))
     specs, image_ref, running, exit_code = _clients(settings)
     engine = NodeEngine(settings, store, key, cuda, facts, image_ref, running)

@@ -29,13 +29,19 @@ log = logging.getLogger(__name__)
 
 
 def cache_bytes(settings: Settings) -> int:
-    """The byte bound: ``--cache-bytes``, or a quarter of the node's memory when it is -1."""
+    """The byte bound: ``--cache-bytes``, or when it is -1 (auto) a quarter of the node's
+    memory, and with ``--cache-tmpfs`` no more than the plugin's memory limit leaves (the
+    tmpfs's pages are charged to it)."""
     if settings.cache_bytes >= 0:
         return settings.cache_bytes
     try:
-        return nodecache.meminfo().get("MemTotal", 0) // 4
+        auto = nodecache.meminfo().get("MemTotal", 0) // 4
     except OSError:
         return 0
+    cg = nodecache.cgroup_memory() if settings.cache_tmpfs else None
+    if cg is not None:
+        auto = max(0, min(auto, cg[0] - nodecache.CGROUP_SPARE))
+    return auto
 
 
 def cache_dir(settings: Settings) -> str:

@@ -125,6 +125,19 @@ def _emit(args: argparse.Namespace, doc: object, *, indent: int | None = 2, sort
     print(_render(getattr(args, "output", "json"), doc, indent=indent, sort_keys=sort_keys))
 
 
+def _cache_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cache-dir", default=os.environ.get("REKINDLE_CACHE_DIR", ""),
+                   help="the node cache of verified artifact copies ($REKINDLE_CACHE_DIR, else <state-dir>/cache)")
+    p.add_argument("--cache-bytes", type=_cache_bytes, default=os.environ.get("REKINDLE_CACHE_BYTES", "auto"),
+                   help="its byte bound: 0 turns it off ($REKINDLE_CACHE_BYTES, else auto: a quarter of the "
+                        "node's memory)")
+    p.add_argument("--cache-entries", type=_positive, default=os.environ.get("REKINDLE_CACHE_ENTRIES", "8"),
+                   help="its entry bound ($REKINDLE_CACHE_ENTRIES, else 8)")
+    p.add_argument("--cache-tmpfs", action="store_true", default=os.environ.get("REKINDLE_CACHE_TMPFS", "0") == "1",
+                   help="mount a huge=always tmpfs at the cache dir in the plugin's mount namespace "
+                        "($REKINDLE_CACHE_TMPFS=1)")
+
+
 def _restore_path(p: argparse.ArgumentParser) -> None:
     p.add_argument("--restore-path", choices=("bulk", "stock", "stream"),
                    default=os.environ.get("REKINDLE_RESTORE_PATH", "bulk"),
@@ -138,7 +151,7 @@ def _settings(args: argparse.Namespace) -> Settings:
     fields = {k: getattr(args, k) for k in ("state_dir", "store", "hmac_key_file", "containerd_state",
                                               "containerd_socket") if hasattr(args, k)}
     for k in ("name", "idx", "socket_path", "init_binary", "restore_timeout", "restore_path", "create_key",
-              "probes_per_pod", "probes_per_node", "prefetch", "max_layer_bytes", "bulk_min_run", "fill_threads", "cache_dir", "cache_bytes", "cache_entries", "cache_tmpfs",
+              "probes_per_pod", "probes_per_node", "prefetch", "max_layer_bytes", "bulk_min_run", "fill_threads", "cuda_parallel", "cache_dir", "cache_bytes", "cache_entries", "cache_tmpfs",
               "map_ranges", "capture_timeout", "metrics_port", "metrics_address", "events",
               "kubeconfig", "node_name", "containerd_config"):
         if hasattr(args, k):
@@ -221,16 +234,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fill-threads", type=_decimal, default=os.environ.get("REKINDLE_FILL_THREADS", "0"),
                    help="threads that fill a restore's bulk pages ($REKINDLE_FILL_THREADS, else 0: one "
                         "per core, up to 16; on the streamed path up to 12)")
-    p.add_argument("--cache-dir", default=os.environ.get("REKINDLE_CACHE_DIR", ""),
-                   help="the node cache of verified artifact copies ($REKINDLE_CACHE_DIR, else <state-dir>/cache)")
-    p.add_argument("--cache-bytes", type=_cache_bytes, default=os.environ.get("REKINDLE_CACHE_BYTES", "auto"),
-                   help="its byte bound: 0 turns it off ($REKINDLE_CACHE_BYTES, else auto: a quarter of the "
-                        "node's memory)")
-    p.add_argument("--cache-entries", type=_positive, default=os.environ.get("REKINDLE_CACHE_ENTRIES", "8"),
-                   help="its entry bound ($REKINDLE_CACHE_ENTRIES, else 8)")
-    p.add_argument("--cache-tmpfs", action="store_true", default=os.environ.get("REKINDLE_CACHE_TMPFS", "0") == "1",
-                   help="mount a huge=always tmpfs at the cache dir in the plugin's mount namespace "
-                        "($REKINDLE_CACHE_TMPFS=1)")
+    p.add_argument("--cuda-parallel", type=_positive, default=os.environ.get("REKINDLE_CUDA_PARALLEL", "1"),
+                   help="CUDA driver sequences (a restore's restore and unlock, a checkpoint's lock and "
+                        "checkpoint) run at once, each on its own thread ($REKINDLE_CUDA_PARALLEL, else 1: one "
+                        "at a time)")
+    _cache_flags(p)
     p.add_argument("--map-ranges", choices=("driver", "all", "none"), default=os.environ.get("REKINDLE_MAP", "driver"),
                    help="what a restore from the node cache maps instead of copying: driver (the CUDA "
                         "driver's host copy), all (every large private anonymous range: it then reads the "
@@ -277,6 +285,8 @@ def build_parser() -> argparse.ArgumentParser:
         ap = asub.add_parser(action, help=helptext)
         _common(ap); _paths(ap)
         ap.add_argument("--namespace", default=None if action in ("list", "prune") else "default")
+        if action == "list":
+            _cache_flags(ap)  # what this node's cache holds
         if action in ("inspect", "delete"):
             ap.add_argument("name")
         if action == "inspect":
@@ -312,6 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--socket-path", default=Settings().socket_path, help="NRI socket (default: %(default)s)")
     p.add_argument("--containerd-config", default=Settings().containerd_config,
                    help="containerd's config file, checked for NRI (default: %(default)s)")
+    _cache_flags(p)  # the plugin's, to report the cache it uses
     _output(p)
     p.set_defaults(func=cmd_doctor)
 

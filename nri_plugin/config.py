@@ -46,6 +46,7 @@ class Settings:
     max_layer_bytes: int = 8 << 30  # cap on a captured writable layer (and on one applied)
     bulk_min_run: int = 4096        # page runs at least this long move beside CRIU at a checkpoint
     fill_threads: int = 0           # threads filling bulk pages at a restore; 0: one per core, up to 16 (stream: 12)
+    cuda_parallel: int = 1          # restores' CUDA driver sequences at once (runtime.cuda)
     cache_dir: str = ""             # the node cache (runtime.nodecache); "": <state_dir>/cache
     cache_bytes: int = -1           # its byte bound; 0: no cache; -1: a quarter of the node's memory
     cache_entries: int = 8          # its entry bound

@@ -59,6 +59,7 @@ DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 MAX_ENTRIES = 8
 MIN_FREE = 0.10  # on tmpfs: an entry is written only if this share of the node's memory stays free
+CGROUP_SPARE = 2 << 30  # and this much of the plugin's memory limit (CRIU, the fill's buffers)
 
 
 class CacheError(RekindleError):
@@ -117,6 +118,38 @@ def _seal(fd: int) -> Sealed:
     os.fchmod(fd, 0o444)
     st = os.fstat(fd)
     return Sealed(st.st_size, st.st_ino, st.st_ctime_ns)
+
+
+def cgroup_memory() -> tuple[int, int] | None:
+    """(limit, usage) of this process's memory cgroup, None without a limit. A tmpfs's pages are
+    charged to the cgroup of who wrote them: past its limit the writer is killed."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2
+            base = "/sys/fs/cgroup" + path
+            names = ("memory.max", "memory.current")
+        elif "memory" in controllers.split(","):
+            base = "/sys/fs/cgroup/memory" + path
+            names = ("memory.limit_in_bytes", "memory.usage_in_bytes")
+        else:
+            continue
+        for root in (base, base.rsplit("/", 1)[0] if path != "/" else base, "/sys/fs/cgroup/memory", "/sys/fs/cgroup"):
+            try:
+                with open(os.path.join(root, names[0])) as f:
+                    text = f.read().strip()
+                with open(os.path.join(root, names[1])) as f:
+                    usage = int(f.read().strip())
+            except (OSError, ValueError):
+                continue
+            if text == "max" or int(text) >= 1 << 60:
+                return None
+            return int(text), usage
+    return None
 
 
 def meminfo() -> dict[str, int]:
@@ -409,6 +442,11 @@ class NodeCache:
     def _fits(self, need: int) -> bool:
         try:
             if fs_magic(self.dir) == TMPFS_MAGIC:
+                cg = cgroup_memory()
+                if cg is not None and cg[1] + need > cg[0] - CGROUP_SPARE:
+                    log.info("node cache: %.1f MiB would not fit under this plugin's memory limit (%.1f of %.1f MiB "
+                             "used)", need / 2**20, cg[1] / 2**20, cg[0] / 2**20)
+                    return False
                 mem = meminfo()
                 left = mem.get("MemAvailable", 0) - need
                 if left < self.min_free * mem.get("MemTotal", 0):

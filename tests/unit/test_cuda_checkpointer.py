@@ -24,12 +24,14 @@ class FakeDriver:
         self.fail = fail or {}
         self.no_cuda = no_cuda or set()  # live processes without CUDA: NOT_INITIALIZED at once
         self.calls: list[tuple[str, int]] = []
+        self.thread_of: list[str] = []  # the thread of each call
         self.threads: set[str] = set()
         self.pairs: list[list[tuple[str, str]]] = []
 
     def _do(self, call: str, pid: int, need: int | None, to: int | None) -> None:
         self.threads.add(threading.current_thread().name)
         self.calls.append((call, pid))
+        self.thread_of.append(threading.current_thread().name)
         if pid in self.no_cuda:
             raise CudaError(f"cuCheckpointProcess{call.title()}", 3, "CUDA_ERROR_NOT_INITIALIZED")
         if pid not in self.states:
@@ -251,3 +253,42 @@ def test_cli_out_of_range_pid_never_reaches_the_driver(capsys: pytest.CaptureFix
     monkeypatch.setattr(cuda_cli, "CudaCheckpointer", no_driver)
     assert cuda_cli.main(["--action", "unlock", "--pid", str(2**32 + 1)]) == 1
     assert "out of range" in capsys.readouterr().err
+
+
+class BlockingRestore(FakeDriver):
+    """A restore that waits until ``want`` restores are in the driver at once (or 2 s)."""
+
+    def __init__(self, cuda_pids: list[int], want: int) -> None:
+        super().__init__(cuda_pids)
+        self.inside = 0
+        self.most = 0
+        self.cv = threading.Condition()
+        self.want = want
+
+    def restore(self, pid: int, pairs: list[tuple[str, str]] = ()) -> None:  # type: ignore[assignment]
+        with self.cv:
+            self.inside += 1
+            self.most = max(self.most, self.inside)
+            self.cv.notify_all()
+            self.cv.wait_for(lambda: self.inside >= self.want, timeout=2.0)
+        super().restore(pid, pairs)
+        with self.cv:
+            self.inside -= 1
+
+
+@pytest.mark.parametrize("parallel", [1, 2])
+def test_restores_of_two_pods_run_at_once_only_when_parallel(parallel: int) -> None:
+    fake = BlockingRestore([101, 102], want=2)
+    fake.states = {101: 2, 102: 2}  # both checkpointed (restored into new pods)
+    with CudaCheckpointer(driver_factory=lambda: fake, parallel=parallel) as ck:  # type: ignore[arg-type, return-value]
+        threads = [threading.Thread(target=ck.restore_all, args=([p],)) for p in (101, 102)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+    assert fake.most == parallel
+    assert fake.states == {101: 0, 102: 0}
+    # every call of one sequence on one thread; with parallel 2 the two sequences on two
+    names = {pid: {n for (c, p), n in zip(fake.calls, fake.thread_of) if p == pid} for pid in (101, 102)}
+    assert all(len(v) == 1 for v in names.values())
+    assert (names[101] != names[102]) == (parallel == 2)
