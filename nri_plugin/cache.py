@@ -101,6 +101,7 @@ class CacheWriter:
                 if artifact.manifest_id != work.manifest_id:
                     log.info("%s/%s changed since its restore: not cached", work.namespace, work.name)
                     return
+                artifact.yield_to_deletes()  # a cache is never why a delete is refused
                 self.cache.write(artifact, work.files, work.spans, work.mode)
         except (OSError, RekindleError) as exc:
             log.warning("%s/%s: not cached on this node: %s", work.namespace, work.name, exc)

@@ -27,6 +27,7 @@ Only ``plugin --create-key`` may create it; anywhere else a missing key is one e
 
 from __future__ import annotations
 
+import dataclasses
 import argparse
 import contextvars
 import json
@@ -234,10 +235,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fill-threads", type=_decimal, default=os.environ.get("REKINDLE_FILL_THREADS", "0"),
                    help="threads that fill a restore's bulk pages ($REKINDLE_FILL_THREADS, else 0: one "
                         "per core, up to 16; on the streamed path up to 12)")
-    p.add_argument("--cuda-parallel", type=_positive, default=os.environ.get("REKINDLE_CUDA_PARALLEL", "1"),
+    p.add_argument("--cuda-parallel", type=_decimal, default=os.environ.get("REKINDLE_CUDA_PARALLEL", "0"),
                    help="CUDA driver sequences (a restore's restore and unlock, a checkpoint's lock and "
-                        "checkpoint) run at once, each on its own thread ($REKINDLE_CUDA_PARALLEL, else 1: one "
-                        "at a time)")
+                        "checkpoint) run at once, each on its own thread ($REKINDLE_CUDA_PARALLEL, else 0: as "
+                        "many as --max-parallel; 1: one at a time)")
     _cache_flags(p)
     p.add_argument("--map-ranges", choices=("driver", "all", "none"), default=os.environ.get("REKINDLE_MAP", "driver"),
                    help="what a restore from the node cache maps instead of copying: driver (the CUDA "
@@ -341,6 +342,8 @@ def cmd_plugin(args: argparse.Namespace) -> int:
     from .agent import run_plugin
     settings = _settings(args)
     settings.check()
+    if not settings.cuda_parallel:
+        settings = dataclasses.replace(settings, cuda_parallel=args.max_parallel)
     return run_plugin(settings, max_parallel=args.max_parallel)
 
 

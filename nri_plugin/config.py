@@ -46,7 +46,7 @@ class Settings:
     max_layer_bytes: int = 8 << 30  # cap on a captured writable layer (and on one applied)
     bulk_min_run: int = 4096        # page runs at least this long move beside CRIU at a checkpoint
     fill_threads: int = 0           # threads filling bulk pages at a restore; 0: one per core, up to 16 (stream: 12)
-    cuda_parallel: int = 1          # restores' CUDA driver sequences at once (runtime.cuda)
+    cuda_parallel: int = 0          # CUDA driver sequences at once (runtime.cuda); 0: as max_parallel
     cache_dir: str = ""             # the node cache (runtime.nodecache); "": <state_dir>/cache
     cache_bytes: int = -1           # its byte bound; 0: no cache; -1: a quarter of the node's memory
     cache_entries: int = 8          # its entry bound
@@ -90,6 +90,8 @@ class Settings:
                 problems.append(f"{label} must be an absolute path, got {path!r}")
         if not 1 <= self.restore_timeout <= 86400:
             problems.append(f"--restore-timeout must be 1..86400 seconds, got {self.restore_timeout}")
+        if not 0 <= self.cuda_parallel <= 64:
+            problems.append(f"--cuda-parallel must be 0..64 (0: as --max-parallel), got {self.cuda_parallel}")
         if self.map_ranges not in ("driver", "all", "none"):
             problems.append(f"--map-ranges must be driver, all or none, got {self.map_ranges!r}")
         if self.cache_bytes < -1 or not 1 <= self.cache_entries <= 1024:

@@ -58,6 +58,14 @@ class Artifact:
                 os.close(fd)
         self._lock_fd = self._dir_fd = -1
 
+    def yield_to_deletes(self) -> None:
+        """Drop the shared lock (keep the directory fd): a reader that must not hold up a
+        delete or a prune (the node cache's writer). Files it opens after a delete began are
+        missing (ArtifactRejected); what it reads is verified as ever."""
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+
     def entry(self, path: str) -> FileEntry:
         try:
             return self._entries[path]

@@ -186,3 +186,23 @@ def test_the_byte_bound_evicts_the_least_recently_used_entry(sandbox, pod, plugi
         plugin.kill()
         plugin.env = {}
         plugin.start()
+
+
+def test_a_delete_is_not_held_up_by_the_cache_writer(sandbox, pod, cached_plugin, tmp_path):
+    plugin = cached_plugin
+    _source(sandbox, pod, plugin, "cache-delete")
+    plugin.kill()
+    plugin.env = {**plugin.env, "REKINDLE_TEST_PAUSE": f"cache-write:{tmp_path}"}
+    plugin.start()
+    try:
+        _restore(sandbox, pod, plugin, "cache-delete", "1")
+        wait_for(lambda: (tmp_path / "cache-write.reached").exists(), 120, "the cache writer to be mid-entry")
+        done = subprocess.run([sys.executable, "-m", "nri_plugin", "artifacts", "delete", "cache-delete",
+                               "--store", str(plugin.store), "--state-dir", str(plugin.state_dir)],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr  # it used to wait on the writer: "a restore is reading it"
+        (tmp_path / "cache-write.go").touch()
+    finally:
+        plugin.kill()
+        plugin.env = {k: v for k, v in plugin.env.items() if k != "REKINDLE_TEST_PAUSE"}
+        plugin.start()
