@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from collections.abc import Callable
 
 from runtime import control
-from runtime.errors import AnnotationError, RekindleError
+from runtime.errors import AlreadyAttempted, AnnotationError, Incompatible, LessPrivileged, RekindleError, reason_of
 from runtime.compat import NodeFacts, check_compatibility
 from runtime.manifest import Manifest
 from runtime.security import LsmSupport, SecurityProfile, check_privilege
@@ -140,12 +140,13 @@ class RekindlePlugin:
                            self.settings.max_layer_bytes)
         except AnnotationError as exc:
             log.warning("%s: %s; container starts unadjusted", who(pod, ctr), exc)
-            self._record(pod, ctr, None, Phase.IGNORED, str(exc))
+            self._record(pod, ctr, None, Phase.IGNORED, str(exc), exc)
             return empty
         if intent is None:
             return empty
         logs.bind(artifact=intent.artifact)
         failed = ""
+        failed_cause: BaseException | None = None
         try:
             ctl = control.control_dir_for(self.settings.state_dir, pod.uid, ctr.name)
             if intent.role is Role.RESTORE:
@@ -154,7 +155,7 @@ class RekindlePlugin:
                 except RekindleError as exc:
                     if not intent.fails_closed or isinstance(exc, Skipped):
                         raise
-                    manifest, failed = None, str(exc)  # the init is put in place to fail the container
+                    manifest, failed, failed_cause = None, str(exc), exc  # the init is put in place to fail the container
             else:
                 manifest = None
                 skip = guards.existing_artifact(self.store, self.key, pod.namespace, intent)
@@ -169,7 +170,7 @@ class RekindlePlugin:
             return empty
         except RekindleError as exc:
             log.warning("%s: %s %s: %s; cold start", who(pod, ctr), intent.role.value, intent.artifact, exc)
-            self._record(pod, ctr, intent, Phase.COLD_START, str(exc))
+            self._record(pod, ctr, intent, Phase.COLD_START, str(exc), exc)
             return empty
 
         adjust = api.ContainerAdjustment()
@@ -194,7 +195,7 @@ class RekindlePlugin:
         def commit() -> None:  # run by the stub as it sends this reply, never for a late one
             with self._lock:
                 self._pending[ctr.id] = pending
-            self._record(pod, ctr, intent, phase, failed)
+            self._record(pod, ctr, intent, phase, failed, failed_cause)
             log.info("%s: %s %s: control dir %s", who(pod, ctr), intent.role.value, intent.artifact, ctl.path)
         return Reply(api.CreateContainerResponse(adjust=adjust), commit)
 
@@ -204,7 +205,7 @@ class RekindlePlugin:
         # A pod that fails closed tries again in each new container: never a cold start instead.
         attempted = (Phase.COLD_START, Phase.RESTORED, Phase.RESTORING, Phase.RESTORE_EXITED)
         if not intent.fails_closed and prev and prev.pod_uid == pod.uid and prev.phase in attempted:
-            raise RekindleError(f"a restore was already attempted for this pod ({prev.phase.value}"
+            raise AlreadyAttempted(f"a restore was already attempted for this pod ({prev.phase.value}"
                                 f"{': ' + prev.reason if prev.reason else ''}); not retrying")
         with self.store.open(pod.namespace, intent.artifact, self.key) as artifact:
             manifest = artifact.manifest
@@ -220,7 +221,7 @@ class RekindlePlugin:
         facts = target_facts(self.facts, {"linux": {"devices": devices}})
         reasons = check_compatibility(manifest, facts, image=image, image_ref=image_ref or "")
         if reasons:
-            raise RekindleError("incompatible: " + "; ".join(reasons))
+            raise Incompatible("incompatible: " + "; ".join(reasons))
         return manifest
 
     # ------------------------------------------------------------------ post-create
@@ -237,7 +238,7 @@ class RekindlePlugin:
                 target = SecurityProfile.from_oci_spec(spec, label=work.artifact)
                 reasons = check_privilege(pending.manifest.security, target, lsm=LsmSupport.detect())
                 if reasons:
-                    raise RekindleError("target container is less privileged than the source: "
+                    raise LessPrivileged("target container is less privileged than the source: "
                                         + "; ".join(reasons))
             if not pending.swapped:
                 if self.specs is None:
@@ -261,7 +262,7 @@ class RekindlePlugin:
             phase = (restore_failure_phase(work.intent) if pending.swapped else Phase.COLD_START) \
                 if work.intent.role is Role.RESTORE else Phase.CHECKPOINT_FAILED
             log.warning("%s: %s; %s", who(pod, ctr), exc, phase.value)
-            self._record(pod, ctr, work.intent, phase, str(exc))
+            self._record(pod, ctr, work.intent, phase, str(exc), exc)
             return
         log.info("%s: entrypoint swapped to rekindle-init (%s mode)", who(pod, ctr), work.mode)
 
@@ -355,11 +356,12 @@ class RekindlePlugin:
         )
 
     def _record(self, pod: api.PodSandbox, ctr: api.Container, intent: Intent | None,
-                phase: Phase, reason: str) -> None:
+                phase: Phase, reason: str, cause: BaseException | None = None) -> None:
         # A malformed pod still says what it wanted (for its Event): the role, if recognisable.
         hint = role_hint(dict(pod.annotations)) if intent is None else None
         self.status.record(ContainerStatus(
             namespace=pod.namespace, pod=pod.name, container=ctr.name,
             role=intent.role.value if intent else (hint.value if hint else ""),
             artifact=intent.artifact if intent else "",
-            phase=phase, reason=reason, container_id=ctr.id, pod_uid=pod.uid))
+            phase=phase, reason=reason, container_id=ctr.id, pod_uid=pod.uid,
+            reason_class=kind.value if cause is not None and (kind := reason_of(cause)) is not None else ""))

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from runtime import control
-from runtime.errors import RekindleError
+from runtime.errors import RekindleError, reason_of
 from runtime.status import ContainerStatus, Phase, Progress, StatusBook
 
 from . import logs
@@ -343,7 +343,7 @@ class Jobs:
                       work.artifact, reason, exc_info=not isinstance(exc, RekindleError))
             if not work.control.exists(control.RESTORE_COMPLETE):
                 work.control.write(failure_file, reason + "\n")
-            self._set(work, failed, reason)
+            self._set(work, failed, reason, cause=exc)
             return False
         finally:
             self._running.discard(work.container_id)
@@ -354,12 +354,14 @@ class Jobs:
         self._set(work, ok, "")
         return True
 
-    def _set(self, work: Work, phase: Phase, reason: str, progress: Progress | None = None) -> None:
+    def _set(self, work: Work, phase: Phase, reason: str, progress: Progress | None = None,
+             cause: BaseException | None = None) -> None:
+        kind = reason_of(cause) if cause is not None else None
         self.status.record(ContainerStatus(
             namespace=work.namespace, pod=work.pod, container=work.container,
             role=work.intent.role.value, artifact=work.artifact, phase=phase, reason=reason,
             container_id=work.container_id, pod_uid=work.pod_uid, timings=dict(work.timings),
-            progress=progress, bytes=work.bytes))
+            progress=progress, bytes=work.bytes, reason_class=kind.value if kind is not None else ""))
 
 
 def _exit_text(code: int | None) -> str:

@@ -11,9 +11,11 @@ Sinks are called on the writer's thread (an NRI handler's, the event loop's or a
 thread's): ``publish`` must return at once and never raise into the caller; a sink that does
 raise is logged and skipped.
 
-``classify`` maps a reason text to a small fixed set of ``ReasonClass`` values, so that
-metrics labels stay bounded whatever a CRIU or store error says; the reason text itself goes
-only into Events, logs and status.
+An outcome's ``reason_class`` (``runtime.errors.Reason``, a small fixed set: metric labels stay
+bounded whatever a CRIU or store error says) is the one its error carried, recorded in the status
+(``ContainerStatus.reason_class``); ``classify`` guesses it from the words only for the rest
+(an unexpected exception, the plugin's own skip texts, records written before the field). The
+reason text itself goes only into Events, logs and status.
 
 No Kubernetes or Prometheus import here: this module is pure data and formatting.
 """
@@ -28,6 +30,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Protocol
 
+from runtime.errors import Reason
 from runtime.status import ContainerStatus, Phase
 
 log = logging.getLogger(__name__)
@@ -43,25 +46,7 @@ class OutcomeKind(Enum):
     SKIPPED = "skipped"
 
 
-class ReasonClass(Enum):
-    NONE = "none"                          # success
-    ANNOTATION = "annotation"              # a malformed rekindle.dev/* annotation
-    NOT_FOUND = "not_found"                # no artifact of that name in the pod's namespace
-    ALREADY_ATTEMPTED = "already_attempted"  # one restore per pod: a restarted container starts cold
-    INCOMPATIBLE = "incompatible"          # node, CRIU, image, driver or GPUs differ
-    PRIVILEGE = "privilege"                # the source had privilege the target lacks
-    INTEGRITY = "integrity"                # signature, digest, layout of the artifact
-    TIMEOUT = "timeout"                    # a handler overran, or the restore took too long
-    AGENT_RESTART = "agent_restart"        # the plugin restarted during the work
-    EXITED = "exited"                      # the restored process exited right after the restore
-    ARTIFACT_EXISTS = "artifact_exists"    # a source whose artifact is already published
-    SEVERAL_CONTAINERS = "several_containers"  # a pod with more containers and none named
-    NOT_SOURCE_CONTAINER = "not_source_container"  # a container the artifact was not taken from
-    CRIU = "criu"
-    CUDA = "cuda"
-    STORE = "store"
-    RUNTIME = "runtime"                    # containerd / the container itself
-    OTHER = "other"
+ReasonClass = Reason  # (its old name here)
 
 
 # Ordered: the first class whose keyword occurs in the reason wins. The texts are Rekindle's
@@ -129,9 +114,15 @@ class Outcome:
     reason: str = ""
     timings: Mapping[str, float] = field(default_factory=dict)
     bytes: int = 0
+    reason_kind: str = ""  # the Reason its error carried ("": none said)
 
     @property
-    def reason_class(self) -> ReasonClass:
+    def reason_class(self) -> Reason:
+        if self.reason_kind:
+            try:
+                return Reason(self.reason_kind)
+            except ValueError:
+                pass
         return classify(self.reason)
 
     @property
@@ -193,7 +184,8 @@ def outcome_of(status: ContainerStatus) -> Outcome | None:
         return None
     return Outcome(kind=kind, role=role, namespace=status.namespace, pod=status.pod, pod_uid=status.pod_uid,
                    container=status.container, container_id=status.container_id, artifact=status.artifact,
-                   reason=status.reason, timings=dict(status.timings), bytes=status.bytes)
+                   reason=status.reason, timings=dict(status.timings), bytes=status.bytes,
+                   reason_kind=status.reason_class)
 
 
 class OutcomeSink(Protocol):

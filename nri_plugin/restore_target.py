@@ -25,13 +25,14 @@ from pathlib import Path
 
 from runtime import control
 from runtime.containers import ContainerInfo, children, resolve_container
-from runtime.errors import RekindleError
+from runtime.errors import Reason, RekindleError
 
 from .handlers import IMAGE_NAME_ANNOTATION
 from .swap import is_swapped
 
 
 class TargetRefused(RekindleError):
+    reason_class = Reason.RUNTIME
     """The container is not a restore target Rekindle prepared; nothing was touched."""
 
     def __init__(self, container_id: str, why: str) -> None:

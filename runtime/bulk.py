@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from runtime import criu_image as img
-from runtime.errors import RekindleError
+from runtime.errors import Reason, RekindleError
 from runtime import layout
 from runtime.layout import (BULK_DIR, CRIU_DIR, DIGEST_BYTES, SUM_CHUNK, BulkFile, BulkRange, bulk_file,
                             bulk_pagemap, bulk_sums)
@@ -67,6 +67,7 @@ CHUNK = SUM_CHUNK  # per-thread buffer: hashed and written while still in the co
 
 
 class FillError(RekindleError):
+    reason_class = Reason.INTEGRITY  # a chunk off its digest, a range off the restored tree
     """Bulk pages could not be written into the restored process (or did not verify)."""
 
 

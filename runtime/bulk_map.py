@@ -32,7 +32,7 @@ from typing import Any
 
 from runtime import criu_image as img
 from runtime.criu_proto import fown_pb2, regfile_pb2
-from runtime.errors import RekindleError
+from runtime.errors import Reason, RekindleError
 from runtime.layout import BulkFile, BulkRange
 
 MAP_MIN = 2 << 20  # smaller ranges are filled: a VMA each would cost more than the copy
@@ -44,7 +44,7 @@ KEY_PREFIX = "rekindle-map/"  # the files' names in the images: no path of the t
 
 
 class MapError(RekindleError):
-    pass
+    reason_class = Reason.INTEGRITY  # the images and the cache entry do not fit each other
 
 
 class MapMode(enum.Enum):

@@ -55,7 +55,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Protocol, TypeVar
 
 from runtime.cuda_driver import Driver, format_uuid, nvml_driver_version, parse_uuid, proc_driver_version
-from runtime.errors import CudaError, CudaStuck, CudaUnavailable, RekindleError
+from runtime.errors import CudaError, CudaStuck, CudaUnavailable, Reason, RekindleError
 from runtime.gpus import Gpu
 
 log = logging.getLogger(__name__)
@@ -146,6 +146,7 @@ class Checkpointer(Protocol):
 
 
 class GpuMapError(RekindleError):
+    reason_class = Reason.INCOMPATIBLE
     """Source and target GPUs cannot be paired for a restore."""
 
     def __init__(self, reason: str) -> None:

@@ -4,13 +4,45 @@ Every boundary of the engine raises a subclass of :class:`RekindleError`, carryi
 caller needs (which object, which operation, where the log is). The NRI handlers catch
 ``RekindleError`` and fall back to a cold start; anything else is a bug and is logged with its
 traceback before the same fallback.
+
+Each class says what kind of failure it is (``reason_class``, a :class:`Reason`): the bounded
+label of ``rekindle_outcomes_total{reason}``, the Event and the pod condition. An instance may
+narrow it (an :class:`ArtifactRejected` for privilege or compatibility). Only exceptions that
+are none of these are classed by their words (``nri_plugin.outcomes.classify``).
 """
 
 from __future__ import annotations
 
+import enum
+
+
+class Reason(enum.Enum):
+    """Why a container was not checkpointed or restored: a small fixed set (metric labels)."""
+
+    NONE = "none"                          # success
+    ANNOTATION = "annotation"              # a malformed rekindle.dev/* annotation
+    NOT_FOUND = "not_found"                # no artifact of that name in the pod's namespace
+    ALREADY_ATTEMPTED = "already_attempted"  # one restore per pod: a restarted container starts cold
+    INCOMPATIBLE = "incompatible"          # node, CRIU, image, driver or GPUs differ
+    PRIVILEGE = "privilege"                # the source had privilege the target lacks
+    INTEGRITY = "integrity"                # signature, digest, layout of the artifact
+    TIMEOUT = "timeout"                    # a handler overran, or the restore took too long
+    AGENT_RESTART = "agent_restart"        # the plugin restarted during the work
+    EXITED = "exited"                      # the restored process exited right after the restore
+    ARTIFACT_EXISTS = "artifact_exists"    # a source whose artifact is already published
+    SEVERAL_CONTAINERS = "several_containers"  # a pod with more containers and none named
+    NOT_SOURCE_CONTAINER = "not_source_container"  # a container the artifact was not taken from
+    CRIU = "criu"
+    CUDA = "cuda"
+    STORE = "store"
+    RUNTIME = "runtime"                    # containerd / the container itself
+    OTHER = "other"
+
 
 class RekindleError(Exception):
     """Base class of every error Rekindle raises on purpose."""
+
+    reason_class: Reason = Reason.OTHER
 
 
 class ConfigError(RekindleError):
@@ -39,6 +71,8 @@ class KeyMissing(ConfigError):
 class AnnotationError(RekindleError):
     """A pod annotation is malformed or names something that cannot be used."""
 
+    reason_class = Reason.ANNOTATION
+
     def __init__(self, key: str, reason: str) -> None:
         super().__init__(f"annotation {key}: {reason}")
         self.key = key
@@ -48,14 +82,20 @@ class AnnotationError(RekindleError):
 class StoreError(RekindleError):
     """The artifact store could not be read or written."""
 
+    reason_class = Reason.STORE
+
 
 class ArtifactRejected(RekindleError):
-    """An artifact exists but must not be used (bad signature, digest, compatibility, privilege)."""
+    """An artifact exists but must not be used (bad signature, digest, compatibility, privilege:
+    ``kind`` says which; by default its integrity)."""
 
-    def __init__(self, name: str, reason: str) -> None:
+    reason_class = Reason.INTEGRITY
+
+    def __init__(self, name: str, reason: str, kind: Reason = Reason.INTEGRITY) -> None:
         super().__init__(f"artifact {name}: {reason}")
         self.name = name
         self.reason = reason
+        self.reason_class = kind
 
 
 class TreeTooLarge(StoreError):
@@ -72,29 +112,43 @@ class TreeTooLarge(StoreError):
 class ArtifactNotFound(StoreError):
     """No artifact of that name in that namespace."""
 
+    reason_class = Reason.NOT_FOUND
+
 
 class OverlayError(RekindleError):
     """Capturing or applying a container's writable layer failed (or an entry was unsafe)."""
+
+    reason_class = Reason.RUNTIME
 
 
 class ContainerNotFound(RekindleError):
     """A container, its task or its bundle could not be found."""
 
+    reason_class = Reason.RUNTIME
+
 
 class ImageUnknown(RekindleError):
     """The id (content digest) of a container's image could not be resolved."""
+
+    reason_class = Reason.RUNTIME
 
 
 class NamespaceError(RekindleError):
     """Entering a container's namespaces failed."""
 
+    reason_class = Reason.RUNTIME
+
 
 class ConfinementError(RekindleError):
     """A restored process could not be held to the target container's limits."""
 
+    reason_class = Reason.PRIVILEGE  # it would run with more than the target's spec grants
+
 
 class CriuError(RekindleError):
     """CRIU failed; ``log_path`` names its log."""
+
+    reason_class = Reason.CRIU
 
     def __init__(self, op: str, message: str, log_path: str | None = None) -> None:
         where = f", log at {log_path}" if log_path else ""
@@ -105,6 +159,8 @@ class CriuError(RekindleError):
 
 class CudaError(RekindleError):
     """A CUDA driver checkpoint call failed (``pid``: the process it was about, when known)."""
+
+    reason_class = Reason.CUDA
 
     def __init__(self, call: str, code: int, name: str, pid: int | None = None) -> None:
         on = f" for pid {pid}" if pid is not None else ""
@@ -123,6 +179,8 @@ class CudaStuck(RekindleError):
     """A failed CUDA sequence could not be undone: ``stuck`` maps each pid left locked or
     checkpointed to what went wrong. Such a process never resumes; the caller ends it."""
 
+    reason_class = Reason.CUDA
+
     def __init__(self, cause: CudaError, stuck: dict[int, str]) -> None:
         pids = ", ".join(str(p) for p in sorted(stuck))
         super().__init__(f"{cause}; undoing it failed too, pid(s) {pids} stay stuck")
@@ -134,6 +192,8 @@ class CheckpointRefused(RekindleError):
     """A checkpoint was not taken because its restore could not work (``reasons``: one per
     finding). Raised before anything is locked or dumped: the source runs on unharmed."""
 
+    reason_class = Reason.INCOMPATIBLE
+
     def __init__(self, reasons: list[str]) -> None:
         super().__init__("checkpoint refused: " + "; ".join(reasons))
         self.reasons = reasons
@@ -141,3 +201,32 @@ class CheckpointRefused(RekindleError):
 
 class CudaUnavailable(RekindleError):
     """libcuda (or its checkpoint API) is not present on this node."""
+
+    reason_class = Reason.CUDA
+
+
+def reason_of(exc: BaseException) -> Reason | None:
+    """The class ``exc`` says it is; None where only its words can tell (not a Rekindle
+    error, or one that says no more than OTHER)."""
+    if isinstance(exc, RekindleError) and exc.reason_class is not Reason.OTHER:
+        return exc.reason_class
+    return None
+
+
+class AlreadyAttempted(RekindleError):
+    """One restore per pod: a restarted container starts cold."""
+
+    reason_class = Reason.ALREADY_ATTEMPTED
+
+
+class Incompatible(RekindleError):
+    """The artifact cannot run here (node, CRIU, image, driver or GPUs differ)."""
+
+    reason_class = Reason.INCOMPATIBLE
+
+
+class LessPrivileged(RekindleError):
+    """The target container grants less than the source had."""
+
+    reason_class = Reason.PRIVILEGE
+

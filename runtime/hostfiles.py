@@ -54,7 +54,7 @@ from runtime import control as control_mod
 from runtime import hostview
 from runtime.criu_image import read_reg_files
 from runtime.digests import WORKERS, hash_fd
-from runtime.errors import RekindleError
+from runtime.errors import Reason, RekindleError
 from runtime.layout import MountPlanEntry
 from runtime.manifest import HostFile
 from runtime.openat2 import open_beneath
@@ -69,6 +69,7 @@ SKIPPED = ("/dev/shm", *control_mod.CONTAINER_PATHS, control_mod.INIT_DIR_IN_CON
 
 
 class HostFilesError(RekindleError):
+    reason_class = Reason.INCOMPATIBLE
     """The files a checkpoint's tree uses from bind mounts could not be recorded."""
 
 

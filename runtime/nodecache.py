@@ -41,7 +41,7 @@ from runtime import bulk, layout, strict_json
 from runtime.artifact import Artifact
 from runtime.bulk_map import MapMode, Span
 from runtime.digests import WORKERS, new_hash, piece_ranges
-from runtime.errors import RekindleError
+from runtime.errors import Reason, RekindleError
 from runtime.fdfs import remove_tree, safe_parts
 from runtime.layout import DIGEST_BYTES, SUM_CHUNK, BulkFile
 from runtime.owner import read_owner, write_owner_at
@@ -63,7 +63,7 @@ CGROUP_SPARE = 2 << 30  # and this much of the plugin's memory limit (CRIU, the 
 
 
 class CacheError(RekindleError):
-    pass
+    reason_class = Reason.STORE
 
 
 def fill_name(pid: int) -> str:

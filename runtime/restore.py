@@ -66,7 +66,7 @@ from runtime import overlay_pending
 from runtime.compat import NodeFacts, check_compatibility
 from runtime.containers import ContainerInfo, resolve_container
 from runtime.cuda import Checkpointer, build_gpu_map
-from runtime.errors import ArtifactRejected, RekindleError
+from runtime.errors import ArtifactRejected, Reason, RekindleError
 from runtime.gpu_target import cuda_restore, ensure_device_nodes, target_facts
 from runtime.criu_executor import restore_into
 from runtime.namespaces import host_pid_of, used_pids
@@ -234,14 +234,17 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
                 reasons = check_compatibility(manifest, tfacts, image=image, image_ref=image_ref)
                 security = SecurityProfile.from_oci_spec(target.spec, label=req.name)
                 lsm = LsmSupport.detect()
-                reasons += check_privilege(manifest.security, security, lsm=lsm)
                 if manifest.cuda is not None and cuda is None:
                     reasons.append("artifact holds CUDA state but this agent has no CUDA driver")
+                privilege = check_privilege(manifest.security, security, lsm=lsm)
+                kind = Reason.PRIVILEGE if privilege else Reason.INCOMPATIBLE
+                reasons += privilege
                 if not reasons:  # hashing is the costly check: only when nothing else refused
                     reasons += hostfiles.check(manifest.host_files, target.spec_mounts, label=artifact.label,
                                                 view_of=target.init_pid)
+                    kind = Reason.INTEGRITY  # the files it uses from bind mounts changed
                 if reasons:
-                    raise ArtifactRejected(artifact.label, "; ".join(reasons))
+                    raise ArtifactRejected(artifact.label, "; ".join(reasons), kind)
             with t.phase("stage"):
                 if cache is not None and req.path is not RestorePath.STOCK:
                     entry = cache.hold(artifact, map_mode)
@@ -393,6 +396,7 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
 
 
 class RestoreRolledBackBadly(RekindleError):
+    reason_class = Reason.RUNTIME
     """A failed restore whose rootfs changes could not all be undone: the init will not start the
     original command on that rootfs (``rootfs-pending`` stays)."""
 

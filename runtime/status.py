@@ -84,6 +84,7 @@ class ContainerStatus:
     updated_at: float = 0.0
     progress: Progress | None = None   # only while checkpointing or restoring
     bytes: int = 0                     # the artifact's size, once published or restored
+    reason_class: str = ""             # runtime.errors.Reason of a failure, when its error said ("": by its words)
 
     def to_json(self) -> str:
         d = asdict(self)

@@ -59,7 +59,7 @@ from runtime.criu import CRIU
 from runtime.criu_proto import pagemap_pb2
 from runtime.control import ControlDir
 from runtime.digests import WORKERS, new_hash
-from runtime.errors import RekindleError
+from runtime.errors import Reason, RekindleError
 from runtime.layout import DIGEST_BYTES, SUM_CHUNK, BulkFile
 from runtime.namespaces import enter_cgroups_argv
 from runtime.pagecache import is_cached
@@ -77,6 +77,14 @@ _NOT_LAZY_STATUS = img.VMA_AREA_VDSO | img.VMA_AREA_VVAR | img.VMA_AREA_VSYSCALL
 
 class StreamError(RekindleError):
     """The streamed restore failed: the tree was killed (or never ran)."""
+
+    reason_class = Reason.CRIU  # most: CRIU's lazy-pages hand-off
+
+
+class StreamIntegrityError(StreamError):
+    """A bulk file off its ranges or chunk digests while served."""
+
+    reason_class = Reason.INTEGRITY
 
 
 def _can_be_lazy(vma: object) -> bool:
@@ -386,7 +394,7 @@ class Server:
             self.first.append(len(self.pieces))
             size = os.fstat(fd).st_size
             if len(ds) != -(-size // SUM_CHUNK) * DIGEST_BYTES or any(r.offset + r.length > size for r in f.ranges):
-                raise StreamError(f"{label}: {f.path} does not match its ranges or chunk digests")
+                raise StreamIntegrityError(f"{label}: {f.path} does not match its ranges or chunk digests")
             for off in range(0, size, PIECE):
                 n = min(PIECE, size - off)
                 d = ds[off // SUM_CHUNK * DIGEST_BYTES:-(-(off + n) // SUM_CHUNK) * DIGEST_BYTES]
@@ -577,14 +585,14 @@ class Server:
             while got < want:
                 n = os.preadv(fd, [view[got:want]], p.offset + got)
                 if n <= 0:
-                    raise StreamError(f"bulk file shrank while read (at {p.offset + got})")
+                    raise StreamIntegrityError(f"bulk file shrank while read (at {p.offset + got})")
                 got += n
             t1 = time.perf_counter()
             digest = new_hash()
             digest.update(view[start:want])
             k = start // SUM_CHUNK * DIGEST_BYTES
             if digest.digest() != p.digests[k:k + DIGEST_BYTES]:
-                raise StreamError(f"chunk at {p.offset + start} of {self.files[p.file].path} does not match its digest")
+                raise StreamIntegrityError(f"chunk at {p.offset + start} of {self.files[p.file].path} does not match its digest")
             reading, hashing = reading + (t1 - t0), hashing + (time.perf_counter() - t1)
         with self.counters.lock:
             self.counters.verified += p.length

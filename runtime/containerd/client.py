@@ -25,7 +25,7 @@ from google.protobuf import any_pb2, field_mask_pb2
 from runtime.containerd import RECONNECT_OPTIONS
 from runtime.containerd.proto import containers_pb2 as pb
 from runtime.containerd.proto import containers_pb2_grpc as pb_grpc
-from runtime.errors import RekindleError
+from runtime.errors import Reason, RekindleError
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +36,7 @@ OCI_SPEC_TYPE_URL = "types.containerd.io/opencontainers/runtime-spec/1/Spec"
 
 
 class ContainerdError(RekindleError):
+    reason_class = Reason.RUNTIME
     """A containerd API call failed."""
 
     def __init__(self, op: str, message: str, code: grpc.StatusCode | None = None) -> None:

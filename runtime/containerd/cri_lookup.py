@@ -21,10 +21,11 @@ from runtime.containerd import RECONNECT_OPTIONS
 
 from runtime.containerd.proto import cri_api_pb2 as pb
 from runtime.containerd.proto import cri_api_pb2_grpc as pb_grpc
-from runtime.errors import RekindleError
+from runtime.errors import Reason, RekindleError
 
 
 class CRIError(RekindleError):
+    reason_class = Reason.RUNTIME
     """A CRI call failed; ``code`` is the gRPC status code (or None)."""
 
     def __init__(self, op: str, message: str, code: grpc.StatusCode | None = None) -> None:
