@@ -22,7 +22,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 from runtime import checkpoint as checkpoint_flow
 from runtime import housekeeping, overlay_pending, store_gc
@@ -132,25 +132,17 @@ class NodeEngine:
 
     def checkpoint(self, work: Work) -> dict[str, float]:
         self._source_rules(work)
-        req = checkpoint_flow.CheckpointRequest(
-            containerd_state=self.settings.containerd_state, container_id=work.container_id,
-            namespace=work.namespace, name=work.artifact, pod=work.pod, pod_uid=work.pod_uid,
+        req = checkpoint_request(
+            self.settings, work.container_id, work.namespace, work.artifact, pod=work.pod, pod_uid=work.pod_uid,
             container=work.container, image=work.image, image_ref=self._image_id(work.image),
             exit_after=work.intent.after_checkpoint is AfterCheckpoint.EXIT,
-            log_dir=os.path.join(self.settings.state_dir, "logs"),
-            max_layer_bytes=min(work.intent.max_layer_bytes, self.settings.max_layer_bytes),
-            capture_timeout=self.settings.capture_timeout, bulk_min_run=self.settings.bulk_min_run)
+            max_layer_bytes=min(work.intent.max_layer_bytes, self.settings.max_layer_bytes))
         return checkpoint_flow.checkpoint(req, self.store, self.key, control=work.control, cuda=self.cuda,
                                           progress=work.progress)
 
     def restore(self, work: Work) -> dict[str, float]:
-        req = restore_flow.RestoreRequest(
-            containerd_state=self.settings.containerd_state, container_id=work.container_id,
-            namespace=work.namespace, name=work.artifact, image=work.image, image_ref=self._image_id(work.image),
-            log_dir=os.path.join(self.settings.state_dir, "logs"),
-            path=restore_flow.RestorePath(self.settings.restore_path),
-            max_layer_bytes=self.settings.max_layer_bytes,
-            threads=self.settings.fill_threads, undo_dir=undo_dir(self.settings))
+        req = restore_request(self.settings, work.container_id, work.namespace, work.artifact, image=work.image,
+                              image_ref=self._image_id(work.image))
         prefetcher = self.prefetcher
         staged = (lambda art: prefetcher.take(work.pod_uid, art)) if prefetcher is not None else None
         writer = self.cache_writer
@@ -235,8 +227,41 @@ def _clients(settings: Settings) -> tuple[SpecAccess | None, ImageRef | None, gu
     return specs, image_ref, cri.live_containers, cri.exit_code
 
 
-def _engine(settings: Settings) -> tuple[ArtifactStore, bytes, NodeFacts, NodeEngine, SpecAccess | None,
-                                         ImageRef | None]:
+class Node(NamedTuple):
+    """What the plugin and the CLI's one-shot flows work with on this node."""
+
+    store: ArtifactStore
+    key: bytes
+    facts: NodeFacts
+    engine: NodeEngine
+    specs: SpecAccess | None
+    image_ref: ImageRef | None
+
+
+def checkpoint_request(settings: Settings, container_id: str, namespace: str, name: str, *, pod: str = "",
+                       pod_uid: str = "", container: str = "", image: str = "", image_ref: str = "",
+                       exit_after: bool = False, max_layer_bytes: int | None = None
+                       ) -> checkpoint_flow.CheckpointRequest:
+    """The one place a checkpoint request is built from the settings (the plugin's and the CLI's)."""
+    return checkpoint_flow.CheckpointRequest(
+        containerd_state=settings.containerd_state, container_id=container_id, namespace=namespace, name=name,
+        pod=pod, pod_uid=pod_uid, container=container, image=image, image_ref=image_ref, exit_after=exit_after,
+        log_dir=os.path.join(settings.state_dir, "logs"),
+        max_layer_bytes=settings.max_layer_bytes if max_layer_bytes is None else max_layer_bytes,
+        capture_timeout=settings.capture_timeout, bulk_min_run=settings.bulk_min_run)
+
+
+def restore_request(settings: Settings, container_id: str, namespace: str, name: str, *, image: str,
+                    image_ref: str) -> restore_flow.RestoreRequest:
+    """The one place a restore request is built from the settings (the plugin's and the CLI's)."""
+    return restore_flow.RestoreRequest(
+        containerd_state=settings.containerd_state, container_id=container_id, namespace=namespace, name=name,
+        image=image, image_ref=image_ref, log_dir=os.path.join(settings.state_dir, "logs"),
+        path=restore_flow.RestorePath(settings.restore_path), max_layer_bytes=settings.max_layer_bytes,
+        threads=settings.fill_threads, undo_dir=undo_dir(settings))
+
+
+def _engine(settings: Settings) -> Node:
     # Only the plugin, and only when told (--create-key), may make a key; everything else reads it.
     key = load_key(settings.key_path, create=settings.create_key)
     store = ArtifactStore(settings.store)
@@ -245,7 +270,7 @@ def _engine(settings: Settings) -> tuple[ArtifactStore, bytes, NodeFacts, NodeEn
     specs, image_ref, running, exit_code = _clients(settings)
     engine = NodeEngine(settings, store, key, cuda, facts, image_ref, running)
     engine.exit_code = exit_code
-    return store, key, facts, engine, specs, image_ref
+    return Node(store, key, facts, engine, specs, image_ref)
 
 
 def _reporting(settings: Settings, status: StatusBook, facts: NodeFacts | None = None
@@ -414,26 +439,20 @@ def _control_of(settings: Settings, container_id: str) -> control.ControlDir | N
 def checkpoint_once(settings: Settings, container_id: str, namespace: str, name: str,
                     exit_after: bool = False,
                     progress: Callable[[str, int, int], None] | None = None) -> dict[str, float]:
-    store, key, facts, engine, specs, image_ref = _engine(settings)
-    req = checkpoint_flow.CheckpointRequest(
-        containerd_state=settings.containerd_state, container_id=container_id, namespace=namespace,
-        name=name, pod="", pod_uid="", container="", image="", image_ref="", exit_after=exit_after,
-        log_dir=os.path.join(settings.state_dir, "logs"))
-    return checkpoint_flow.checkpoint(req, store, key, control=_control_of(settings, container_id), cuda=engine.cuda,
-                                      progress=progress)
+    node = _engine(settings)
+    req = checkpoint_request(settings, container_id, namespace, name, exit_after=exit_after)
+    return checkpoint_flow.checkpoint(req, node.store, node.key, control=_control_of(settings, container_id),
+                                      cuda=node.engine.cuda, progress=progress)
 
 
 def restore_once(settings: Settings, container_id: str, namespace: str, name: str,
                  image: str, progress: Callable[[str, int, int], None] | None = None) -> dict[str, float]:
     """The CLI's restore into a target the caller checked (``restore_target``): the same checks
     as the plugin's, the image and its digest included."""
-    store, key, facts, engine, specs, image_ref = _engine(settings)
-    req = restore_flow.RestoreRequest(
-        containerd_state=settings.containerd_state, container_id=container_id, namespace=namespace,
-        name=name, image=image, image_ref=engine._image_id(image), log_dir=os.path.join(settings.state_dir, "logs"),
-        path=restore_flow.RestorePath(settings.restore_path), max_layer_bytes=settings.max_layer_bytes,
-        threads=settings.fill_threads, undo_dir=undo_dir(settings))
+    node = _engine(settings)
+    req = restore_request(settings, container_id, namespace, name, image=image,
+                          image_ref=node.engine._image_id(image))
     cache = NodeCache(cache_dir(settings), cache_bytes(settings), settings.cache_entries)  # read only
-    return restore_flow.restore(req, store, key, facts, control=_control_of(settings, container_id),
-                                cuda=engine.cuda, generations=engine.generations, progress=progress,
+    return restore_flow.restore(req, node.store, node.key, node.facts, control=_control_of(settings, container_id),
+                                cuda=node.engine.cuda, generations=node.engine.generations, progress=progress,
                                 cache=cache, map_mode=map_mode(settings))
