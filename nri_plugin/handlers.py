@@ -48,7 +48,7 @@ from runtime.errors import AlreadyAttempted, AnnotationError, Incompatible, Less
 from runtime.compat import NodeFacts, check_compatibility
 from runtime.manifest import Manifest
 from runtime.security import LsmSupport, SecurityProfile, check_privilege
-from runtime.gpu_target import target_facts
+from runtime.gpu_target import facts_for_devices
 from runtime.rollback import GenerationBook
 from runtime.status import ContainerStatus, Phase, StatusBook
 from runtime.store import ArtifactStore
@@ -217,8 +217,7 @@ class RekindlePlugin:
         image = ctr.annotations.get(IMAGE_NAME_ANNOTATION, "")
         image_ref = self.image_ref(image) if (self.image_ref and image) else ""
         # GPUs: those this container was given (its /dev/nvidiaN devices), not all of the node's.
-        devices = [{"path": d.path, "major": d.major, "minor": d.minor} for d in ctr.linux.devices]
-        facts = target_facts(self.facts, {"linux": {"devices": devices}})
+        facts = facts_for_devices(self.facts, [(d.path, d.major, d.minor) for d in ctr.linux.devices])
         reasons = check_compatibility(manifest, facts, image=image, image_ref=image_ref or "")
         if reasons:
             raise Incompatible("incompatible: " + "; ".join(reasons))

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from runtime import bulk
@@ -47,9 +47,15 @@ def node_cuda(cuda: Checkpointer | None) -> CudaInfo | None:
 
 def target_facts(facts: NodeFacts, target_spec: Mapping[str, Any]) -> NodeFacts:
     """The node's facts with the GPU list narrowed to what the target container can see."""
+    return facts_for_devices(facts, spec_devices(target_spec))
+
+
+def facts_for_devices(facts: NodeFacts, devices: Iterable[tuple[str, int, int]]) -> NodeFacts:
+    """The node's facts with the GPU list narrowed to what a container given these device
+    entries (path, major, minor) can see."""
     if facts.cuda is None:
         return facts
-    visible = visible_gpus(spec_devices(target_spec))
+    visible = visible_gpus(devices)
     by_uuid = {g.uuid: g for g in facts.cuda.gpus}
     gpus = tuple(by_uuid.get(g.uuid, g) for g in visible)  # CUDA's model name where it has one
     return dataclasses.replace(facts, cuda=CudaInfo(facts.cuda.driver_version, gpus or facts.cuda.gpus))

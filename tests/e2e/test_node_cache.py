@@ -43,8 +43,17 @@ while True:
 IMAGE, ENV = "localhost/rekindle/host-usr:1", {"PATH": "/usr/bin:/bin"}
 
 
-def _entries(plugin) -> list[str]:
-    return sorted(glob.glob(str(plugin.state_dir / "cache" / "v1" / "*" / "entry.json")))
+def _entries(plugin, name: str) -> list[str]:
+    """The complete entries of artifact ``name`` (the plugin, and its cache, outlive a test)."""
+    out = []
+    for path in sorted(glob.glob(str(plugin.state_dir / "cache" / "v1" / "*" / "entry.json"))):
+        try:
+            with open(path) as f:
+                if json.load(f)["label"] == f"default/{name}":
+                    out.append(path)
+        except (OSError, ValueError, KeyError):
+            continue
+    return out
 
 
 def _cache_use(plugin, pod) -> dict:
@@ -107,7 +116,7 @@ def test_a_second_restore_maps_from_the_cache_and_two_pods_share_its_pages(sandb
     first, _ = _restore(sandbox, pod, plugin, "cache-share", "1")
     assert _cache_use(plugin, first)["state"] == "cold"
     assert _cache_use(plugin, first)["store_bytes_read"] >= 96 << 20
-    wait_for(lambda: _entries(plugin), 120, "the cache entry to be written")
+    wait_for(lambda: _entries(plugin, "cache-share"), 120, "the cache entry to be written")
 
     b1, c1 = _restore(sandbox, pod, plugin, "cache-share", "2", wait=False)
     b2, c2 = _restore(sandbox, pod, plugin, "cache-share", "3", wait=False)
@@ -130,7 +139,7 @@ def test_a_changed_entry_is_dropped_and_made_again(sandbox, pod, cached_plugin):
     plugin = cached_plugin
     _source(sandbox, pod, plugin, "cache-change")
     _restore(sandbox, pod, plugin, "cache-change", "1")
-    (entry,) = wait_for(lambda: _entries(plugin), 120, "the cache entry to be written")
+    (entry,) = wait_for(lambda: _entries(plugin, "cache-change"), 120, "the cache entry to be written")
     victim = sorted(glob.glob(os.path.join(os.path.dirname(entry), "map-*.bin")))[0]
     subprocess.run(["chattr", "-i", victim], check=False, capture_output=True)
     os.chmod(victim, 0o644)
@@ -141,7 +150,7 @@ def test_a_changed_entry_is_dropped_and_made_again(sandbox, pod, cached_plugin):
     b, _ = _restore(sandbox, pod, plugin, "cache-change", "2")
     assert _cache_use(plugin, b)["state"] == "cold"
     assert "dropped" in plugin.log()
-    wait_for(lambda: _entries(plugin), 120, "the entry to be made again")
+    wait_for(lambda: _entries(plugin, "cache-change"), 120, "the entry to be made again")
     c, _ = _restore(sandbox, pod, plugin, "cache-change", "3")
     assert _cache_use(plugin, c)["state"] == "warm"
 
@@ -172,12 +181,11 @@ def test_the_byte_bound_evicts_the_least_recently_used_entry(sandbox, pod, plugi
         for name in ("cache-lru-a", "cache-lru-b"):
             _source(sandbox, pod, plugin, name)
         _restore(sandbox, pod, plugin, "cache-lru-a", "1")
-        wait_for(lambda: len(_entries(plugin)) == 1, 120, "a's entry")
-        (a_entry,) = _entries(plugin)
+        wait_for(lambda: len(_entries(plugin, "cache-lru-a")) == 1, 120, "a's entry")
         time.sleep(0.05)  # (mtime order)
         _restore(sandbox, pod, plugin, "cache-lru-b", "1")
-        wait_for(lambda: _entries(plugin) and _entries(plugin) != [a_entry], 120, "b's entry in place of a's")
-        assert len(_entries(plugin)) == 1 and "evicted" in plugin.log()
+        wait_for(lambda: _entries(plugin, "cache-lru-b"), 120, "b's entry")
+        assert _entries(plugin, "cache-lru-a") == [] and "evicted" in plugin.log()
         b, _ = _restore(sandbox, pod, plugin, "cache-lru-b", "2")
         assert _cache_use(plugin, b)["state"] == "warm"
         a, _ = _restore(sandbox, pod, plugin, "cache-lru-a", "2")
