@@ -64,6 +64,9 @@ log = logging.getLogger(__name__)
 # restore on the H200, and the fill writes them on many threads instead.
 MIN_RUN = img.PAGE
 CHUNK = SUM_CHUNK  # per-thread buffer: hashed and written while still in the core's cache
+# Pieces filled at once by all the fills of this process: restores started together (pods
+# scaling out on one node) share the cores instead of each running one thread per core.
+_FILLING = threading.BoundedSemaphore(WORKERS)
 
 
 class FillError(RekindleError):
@@ -518,6 +521,10 @@ class _Filler:
         return buf
 
     def piece(self, p: _Piece) -> None:
+        with _FILLING:
+            self._piece(p)
+
+    def _piece(self, p: _Piece) -> None:
         _m, view, addr = self._buffer()
         fd, pid, segs, sums = self.fds[p.file], self.pids[p.file], self.segments[p.file], self.sums[p.file]
         pos, end, written, read = p.offset, p.offset + p.length, 0, 0
