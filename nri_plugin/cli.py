@@ -148,16 +148,10 @@ def _restore_path(p: argparse.ArgumentParser) -> None:
 
 
 def _settings(args: argparse.Namespace) -> Settings:
+    """The settings a command's flags give, field by field (a field without a flag of this
+    command keeps its default)."""
     from .config import Settings
-    fields = {k: getattr(args, k) for k in ("state_dir", "store", "hmac_key_file", "containerd_state",
-                                              "containerd_socket") if hasattr(args, k)}
-    for k in ("name", "idx", "socket_path", "init_binary", "restore_timeout", "restore_path", "create_key",
-              "probes_per_pod", "probes_per_node", "prefetch", "max_layer_bytes", "bulk_min_run", "fill_threads", "cuda_parallel", "cache_dir", "cache_bytes", "cache_entries", "cache_tmpfs",
-              "map_ranges", "capture_timeout", "metrics_port", "metrics_address", "events",
-              "kubeconfig", "node_name", "containerd_config"):
-        if hasattr(args, k):
-            fields[k] = getattr(args, k)
-    return Settings(**fields)
+    return Settings(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Settings) if hasattr(args, f.name)})
 
 
 def _duration(text: str) -> float:

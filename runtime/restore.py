@@ -73,11 +73,6 @@ from runtime.namespaces import host_pid_of, used_pids
 from runtime.rollback import GenerationBook
 from runtime.security import LsmSupport, SecurityProfile, check_privilege, lsm_options
 from runtime.artifact import Artifact
-# One fill thread per core, up to 16: the fill is bound by memory bandwidth (zeroing, copying and
-# hashing every page). More did worse: on the two-H200 machine (32 vCPUs), 49 GiB filled at
-# 9.5-10.3 GB/s on 32 threads against 14.3 on 16, and the CUDA restore after it took 8.1-8.2 s
-# against 7.0.
-from runtime.digests import WORKERS
 from runtime.owner import write_owner
 from runtime.store import ArtifactStore
 from runtime.testpause import pause_for_test
@@ -102,7 +97,7 @@ class RestoreRequest:
     image_ref: str
     log_dir: str
     path: RestorePath = RestorePath.BULK
-    threads: int = 0  # fill threads; 0: WORKERS
+    threads: int = 0  # fill threads; 0: the fill's own default (bulk.fill_threads)
     max_layer_bytes: int = overlay.DEFAULT_MAX_LAYER_BYTES  # what a layer may write, at most
     # Node-local dir of the rootfs undo journals (runtime.overlay_pending), where the next agent
     # finds them; "": in the restore's work dir (rolled back on failure, not after a kill).
@@ -340,7 +335,7 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
                     with t.phase("fill"):
                         bulk.fill(artifact, bulk_files, fds, lambda pid: host_pid_of(pidns, pid),
                                   sums=sums, images=os.path.join(private, layout.CRIU_DIR), tree=result.tree,
-                                  threads=req.threads or WORKERS, progress=report)
+                                  threads=bulk.fill_threads(req.threads), progress=report)
                 if manifest.cuda is not None:
                     host_pids = [host_pid_of(pidns, p) for p in manifest.cuda.pids]
                     gpu_map = build_gpu_map([g.uuid for g in manifest.cuda.gpus],
