@@ -47,7 +47,6 @@ import os
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -227,10 +226,7 @@ class PodProcs:
 
 
 def remove_sealed(path: Path) -> None:
-    """Remove a file or tree the node cache may have sealed (immutable, where the file system
-    allows: rm alone fails on it)."""
-    if shutil.which("chattr"):
-        subprocess.run(["chattr", "-R", "-i", str(path)], capture_output=True)
+    """Remove a file or tree (the node cache's entries: read-only files in 0700 directories)."""
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path)
     else:
