@@ -114,7 +114,7 @@ def _seal(fd: int) -> Sealed:
     # Read-only, and its identity recorded: any change made through the file system (a write
     # needs the mode changed back, which changes the ctime) makes the entry unusable. Not
     # immutable: root can clear that flag as easily, and a cache dir a crash left behind
-    # (or a test's) must stay removable by anyone's ``rm -rf``.
+    # (or a test's) must stay removable by root's ``rm -rf``.
     os.fchmod(fd, 0o444)
     st = os.fstat(fd)
     return Sealed(st.st_size, st.st_ino, st.st_ctime_ns)
@@ -138,7 +138,8 @@ def cgroup_memory() -> tuple[int, int] | None:
             names = ("memory.limit_in_bytes", "memory.usage_in_bytes")
         else:
             continue
-        for root in (base, base.rsplit("/", 1)[0] if path != "/" else base, "/sys/fs/cgroup/memory", "/sys/fs/cgroup"):
+        # In a container the path /proc names is the host's; its own cgroup is mounted as the root.
+        for root in (base, "/sys/fs/cgroup/memory" if controllers else "/sys/fs/cgroup"):
             try:
                 with open(os.path.join(root, names[0])) as f:
                     text = f.read().strip()
@@ -558,14 +559,3 @@ def _copy_piece(job: _Job) -> None:
             if a < b:
                 os.pwrite(fd, memoryview(data)[a - pos:b - pos], at + (a - lo))
         pos = hi
-
-
-@contextlib.contextmanager
-def held(cache: NodeCache | None, artifact: Artifact, mode: MapMode) -> Iterator[Held | None]:
-    h = cache.hold(artifact, mode) if cache is not None else None
-    try:
-        yield h
-    finally:
-        if h is not None:
-            h.close()
-
