@@ -171,6 +171,43 @@ def _stage(artifact: Artifact, private: str, path: RestorePath, ahead: str | Non
     return plan
 
 
+@dataclass
+class _Cached:
+    """How one restore uses the node cache (``_use_cache``)."""
+
+    entry: nodecache.Held | None  # held until the restore ends
+    bulk_files: tuple[layout.BulkFile, ...]  # what is filled (the plan's, less what is mapped)
+    use: CacheUse
+    spans: list[bulk_map.Span] = dataclasses.field(default_factory=list)  # mapped from the entry
+    inherit: list[tuple[int, str]] = dataclasses.field(default_factory=list)  # their fds, for CRIU
+    cold: CacheWork | None = None  # what the entry is written from, when there is none
+
+
+def _use_cache(cache: nodecache.NodeCache | None, entry: nodecache.Held | None, req: RestoreRequest,
+               artifact: Artifact, plan: layout.RestorePlan, images: str, mode: bulk_map.MapMode) -> _Cached:
+    """With a complete ``entry`` of this version: CRIU's images rewritten to map the chosen
+    ranges from it, the rest to fill; without one: what to write it from, later."""
+    off = cache is None or not cache.enabled or req.path is RestorePath.STOCK
+    use = CacheUse("off" if off else "cold", store_bytes_read=sum(b.bytes for b in plan.bulk))
+    if off or not plan.bulk:
+        return _Cached(entry, plan.bulk, use)
+    cuda_pids = artifact.manifest.cuda.pids if artifact.manifest.cuda else ()
+    spans = bulk_map.choose(plan.bulk, images, mode, cuda_pids)
+    if entry is not None and entry.record.span_list() != spans:
+        log.warning("%s: node cache entry %s maps other ranges than this restore would; not used",
+                    artifact.label, entry.record.key)
+        entry.close()
+        entry = None
+    if entry is None:
+        return _Cached(None, plan.bulk, use, cold=CacheWork(req.namespace, req.name, artifact.manifest_id,
+                                                            plan.bulk, tuple(spans), mode))
+    key = entry.record.key
+    bulk_map.rewrite_images(images, spans, key, {s.name: entry.stat(s.name).st_size for s in spans})
+    rest = bulk_map.remainder(plan.bulk, spans)
+    return _Cached(entry, rest, CacheUse("warm", sum(s.length for s in spans), sum(b.bytes for b in rest), 0, key),
+                   spans, [(entry.fd(s.name), bulk_map.inherit_key(s, key)) for s in spans])
+
+
 def _open_bulk(held: contextlib.ExitStack, artifact: Artifact,
                plan: layout.RestorePlan) -> tuple[list[int], list[bytes]]:
     """fds of the bulk files and their chunk digests (verified), both from staging on: whatever
@@ -210,7 +247,7 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
     target: ContainerInfo | None = None
     streamed: stream.Session | None = None
     entry: nodecache.Held | None = None
-    use = CacheUse("off" if cache is None or not cache.enabled else "cold")
+    use = CacheUse("off")
     cold_work: CacheWork | None = None
     try:
         # Who made them: if this process dies mid-restore, housekeeping removes them.
@@ -247,31 +284,11 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
                 plan = _stage(artifact, private, req.path, ahead, entry.open_copy if entry is not None else None)
                 images = os.path.join(private, layout.CRIU_DIR)
                 path = req.path
-                spans: list[bulk_map.Span] = []
-                inherit: list[tuple[int, str]] = []
-                if cache is not None and cache.enabled and plan.bulk and path is not RestorePath.STOCK:
-                    spans = bulk_map.choose(plan.bulk, images, map_mode, manifest.cuda.pids if manifest.cuda else ())
-                    if entry is not None and entry.record.span_list() != spans:
-                        log.warning("%s: node cache entry %s maps other ranges than this restore would; not used",
-                                    artifact.label, entry.record.key)
-                        entry.close()
-                        entry = None
-                    if entry is None:
-                        cold_work = CacheWork(req.namespace, req.name, artifact.manifest_id, plan.bulk,
-                                              tuple(spans), map_mode)
-                bulk_files = plan.bulk
-                if entry is not None:
-                    ekey = entry.record.key
-                    bulk_map.rewrite_images(images, spans, ekey, {s.name: entry.stat(s.name).st_size for s in spans})
-                    inherit = [(entry.fd(s.name), bulk_map.inherit_key(s, ekey)) for s in spans]
-                    bulk_files = bulk_map.remainder(plan.bulk, spans)
-                    use = CacheUse("warm", sum(s.length for s in spans), sum(b.bytes for b in bulk_files), 0, ekey)
-                    if path is RestorePath.STREAM:
-                        log.info("%s: mapped from the node cache, the rest filled (nothing left to stream)",
-                                 artifact.label)
-                        path = RestorePath.BULK
-                elif plan.bulk:
-                    use = dataclasses.replace(use, store_bytes_read=sum(b.bytes for b in plan.bulk))
+                cached = _use_cache(cache, entry, req, artifact, plan, images, map_mode)
+                entry, use, cold_work, bulk_files = cached.entry, cached.use, cached.cold, cached.bulk_files
+                if entry is not None and path is RestorePath.STREAM:
+                    log.info("%s: mapped from the node cache, the rest filled (nothing left to stream)", artifact.label)
+                    path = RestorePath.BULK
                 if path is RestorePath.STREAM and plan.bulk:
                     why = stream.prepare(plan.bulk, os.path.join(private, layout.CRIU_DIR))
                     if why is not None:
@@ -317,7 +334,7 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
                 result = restore_into(target, os.path.join(private, layout.CRIU_DIR), list(plan.mounts),
                                       source_stdio=stdio, work_dir=work, lsm=lsm_options(security, lsm),
                                       tcp_established=plan.tcp_established, lazy_pages=streamed is not None,
-                                      inherit=inherit)
+                                      inherit=cached.inherit)
             pause_for_test("criu")
             pidns = target.namespaces["pid"].inode
             host_pids: list[int] = []
@@ -328,9 +345,9 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
                         bulk.check_targets(plan.bulk, os.path.join(private, layout.CRIU_DIR), result.tree,
                                            lambda pid: host_pid_of(pidns, pid))
                         streamed.start()
-                if entry is not None and spans:
-                    bulk_map.check_mapped({s.pid: host_pid_of(pidns, s.pid) for s in spans}, spans,
-                                          {s.name: entry.stat(s.name) for s in spans})
+                if entry is not None and cached.spans:
+                    bulk_map.check_mapped({s.pid: host_pid_of(pidns, s.pid) for s in cached.spans}, cached.spans,
+                                          {s.name: entry.stat(s.name) for s in cached.spans})
                 if streamed is None and fill_bulk:
                     with t.phase("fill"):
                         bulk.fill(artifact, bulk_files, fds, lambda pid: host_pid_of(pidns, pid),
