@@ -308,6 +308,7 @@ class Bench:
         work = args.work or pick_image_root(["/var/tmp", "/dev/shm"], need) / "rekindle-speed"
         doc["store_dir"] = str(work)
         sb = Sandbox(SandboxConfig(runtime=Runtime.V1_7))
+        started = not sb.is_running()  # one it starts it stops: a test session after it owns its own
         sb.up()
         cri = sb.cri(timeout=120.0)
         shutil.rmtree(work, ignore_errors=True)
@@ -352,6 +353,8 @@ class Bench:
                 self.save()
         finally:
             self.clean_up(cri, plugin, work)
+            if started:
+                sb.down()
         return status
 
     def describe(self, wl: Workload) -> bool:

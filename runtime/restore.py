@@ -286,11 +286,11 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
                 path = req.path
                 cached = _use_cache(cache, entry, req, artifact, plan, images, map_mode)
                 entry, use, cold_work, bulk_files = cached.entry, cached.use, cached.cold, cached.bulk_files
-                if entry is not None and path is RestorePath.STREAM:
+                if cached.spans and path is RestorePath.STREAM:  # (none mapped: it streams from the entry)
                     log.info("%s: mapped from the node cache, the rest filled (nothing left to stream)", artifact.label)
                     path = RestorePath.BULK
-                if path is RestorePath.STREAM and plan.bulk:
-                    why = stream.prepare(plan.bulk, os.path.join(private, layout.CRIU_DIR))
+                if path is RestorePath.STREAM and bulk_files:
+                    why = stream.prepare(bulk_files, os.path.join(private, layout.CRIU_DIR))
                     if why is not None:
                         log.warning("%s: the bulk path instead of the streamed one: %s", artifact.label, why)
                         path = RestorePath.BULK
@@ -308,7 +308,7 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
                 if fill_bulk and path is RestorePath.STREAM:  # serves faults from CRIU's hand-off on
                     first = (stream.driver_spans(os.path.join(private, layout.CRIU_DIR), manifest.cuda.pids)
                              if manifest.cuda is not None else [])
-                    streamed = stream.Session.begin(work, target, control, artifact.label, plan.bulk, fds, sums,
+                    streamed = stream.Session.begin(work, target, control, artifact.label, bulk_files, fds, sums,
                                                     threads=stream.threads(req.threads), progress=stream_report,
                                                     first=first)
             if generations is not None:
@@ -342,7 +342,7 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
             try:
                 if streamed is not None:
                     with t.phase("stream_start"):  # installs begin; the tree runs from SIGCONT on
-                        bulk.check_targets(plan.bulk, os.path.join(private, layout.CRIU_DIR), result.tree,
+                        bulk.check_targets(bulk_files, os.path.join(private, layout.CRIU_DIR), result.tree,
                                            lambda pid: host_pid_of(pidns, pid))
                         streamed.start()
                 if entry is not None and cached.spans:
