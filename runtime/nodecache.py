@@ -4,8 +4,9 @@ Layout: ``<root>/v1/<key>/`` per artifact version (``key``: the signed manifest'
 map mode), written by one writer into ``.tmp-<key>-<pid>`` (with an owner record) and renamed
 into place whole; only root on the node can reach ``<root>`` (0700). An entry holds
 
-- ``fill-<pid>.bin``: each process's bulk file byte for byte, but holes where a range is mapped
-  (the fill and its chunk digests work on it unchanged);
+- ``fill-<pid>.bin``: each process's bulk file byte for byte, but holes in the chunks wholly
+  inside a mapped range (the fill, the streamed serve and the chunk digests work on it
+  unchanged);
 - ``map-<pid>-<vaddr>.bin``: one file per mapped range (``runtime.bulk_map``), its bytes at
   ``vaddr % 2 MiB``;
 - ``files/``: verified copies of the artifact's other files (CRIU's images, the layer);
@@ -479,8 +480,6 @@ class NodeCache:
                 if os.fstat(src).st_size != size:
                     raise CacheError(f"{artifact.label}: {f.path} is not the size the manifest says")
                 mine = [s for s in spans if s.pid == f.pid]
-                mapped = {(s.offset, s.offset + s.length): s for s in mine}
-                kept = [(r.offset, r.offset + r.length) for r in f.ranges if (r.offset, r.offset + r.length) not in mapped]
                 fill = os.open(fill_name(f.pid), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600,
                                dir_fd=dir_fd)
                 opened.append(fill)
@@ -495,7 +494,7 @@ class NodeCache:
                     maps.append((s.offset, s.offset + s.length, m, s.file_offset))
                 for off, length in piece_ranges(size):
                     if length:
-                        jobs.append(_Job(src, sums, off, length, fill, sorted(kept), sorted(maps), f.path))
+                        jobs.append(_Job(src, sums, off, length, fill, sorted(maps), f.path))
             with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="rekindle-cache") as pool:
                 list(pool.map(_copy_piece, jobs))
             pause_for_test("cache-write")  # bulk bytes written, no entry.json yet
@@ -536,7 +535,6 @@ class _Job:
     offset: int
     length: int
     fill: int
-    kept: list[tuple[int, int]]  # bulk-file spans the fill reads (whole chunks are written)
     maps: list[tuple[int, int, int, int]]  # (lo, hi, fd, file offset of lo)
     path: str
 
@@ -552,7 +550,7 @@ def _copy_piece(job: _Job) -> None:
         if new_hash(data).digest() != job.sums[k:k + DIGEST_BYTES]:
             raise CacheError(f"{job.path}: the bytes at {pos} do not match their digest")
         hi = pos + want
-        if any(lo < hi and pos < top for lo, top in job.kept):
+        if not any(lo <= pos and hi <= top for lo, top, _fd, _at in job.maps):  # all but what is mapped
             os.pwrite(job.fill, data, pos)
         for lo, top, fd, at in job.maps:
             a, b = max(lo, pos), min(top, hi)
