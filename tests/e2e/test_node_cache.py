@@ -99,15 +99,25 @@ def _mapped_vma(pid: int) -> tuple[int, int]:
     raise AssertionError(f"pid {pid} maps no cache file")
 
 
+def _restart(plugin, env: dict[str, str]) -> None:
+    plugin.kill()
+    plugin.env = env
+    plugin.start()
+
+
 @pytest.fixture()
 def cached_plugin(plugin):
-    plugin.kill()
-    plugin.env = {"REKINDLE_MAP": "all", "REKINDLE_CACHE_BYTES": "1Gi"}
-    plugin.start()
+    _restart(plugin, {"REKINDLE_MAP": "all", "REKINDLE_CACHE_BYTES": "1Gi"})
     yield plugin
-    plugin.kill()
-    plugin.env = {}
-    plugin.start()
+    _restart(plugin, {})
+
+
+def _paused_writer(plugin, where) -> dict[str, str]:
+    """Restart ``plugin`` with its cache writer pausing mid-entry (``where``/cache-write.*);
+    returns the environment to restart it without the pause."""
+    plain = {k: v for k, v in plugin.env.items() if k != "REKINDLE_TEST_PAUSE"}
+    _restart(plugin, {**plain, "REKINDLE_TEST_PAUSE": f"cache-write:{where}"})
+    return plain
 
 
 def test_a_second_restore_maps_from_the_cache_and_two_pods_share_its_pages(sandbox, pod, cached_plugin):
@@ -157,25 +167,19 @@ def test_a_changed_entry_is_dropped_and_made_again(sandbox, pod, cached_plugin):
 def test_a_writer_killed_mid_entry_leaves_nothing_used_and_is_swept(sandbox, pod, cached_plugin, tmp_path):
     plugin = cached_plugin
     _source(sandbox, pod, plugin, "cache-kill")
-    plugin.kill()
-    plugin.env = {**plugin.env, "REKINDLE_TEST_PAUSE": f"cache-write:{tmp_path}"}
-    plugin.start()
+    plain = _paused_writer(plugin, tmp_path)
     _restore(sandbox, pod, plugin, "cache-kill", "1")
     wait_for(lambda: (tmp_path / "cache-write.reached").exists(), 120, "the cache writer to be mid-entry")
     tmp = glob.glob(str(plugin.state_dir / "cache" / "v1" / ".tmp-*"))
     assert tmp, "no unfinished entry to sweep"
-    plugin.kill()  # mid-write: the entry has bulk bytes but no entry.json
-    plugin.env = {k: v for k, v in plugin.env.items() if k != "REKINDLE_TEST_PAUSE"}
-    plugin.start()
+    _restart(plugin, plain)  # killed mid-write: the entry has bulk bytes but no entry.json
     assert not any(os.path.exists(t) for t in tmp), "the unfinished entry was not swept"
     b, _ = _restore(sandbox, pod, plugin, "cache-kill", "2")
     assert _cache_use(plugin, b)["state"] == "cold"
 
 
 def test_the_byte_bound_evicts_the_least_recently_used_entry(sandbox, pod, plugin):
-    plugin.kill()
-    plugin.env = {"REKINDLE_MAP": "all", "REKINDLE_CACHE_BYTES": "150Mi"}  # one 96 MiB entry fits, not two
-    plugin.start()
+    _restart(plugin, {"REKINDLE_MAP": "all", "REKINDLE_CACHE_BYTES": "150Mi"})  # one 96 MiB entry fits, not two
     try:
         for name in ("cache-lru-a", "cache-lru-b"):
             _source(sandbox, pod, plugin, name)
@@ -190,17 +194,13 @@ def test_the_byte_bound_evicts_the_least_recently_used_entry(sandbox, pod, plugi
         a, _ = _restore(sandbox, pod, plugin, "cache-lru-a", "2")
         assert _cache_use(plugin, a)["state"] == "cold"
     finally:
-        plugin.kill()
-        plugin.env = {}
-        plugin.start()
+        _restart(plugin, {})
 
 
 def test_a_delete_is_not_held_up_by_the_cache_writer(sandbox, pod, cached_plugin, tmp_path):
     plugin = cached_plugin
     _source(sandbox, pod, plugin, "cache-delete")
-    plugin.kill()
-    plugin.env = {**plugin.env, "REKINDLE_TEST_PAUSE": f"cache-write:{tmp_path}"}
-    plugin.start()
+    plain = _paused_writer(plugin, tmp_path)
     try:
         _restore(sandbox, pod, plugin, "cache-delete", "1")
         wait_for(lambda: (tmp_path / "cache-write.reached").exists(), 120, "the cache writer to be mid-entry")
@@ -210,6 +210,4 @@ def test_a_delete_is_not_held_up_by_the_cache_writer(sandbox, pod, cached_plugin
         assert done.returncode == 0, done.stderr  # it used to wait on the writer: "a restore is reading it"
         (tmp_path / "cache-write.go").touch()
     finally:
-        plugin.kill()
-        plugin.env = {k: v for k, v in plugin.env.items() if k != "REKINDLE_TEST_PAUSE"}
-        plugin.start()
+        _restart(plugin, plain)
