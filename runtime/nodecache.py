@@ -59,7 +59,7 @@ TMPFS_MAGIC = 0x01021994
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 MAX_ENTRIES = 8
-MIN_FREE = 0.10  # on tmpfs: an entry is written only if this share of the node's memory stays free
+MIN_FREE = 0.10  # an entry is written only if this share of the node's memory (tmpfs) or disk stays free
 CGROUP_SPARE = 2 << 30  # and this much of the plugin's memory limit (CRIU, the fill's buffers)
 
 
@@ -457,7 +457,14 @@ class NodeCache:
                     return False
             else:
                 st = os.statvfs(self.dir)
-                if st.f_bavail * st.f_frsize - need < 0.1 * st.f_blocks * st.f_frsize:
+                # df's view: what is used plus what this user may still take (f_blocks also
+                # counts blocks reserved away from us, which on some hosts are most of the disk)
+                avail = st.f_bavail * st.f_frsize
+                usable = (st.f_blocks - st.f_bfree) * st.f_frsize + avail
+                if avail - need < self.min_free * usable:
+                    log.info("node cache: %.1f MiB would leave less than %d%% of %s free (%.1f of %.1f MiB "
+                             "available)", need / 2**20, round(self.min_free * 100), self.dir, avail / 2**20,
+                             usable / 2**20)
                     return False
         except OSError:
             return False

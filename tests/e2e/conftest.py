@@ -231,4 +231,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Any:
         handles = [v for v in getattr(item, "funcargs", {}).values() if isinstance(v, SandboxHandle)]
         for h in handles:
             rep.sections.append((f"containerd log ({h.runtime}, {h.log_path})", h.log_tail()))
+        plugins = [v for v in getattr(item, "funcargs", {}).values() if isinstance(v, PluginProcess)]
+        for p in plugins:  # why a restore went cold, or a cache entry was not written, is told there
+            rep.sections.append((f"plugin log ({p.log_path})", "\n".join(p.log().splitlines()[-60:])))
     return rep

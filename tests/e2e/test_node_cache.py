@@ -99,6 +99,21 @@ def _mapped_vma(pid: int) -> tuple[int, int]:
     raise AssertionError(f"pid {pid} maps no cache file")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def cache_on_tmpfs(plugin):
+    """The cache on a tmpfs of its own, as the chart has it (``cache.tmpfs``): the entries'
+    pages are then the ones the restored pods map, and whether one fits is a matter of memory,
+    not of how full this host's disk happens to be."""
+    root = plugin.state_dir / "cache"
+    root.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=0700,size=1536m", "rekindle-test-cache", str(root)],
+                   check=True)
+    try:
+        yield root
+    finally:
+        subprocess.run(["umount", "--lazy", str(root)], check=False)
+
+
 def _restart(plugin, env: dict[str, str]) -> None:
     plugin.kill()
     plugin.env = env

@@ -42,3 +42,23 @@ def test_a_missing_cache_holds_nothing_and_lists_nothing(tmp_path) -> None:  # t
     assert cache.entries() == [] and cache.sweep() == 0
     assert not cache.has("a" * 64, MapMode.DRIVER)
     assert not nodecache.NodeCache(str(tmp_path / "off"), 0).enabled
+
+
+class _Statvfs:
+    f_frsize = 4096
+
+    def __init__(self, blocks: int, free: int, avail: int) -> None:
+        self.f_blocks, self.f_bfree, self.f_bavail = blocks, free, avail
+
+
+@pytest.mark.parametrize("avail_gib, need_gib, fits", [(79, 1, True), (20, 1, True), (4, 1, True), (3, 1, False), (5, 6, False)])
+def test_on_disk_an_entry_must_leave_a_tenth_of_what_df_counts_free(monkeypatch, tmp_path, avail_gib, need_gib,
+                                                                    fits) -> None:  # type: ignore[no-untyped-def]
+    # a host that reserves most of a 252 GiB disk away from us: df shows 24 GiB used plus what is
+    # available; a tenth of the 252 GiB the filesystem counts would refuse every entry at 20 GiB free
+    gib = (1 << 30) // 4096
+    st = _Statvfs(blocks=252 * gib, free=228 * gib, avail=avail_gib * gib)
+    monkeypatch.setattr(nodecache, "fs_magic", lambda path: 0xEF53)
+    monkeypatch.setattr(nodecache.os, "statvfs", lambda path: st)
+    cache = nodecache.NodeCache(str(tmp_path / "cache"), 1 << 40)
+    assert cache._fits(need_gib << 30) is fits
