@@ -7,9 +7,9 @@ A restore from a cold page cache reads its artifact while the pod's own start (r
 the init, CRIU) reads small files from the same disk. Each shape below reads ``--gib`` GiB of
 ``PATH`` cold, while a probe thread reads 4 KiB from cold small files every 20 ms and times each:
 
-- ``prefetch`` shapes: N threads, one chunk each at a time, in file order (runtime.prefetch);
+- ``prefetch`` shapes: N threads, one chunk each at a time, in file order (runtime.store.readahead);
   the baseline is the previous prefetch, 16 threads of 8 MiB;
-- ``fill`` shapes: the fill's pattern (runtime.bulk), N threads each reading its own 64 MiB piece
+- ``fill`` shapes: the fill's pattern (runtime.pages.bulk), N threads each reading its own 64 MiB piece
   in 1 MiB reads through one shared fd, with and without ``POSIX_FADV_WILLNEED`` per piece.
 
 Prints GB/s, the probe's median and p90 latency, and the ratios to the baseline; the speed of
@@ -31,7 +31,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bench.llm_restore import drop_caches
-from runtime import bulk, prefetch
+from runtime.pages import bulk
+from runtime.store import readahead as prefetch
 from runtime.digests import PIECE  # the fill works piece by piece
 
 GB = 1e9

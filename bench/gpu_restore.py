@@ -5,7 +5,7 @@ Usage: ``python -m bench.gpu_restore --sizes 4,16 [--criu PATH [--criu-lib DIR]]
 For each size N (GiB) it starts ``tests/gpu/workloads/gpu_holder.py --gib N`` and measures:
 
 - ``cold_start``: spawn python, import torch, fill N GiB, checksum (until checksums.json appears);
-- ``cuda_lock``, ``cuda_checkpoint`` (device -> host) through :class:`runtime.cuda.CudaCheckpointer`;
+- ``cuda_lock``, ``cuda_checkpoint`` (device -> host) through :class:`runtime.gpu.cuda.CudaCheckpointer`;
 - ``criu_dump``, ``criu_restore`` when ``--criu`` names a binary (``--criu-lib`` is put on its
   ``LD_LIBRARY_PATH`` only), else skipped and reported as such;
 - ``cuda_restore`` (host -> device), ``cuda_unlock``; then the holder recomputes its checksums,
@@ -37,7 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from runtime.cuda import CudaCheckpointer
+from runtime.gpu import CudaCheckpointer
 
 log = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CAPTURE = "from runtime.overlay import capture; import sys; capture(sys.argv[1], sys.argv[2], sys.argv[3], exclude=[])"
-APPLY = "from runtime.overlay import apply; import sys; apply(sys.argv[1], sys.argv[2], sys.argv[3])"
+CAPTURE = "from runtime.overlay.rootfs import capture; import sys; capture(sys.argv[1], sys.argv[2], sys.argv[3], exclude=[])"
+APPLY = "from runtime.overlay.rootfs import apply; import sys; apply(sys.argv[1], sys.argv[2], sys.argv[3])"
 
 
 def child(code: str, *args: str) -> tuple[float, float]:

@@ -21,7 +21,7 @@ userfaultfd while it and its CUDA restore run; ``restored`` comes once the last 
 its ``stream`` phase is the serve's tail after the CUDA restore). ``map:page-cache``: the
 plugin with its node cache on a ``huge=always`` tmpfs (``REKINDLE_CACHE_TMPFS=1``), one untimed
 restore writing the entry first: the runs then map the driver's host copy from it and fill the
-rest from it (``runtime.bulk_map``). Every other path runs with the cache off.
+rest from it (``runtime.pages.mapping``). Every other path runs with the cache off.
 
 Writes ``--json`` (default OUT_DIR/restore-speed.json) after every step: ``runs`` holds one object
 per restore: ``case``, ``path``, ``cache``, ``cold_start_s``, ``restore_s``, ``first_answer_s``,
@@ -49,7 +49,8 @@ from typing import Any
 from bench.gpu_restore import GB, GIB, measure_h2d, pick_image_root
 from bench.llm_restore import drop_caches
 from devtools import phases
-from runtime import control, prefetch
+from runtime import control
+from runtime.store import readahead as prefetch
 from devtools.cri import Mount, Pod
 from devtools.sandbox import Runtime, Sandbox, SandboxConfig
 

@@ -6,12 +6,12 @@ A child process maps a fresh private anonymous region (the restored process's bu
 reads it in address order one byte a page (the way the driver's CUDA restore reads its host
 copy); the bytes come from a bulk file with its 1 MiB chunk digests (page cache), as a restore's do:
 
-- ``fill-then-read`` (the bulk path's order, the baseline): ``runtime.bulk``'s fill pattern
+- ``fill-then-read`` (the bulk path's order, the baseline): ``runtime.pages.bulk``'s fill pattern
   (read, hash, ``process_vm_writev``) on N threads, then the reader;
 - ``uffdio-copy`` (the speed of light of the streamed install): the region registered with
   userfaultfd, one private buffer already holding the bytes, ``UFFDIO_COPY`` of 2 MiB pieces
   on N threads; nothing read, nothing hashed, no reader;
-- ``stream``: ``runtime.stream.Server`` (read, hash, ``UFFDIO_COPY``, faults served first) on N
+- ``stream``: ``runtime.pages.stream.Server`` (read, hash, ``UFFDIO_COPY``, faults served first) on N
   threads while the reader runs; the figure is until the reader is done and the serve is over.
 
 Prints seconds, GB/s and the ratio to the baseline, and the server's fault counts.
@@ -36,7 +36,9 @@ from dataclasses import asdict, dataclass
 
 import blake3
 
-from runtime import bulk, stream, uffd
+from runtime.pages import bulk
+from runtime.pages import stream
+from runtime.pages import uffd
 from runtime.digests import PIECE
 from runtime.layout import SUM_CHUNK, BulkFile, BulkRange, bulk_file
 
@@ -48,7 +50,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHILD = textwrap.dedent("""
     import ctypes, mmap, os, socket, sys, time
     sys.path.insert(0, sys.argv[1])
-    from runtime import uffd
+    from runtime.pages import uffd
     sk = socket.socket(fileno=int(sys.argv[2]))
     length, register = int(sys.argv[3]), sys.argv[4] == "1"
     m = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

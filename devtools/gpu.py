@@ -2,7 +2,7 @@
 
 Contract:
 - :func:`gpu_devices_and_mounts` returns the CRI devices and mounts for the node GPUs at the
-  given indexes (position in :func:`runtime.gpus.node_gpus`, i.e. by minor number): the
+  given indexes (position in :func:`runtime.gpu.devices.node_gpus`, i.e. by minor number): the
   ``/dev/nvidia<minor>`` node of each, the shared control nodes (``/dev/nvidiactl``,
   ``/dev/nvidia-uvm``, ``/dev/nvidia-uvm-tools``, and ``/dev/nvidia-caps/*`` where present),
   and the driver's user-space libraries read-only (``$REKINDLE_NVIDIA_DRIVER_ROOT``, default
@@ -23,7 +23,7 @@ import sys
 from collections.abc import Sequence
 
 from devtools.cri import Device, Mount
-from runtime.gpus import node_gpus
+from runtime.gpu.devices import node_gpus
 
 DRIVER_ROOT = os.environ.get("REKINDLE_NVIDIA_DRIVER_ROOT", "/usr/local/nvidia")
 CONTROL_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")

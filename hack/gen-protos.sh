@@ -44,9 +44,9 @@ read -r uri file _size hash <<<"$line"
 /usr/lib/apt/apt-helper -q download-file "${uri//\'/}" "$work/$file" "$hash" >/dev/null
 tar -xf "$work/$file" -C "$work"
 imgs=$(find "$work" -maxdepth 3 -type d -path '*/criu-*/images' | head -n1)
-out=runtime/criu_proto
+out=runtime/criu/proto
 mkdir -p "$out"
-# core.proto (each thread's registers, sigaltstack and rseq area: criu_image.written_after_restore)
+# core.proto (each thread's registers, sigaltstack and rseq area: runtime.criu.image_files.written_after_restore)
 # and what it imports.
 core="core core-x86 core-arm core-aarch64 core-ppc64 core-s390 core-mips core-loongarch64 core-riscv64
       rlimit timer creds sa siginfo rseq"

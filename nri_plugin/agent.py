@@ -25,15 +25,17 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 from runtime import checkpoint as checkpoint_flow
-from runtime import housekeeping, overlay_pending, store_gc
+from runtime import housekeeping
+from runtime.overlay import pending as overlay_pending
+from runtime.store import gc as store_gc
 from runtime import control
 from runtime import restore as restore_flow
 from runtime.compat import NodeFacts
 from runtime.containerd.cri_lookup import CRIError
-from runtime.cuda import Checkpointer
-from runtime.gpu_target import node_cuda
-from runtime.keys import load_key
-from runtime.nodecache import NodeCache
+from runtime.gpu import Checkpointer
+from runtime.gpu import node_cuda
+from runtime.store import load_key
+from runtime.pages import NodeCache
 from runtime.probe import probe as run_probe
 from runtime.rollback import GenerationBook
 from runtime.status import StatusBook
@@ -81,7 +83,7 @@ def install_init(settings: Settings) -> None:
 def _cuda(parallel: int = 1) -> Checkpointer | None:
     """The long-lived CUDA checkpointer, or None on nodes without a usable driver."""
     try:
-        from runtime.cuda import CudaCheckpointer
+        from runtime.gpu import CudaCheckpointer
         cp = CudaCheckpointer(parallel=parallel)
         cp.gpus()
         return cp
@@ -319,7 +321,7 @@ async def _heartbeat(health: Health) -> None:
 
 
 def _say_if_streams() -> None:
-    from runtime import stream
+    from runtime.pages import stream
     why = stream.unsupported()
     if why is None:
         log.info("restores stream: this kernel's userfaultfd and CRIU's lazy-pages hand-off are there")
@@ -394,7 +396,7 @@ HOUSEKEEPING_EVERY = 600.0
 
 
 def undo_dir(settings: Settings) -> str:
-    """Where restores keep their rootfs undo journals (runtime.overlay_pending)."""
+    """Where restores keep their rootfs undo journals (runtime.overlay.pending)."""
     return os.path.join(settings.state_dir, "rootfs-undo")
 
 

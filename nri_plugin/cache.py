@@ -17,8 +17,8 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-from runtime import nodecache
-from runtime.bulk_map import MapMode
+from runtime.pages import nodecache
+from runtime.pages import MapMode
 from runtime.errors import RekindleError
 from runtime.restore import CacheWork
 from runtime.store import ArtifactStore

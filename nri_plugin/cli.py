@@ -323,11 +323,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("nri-toggle", add_help=False,
                        help="switch NRI on in a containerd config (v2 for 1.7, v3 for 2.x)")
-    p.set_defaults(func=cmd_passthrough, target="runtime.nritoggle")
+    p.set_defaults(func=cmd_passthrough, target="nri_plugin.node.toggle")
 
     p = sub.add_parser("cuda-checkpoint", add_help=False,
                        help="NVIDIA cuda-checkpoint compatible tool (driver API, no extra binary)")
-    p.set_defaults(func=cmd_passthrough, target="runtime.cuda_cli")
+    p.set_defaults(func=cmd_passthrough, target="nri_plugin.cuda_checkpoint")
     return parser
 
 
@@ -439,7 +439,7 @@ def cmd_restore(args: argparse.Namespace) -> int:
 
 def _key(settings: Settings) -> bytes:
     """The plugin's key, read only: no command but ``plugin --create-key`` makes one."""
-    from runtime.keys import read_key
+    from runtime.store import read_key
     return read_key(settings.key_path)
 
 
@@ -451,7 +451,7 @@ def _age(seconds: float) -> str:
 
 
 def cmd_artifacts(args: argparse.Namespace) -> int:
-    from runtime import store_gc
+    from runtime.store import gc as store_gc
     from runtime.store import ArtifactStore
     settings = _settings(args)
     store = ArtifactStore(settings.store)
@@ -507,14 +507,14 @@ def cmd_artifacts(args: argparse.Namespace) -> int:
 
 def _cached(args: argparse.Namespace) -> dict[tuple[str, str], int]:
     """(label, version) -> bytes of each entry of this node's cache."""
-    from runtime.nodecache import NodeCache
+    from runtime.pages import NodeCache
     from .cache import cache_dir
     return {(e.label, e.version): e.bytes for e in NodeCache(cache_dir(_settings(args)), 1).entries()}
 
 
 def _list(store: ArtifactStore, key: bytes, args: argparse.Namespace) -> int:
     rows = store.list(args.namespace, key=key)
-    from runtime import store_gc
+    from runtime.store import gc as store_gc
     extra = store_gc.leftovers(store, args.namespace) if args.all else []
     cached = _cached(args)
     if _json(args):
@@ -690,8 +690,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Pass-through subcommands own their flags (--help included) and their errors.
     if argv and argv[0] in ("nri-toggle", "cuda-checkpoint"):
         args = argparse.Namespace(func=cmd_passthrough, rest=argv[1:], verbose=False,
-                                  target={"nri-toggle": "runtime.nritoggle",
-                                          "cuda-checkpoint": "runtime.cuda_cli"}[argv[0]])
+                                  target={"nri-toggle": "nri_plugin.node.toggle",
+                                          "cuda-checkpoint": "nri_plugin.cuda_checkpoint"}[argv[0]])
         logs.setup(verbose=False, fmt="text")
         logging.getLogger().setLevel(logging.WARNING)
         return int(args.func(args) or 0)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from runtime.errors import ConfigError
-from runtime.nodeconfig import DEFAULT_CONFIG, DEFAULT_SOCKET
+from runtime.containerd.defaults import DEFAULT_CONFIG, DEFAULT_SOCKET
 
 from .policy import parse_decimal
 
@@ -46,12 +46,12 @@ class Settings:
     max_layer_bytes: int = 8 << 30  # cap on a captured writable layer (and on one applied)
     bulk_min_run: int = 4096        # page runs at least this long move beside CRIU at a checkpoint
     fill_threads: int = 0           # threads filling bulk pages at a restore; 0: one per core, up to 16 (stream: 12)
-    cuda_parallel: int = 0          # CUDA driver sequences at once (runtime.cuda); 0: as max_parallel
-    cache_dir: str = ""             # the node cache (runtime.nodecache); "": <state_dir>/cache
+    cuda_parallel: int = 0          # CUDA driver sequences at once (runtime.gpu.cuda); 0: as max_parallel
+    cache_dir: str = ""             # the node cache (runtime.pages.nodecache); "": <state_dir>/cache
     cache_bytes: int = -1           # its byte bound; 0: no cache; -1: a quarter of the node's memory
     cache_entries: int = 8          # its entry bound
     cache_tmpfs: bool = False       # mount a huge=always tmpfs there (in the plugin's mount namespace)
-    map_ranges: str = "driver"      # what a restore from the cache maps: driver, all or none (runtime.bulk_map)
+    map_ranges: str = "driver"      # what a restore from the cache maps: driver, all or none (runtime.pages.mapping)
     capture_timeout: int = 600      # seconds a checkpoint may spend capturing the writable layer
     probes_per_pod: int = 1         # ready-probes of one pod at once (its checkpoint sources)
     probes_per_node: int = 16       # ready-probes of the whole node at once

@@ -48,7 +48,7 @@ from runtime.errors import AlreadyAttempted, AnnotationError, Incompatible, Less
 from runtime.compat import NodeFacts, check_compatibility
 from runtime.manifest import Manifest
 from runtime.security import LsmSupport, SecurityProfile, check_privilege
-from runtime.gpu_target import facts_for_devices
+from runtime.gpu import facts_for_devices
 from runtime.rollback import GenerationBook
 from runtime.status import ContainerStatus, Phase, StatusBook
 from runtime.store import ArtifactStore

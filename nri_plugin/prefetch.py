@@ -21,8 +21,9 @@ from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from runtime import layout, names, prefetch
-from runtime.artifact import Artifact
+from runtime import layout, names
+from runtime.store import readahead as prefetch
+from runtime.store import Artifact
 from runtime.errors import RekindleError
 from runtime.fdfs import remove_tree_path
 from runtime.housekeeping import STAGED_PREFIX  # swept like a restore's copies once its owner is dead

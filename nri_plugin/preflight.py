@@ -15,7 +15,7 @@ from runtime.doctor import Check, DoctorSettings
 from runtime.doctor import run_checks as node_checks
 
 from .stub import RUNTIME_SERVICE
-from .transport.errors import Code, RpcError, TransportError
+from .transport.rpc_errors import Code, RpcError, TransportError
 from .transport.mux import RUNTIME_SERVICE_CONN, MuxTrunk
 from .transport.ttrpc import TtrpcClient
 

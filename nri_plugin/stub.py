@@ -58,12 +58,12 @@ from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
 from runtime.errors import RekindleError
-from runtime.nodeconfig import DEFAULT_SOCKET
+from runtime.containerd.defaults import DEFAULT_SOCKET
 
 from . import logs
 from .events import Event, RuntimeInfo, describe_mask, event_mask
 from .proto import nri_api_pb2 as api
-from .transport.errors import Code, ConnectionClosed, LocalProtocolError, RpcError, TransportError
+from .transport.rpc_errors import Code, ConnectionClosed, LocalProtocolError, RpcError, TransportError
 from .transport.mux import PLUGIN_SERVICE_CONN, RUNTIME_SERVICE_CONN, MuxTrunk
 from .transport.ttrpc import MAX_MESSAGE, Handler, TtrpcClient, TtrpcServer
 

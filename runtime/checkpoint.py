@@ -3,7 +3,7 @@
 Steps, each timed (the timings go into the manifest and the container's status):
   1. inspect: resolve the container (bundle, init pid, overlay upperdir) and its workload tree;
   2. preflight: find the tree's CUDA processes; refuse (``CheckpointRefused``, nothing locked,
-     the source untouched) what the restore could not bring back (``runtime.preflight``: live
+     the source untouched) what the restore could not bring back (``runtime.checkpointable``: live
      NCCL communicators on transports the driver cannot restore, io_uring, fds CRIU cannot dump);
   3. cuda_checkpoint: lock all, checkpoint all (device memory -> host); a process without CUDA
      is skipped; the driver's new host staging mappings are noted (huge pages on restore);
@@ -14,7 +14,7 @@ Steps, each timed (the timings go into the manifest and the container's status):
      stopped, so files and memory are one instant;
   6. resume: SIGCONT, then CUDA restore + unlock (unless the source is to exit);
   7. host_files: digests of the files the tree uses from bind mounts (runtime.hostfiles);
-     split: the large private anonymous page runs move beside CRIU's images (runtime.bulk);
+     split: the large private anonymous page runs move beside CRIU's images (runtime.pages.bulk);
   8. publish: manifest (identity, node, CRIU, CUDA, security fingerprint, digests), signed,
      published as a new version of the name;
   9. tell the source (``snapshot-complete``) and stop it if asked.
@@ -39,22 +39,23 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from runtime import bulk
+from runtime import tasks
+from runtime.pages import bulk
 from runtime import control as control_mod
 from runtime import frozen
 from runtime import hostfiles
 from runtime import layout
 from runtime import overlay
-from runtime import preflight
+from runtime import checkpointable as preflight
 from runtime import tcpmode
 from runtime.containers import ContainerInfo, ns_pids, process_tree, resolve_container, workload_root
-from runtime.cuda import Checkpointer
+from runtime.gpu import Checkpointer
 from runtime.errors import CheckpointRefused, CriuError, CudaStuck, ImageUnknown, RekindleError
-from runtime.gpu_target import source_gpus
+from runtime.gpu import source_gpus
 from runtime.owner import write_owner
 from runtime.manifest import CriuInfo, CudaInfo, Manifest, MountInfo, NodeInfo, ProcessInfo, Source
 from runtime.procfs import anon_mappings
-from runtime.criu_executor import DumpResult, dump_workload
+from runtime.criu import DumpResult, dump_workload
 from runtime.security import SecurityProfile
 from runtime.store import ArtifactStore
 from runtime.timings import Timings
@@ -78,7 +79,7 @@ class CheckpointRequest:
     image_ref: str
     exit_after: bool
     log_dir: str
-    split: bool = True  # move bulk pages beside CRIU (runtime.bulk)
+    split: bool = True  # move bulk pages beside CRIU (runtime.pages.bulk)
     bulk_min_run: int = bulk.MIN_RUN  # shorter page runs stay with CRIU
     max_layer_bytes: int = overlay.DEFAULT_MAX_LAYER_BYTES  # cap on the captured layer (and /dev/shm)
     capture_timeout: float = 600.0  # seconds for the capture, while the tree is stopped
@@ -129,7 +130,7 @@ def checkpoint(req: CheckpointRequest, store: ArtifactStore, key: bytes, *,
     if report.blocking:
         raise CheckpointRefused(report.reasons())
     # CRIU dumps and the capture writes into a private node-local dir: the store is written
-    # only by the publish, through directory fds (runtime.store.Staging).
+    # only by the publish, through directory fds (runtime.store.volume.Staging).
     with store.stage(req.namespace, req.name, private_root=work_dir) as staging:
         images = os.path.join(staging.path, layout.CRIU_DIR)
         if cuda is not None and cuda_host:
@@ -152,7 +153,7 @@ def checkpoint(req: CheckpointRequest, store: ArtifactStore, key: bytes, *,
                          ", ".join(f"{a:#x}+{(b - a) >> 20}MiB" for a, b in new))
         tcp = tcpmode.TcpPlan(False, "not looked at")
         # Processes the workload itself keeps stopped stay stopped after the dump (runtime.frozen).
-        held = bulk.stopped(tree)
+        held = tasks.stopped(tree)
         frozen.record(req.log_dir, req.container_id, [p for p in tree if p not in held])
         try:
             with t.phase("criu_dump"):
@@ -178,7 +179,7 @@ def checkpoint(req: CheckpointRequest, store: ArtifactStore, key: bytes, *,
         finally:
             # CRIU leaves kept connections in repair mode when it leaves the tree stopped.
             unrepaired = tcpmode.repair_off(tcp.holders) if tcp.established else []
-            bulk.signal_all([p for p in _tree(root.host) if p not in held], signal.SIGCONT)  # what CRIU left stopped
+            tasks.signal_all([p for p in _tree(root.host) if p not in held], signal.SIGCONT)  # what CRIU left stopped
             frozen.clear(req.log_dir, req.container_id)
             if cuda is not None and cuda_host and not req.exit_after:
                 with t.phase("cuda_resume_source"), _ends_source_on(RekindleError, root.host):
@@ -240,7 +241,7 @@ def _ends_source_on(kind: type[BaseException], root_host: int) -> Iterator[None]
         yield
     except kind as exc:
         log.error("the source's CUDA state cannot be brought back (%s); ending the workload %d", exc, root_host)
-        bulk.kill_all(_tree(root_host))
+        tasks.kill_all(_tree(root_host))
         raise
 
 

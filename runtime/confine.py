@@ -1,7 +1,7 @@
 """Force the target container's limits onto a restored process tree before it runs, and verify them.
 
 CRIU restores the source's oom_score_adj (``prepare_proc_misc``), rlimits (the restorer blob) and
-mount tree, with the mount flags of the image. ``runtime.criu_executor.restore_into`` runs CRIU with
+mount tree, with the mount flags of the image. ``runtime.criu.executor.restore_into`` runs CRIU with
 ``--leave-stopped`` and calls :func:`confine` while every restored process is still stopped:
 
 - oom_score_adj: the target init's value (what the runtime applied from ``process.oomScoreAdj``,

@@ -21,8 +21,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from . import names
-from .errors import AnnotationError
+from runtime import names
+from runtime.errors import AnnotationError
 
 CONTAINER_PATH = "/rekindle"
 DYNAMO_CONTAINER_PATH = "/snapshot-control"  # Dynamo's default control dir
@@ -39,7 +39,7 @@ RESTORE_PID = "restore-pid"
 RESTORE_COMPLETE = "restore-complete"
 RESTORE_FAILED = "restore-failed"
 COLD_START = "cold-start"
-# A restore's rootfs changes are not final yet (runtime.overlay_pending): the init must not start
+# A restore's rootfs changes are not final yet (runtime.overlay.pending): the init must not start
 # the original command on that rootfs.
 ROOTFS_PENDING = "rootfs-pending"
 TIMINGS = "timings.json"

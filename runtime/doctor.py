@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from .criu import CRIU, MIN_VERSION, parse_version, version_tuple
-from .errors import ConfigError, KeyMissing
-from .keys import read_key
-from .nodeconfig import DEFAULT_SOCKET, NRI_PLUGIN
+from runtime.criu import CRIU, MIN_VERSION, parse_version, version_tuple
+from runtime.errors import ConfigError, KeyMissing
+from runtime.store import read_key
+from runtime.containerd.defaults import DEFAULT_SOCKET, NRI_PLUGIN
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ def check_root() -> Check:
 
 
 def check_criu(criu: str = CRIU) -> Check:
-    """The CRIU binary the engine runs (``runtime.criu.CRIU``): recent enough, and ``criu check``."""
+    """The CRIU binary the engine runs (``runtime.criu.command.CRIU``): recent enough, and ``criu check``."""
     rc, out = _run([criu, "--version"])
     if rc != 0:
         return Check("criu", False, f"{criu} not usable: {out[:200]}")
@@ -68,7 +68,7 @@ def check_binary(name: str, required: bool = True) -> Check:
 
 def check_cuda() -> Check:
     try:
-        from .cuda import CudaCheckpointer
+        from runtime.gpu import CudaCheckpointer
     except ImportError as exc:
         return Check("cuda", False, str(exc), required=False)
     try:
@@ -84,7 +84,7 @@ def check_cuda() -> Check:
 def check_stream() -> Check:
     """What the streamed restore path (``--restore-path stream``) needs; without it that path
     falls back to the bulk one, with the reason logged."""
-    from .stream import unsupported
+    from runtime.pages.stream import unsupported
     why = unsupported()
     if why is None:
         return Check("stream-restore", True, "userfaultfd with FORK/REMAP/REMOVE/UNMAP events; "
@@ -93,8 +93,8 @@ def check_stream() -> Check:
 
 
 def check_cache(path: str, max_bytes: int) -> Check:
-    """The node cache (``runtime.nodecache``): where, how full, on which file system."""
-    from runtime.nodecache import TMPFS_MAGIC, NodeCache, fs_magic
+    """The node cache (``runtime.pages.nodecache``): where, how full, on which file system."""
+    from runtime.pages.nodecache import TMPFS_MAGIC, NodeCache, fs_magic
     if max_bytes == 0:
         return Check("node-cache", True, "off (--cache-bytes 0): every restore reads the store", required=False)
     cache = NodeCache(path, max_bytes)
@@ -127,7 +127,7 @@ def check_containerd_api(socket_path: str, timeout: float = 3.0) -> tuple[Check,
     """containerd answers its CRI Version call; returns the check and the runtime's version."""
     if not os.path.exists(socket_path):
         return Check("containerd-api", False, f"no socket at {socket_path}"), ""
-    from .containerd.cri_lookup import CriLookup
+    from runtime.containerd.cri_lookup import CriLookup
     try:
         with CriLookup(socket_path, timeout=timeout) as cri:
             v = cri.version()

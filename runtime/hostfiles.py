@@ -1,7 +1,7 @@
 """Host files a restore reopens from bind mounts: digests recorded at checkpoint, compared before CRIU.
 
 CRIU reopens by path every file the restored tree maps or holds open, and checks only its size
-(``--file-validation filesize``, runtime/criu.py). Files of the rootfs are the image's (its id
+(``--file-validation filesize``, runtime/criu/command.py). Files of the rootfs are the image's (its id
 is compared) or the writable layer's (in the artifact, hashed). Files under a bind mount are the
 host's: driver libraries the NVIDIA toolkit binds in (``libcuda.so``), hostPath and other
 volumes. A file there of the same size and other content would be mapped into the restored
@@ -10,7 +10,7 @@ process as if it were the one it had.
 Contract:
 
 - :func:`record` (checkpoint, after the dump): every regular file of CRIU's ``files.img``
-  (fds, file-backed VMAs, executables; ``runtime.criu_image.read_reg_files``) whose path lies
+  (fds, file-backed VMAs, executables; ``runtime.criu.image_files.read_reg_files``) whose path lies
   under a bind mount of the dump's mount plan, less the plugin's own mounts (control dir, init)
   and ``/dev/shm`` (captured into the artifact), hashed from the host side through that mount's
   source: ``(mount destination, path beneath it, size, digest)`` for the manifest. Raises
@@ -52,7 +52,7 @@ from typing import Any
 
 from runtime import control as control_mod
 from runtime import hostview
-from runtime.criu_image import read_reg_files
+from runtime.criu.image_files import read_reg_files
 from runtime.digests import WORKERS, hash_fd
 from runtime.errors import Reason, RekindleError
 from runtime.layout import MountPlanEntry

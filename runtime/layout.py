@@ -1,6 +1,6 @@
 """The artifact layout: file names inside an artifact, and the typed restore plan.
 
-An artifact (one published version, see ``runtime.store``) holds::
+An artifact (one published version, see ``runtime.store.volume``) holds::
 
     manifest.json, manifest.json.sig   the signed manifest (every other file's size and digest)
     restore-plan.json                  RestorePlan below (what CRIU restore needs beyond the manifest)

@@ -10,7 +10,7 @@ Contract:
   raises :class:`ArtifactRejected`. Version 2 (before ``host_files``) is still read: its
   ``host_files`` is None, "not recorded" (``runtime.hostfiles`` says what a restore does then).
 - :func:`sign` / :func:`verify`: ``"hmac-sha256:<hex>"`` over the exact manifest bytes.
-- The key itself (reading, creating) lives in ``runtime.keys``.
+- The key itself (reading, creating) lives in ``runtime.store.keys``.
 - The security fingerprint and the privilege check live in ``runtime.security``; the
   compatibility check in ``runtime.compat``.
 """
@@ -29,7 +29,6 @@ from dataclasses import dataclass
 
 from runtime import strict_json
 from runtime.errors import ArtifactRejected
-from runtime.gpus import Gpu
 from runtime.security import SecurityProfile
 
 __all__ = ["CriuInfo", "CudaInfo", "FileEntry", "Gpu", "HostFile", "Manifest", "MountInfo", "NodeInfo", "ProcessInfo",
@@ -46,6 +45,15 @@ _DIGEST_RE = re.compile(r"[0-9a-f]{64}")
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
+
+
+@dataclass(frozen=True, slots=True)
+class Gpu:
+    """A GPU as every part of Rekindle names it: its UUID (``GPU-xxxxxxxx-...``, as the driver
+    and nvidia-smi print it) and its model name (``runtime.gpu.devices`` lists a node's)."""
+
+    uuid: str
+    name: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +111,7 @@ class MountInfo:
 class FileEntry:
     path: str
     size: int
-    digest: str  # BLAKE3, hex (runtime.store)
+    digest: str  # BLAKE3, hex (runtime.store.volume)
 
     def __post_init__(self) -> None:
         _check(self.size >= 0, f"file {self.path!r}: negative size")

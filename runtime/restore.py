@@ -13,13 +13,13 @@ The target container runs ``rekindle-init --mode restore`` as PID 1 and waits. S
      prefetch may have done this from RunPodSandbox on: its copies are taken when they are of
      the very version opened in step 1 (version name and manifest bytes);
   4. rootfs_apply: the writable-layer diff (and /dev/shm) into the target, journaled outside
-     it (``<undo_dir>/<container id>``, runtime.overlay_pending) until ``restore-complete``: a
+     it (``<undo_dir>/<container id>``, runtime.overlay.pending) until ``restore-complete``: a
      later step that fails rolls it back, and so does the next agent (:func:`recover_rootfs`)
      when this one dies; meanwhile ``rootfs-pending`` tells the init not to start cold on it;
   5. criu_restore: CRIU inside the target's namespaces and cgroups with the target's LSM labels,
      TCP connections kept or closed as the dump decided (``RestorePlan.tcp_established``), left
      stopped; the target's oom_score_adj, rlimits and mount flags are forced on the stopped
-     tree (runtime.criu_executor, runtime.confine);
+     tree (runtime.criu.executor, runtime.confine);
   6. fill: the bulk pages are read, hashed and written into the stopped process on many
      threads; the process is resumed only when every digest matched;
   7. cuda_restore: the target's GPU device nodes (created from the host by syscalls), restore
@@ -53,26 +53,27 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from runtime import bulk
-from runtime import bulk_map
-from runtime import nodecache
-from runtime import stream
+from runtime import tasks
+from runtime.pages import bulk
+from runtime.pages import mapping as bulk_map
+from runtime.pages import nodecache
+from runtime.pages import stream
 from runtime import control as control_mod
-from runtime import criu_image
+from runtime.criu import image_files as criu_image
 from runtime import hostfiles
 from runtime import layout
 from runtime import overlay
-from runtime import overlay_pending
+from runtime.overlay import pending as overlay_pending
 from runtime.compat import NodeFacts, check_compatibility
 from runtime.containers import ContainerInfo, resolve_container
-from runtime.cuda import Checkpointer, build_gpu_map
+from runtime.gpu import Checkpointer, build_gpu_map
 from runtime.errors import ArtifactRejected, Reason, RekindleError
-from runtime.gpu_target import cuda_restore, ensure_device_nodes, target_facts
-from runtime.criu_executor import restore_into
+from runtime.gpu import cuda_restore, ensure_device_nodes, target_facts
+from runtime.criu import restore_into
 from runtime.namespaces import host_pid_of, used_pids
 from runtime.rollback import GenerationBook
 from runtime.security import LsmSupport, SecurityProfile, check_privilege, lsm_options
-from runtime.artifact import Artifact
+from runtime.store import Artifact
 from runtime.owner import write_owner
 from runtime.store import ArtifactStore
 from runtime.testpause import pause_for_test
@@ -84,7 +85,7 @@ log = logging.getLogger(__name__)
 class RestorePath(enum.Enum):
     BULK = "bulk"    # bulk pages filled beside CRIU on many threads (default)
     STOCK = "stock"  # CRIU restores every page itself (one thread), for comparison
-    STREAM = "stream"  # resumed after CRIU, bulk pages served through userfaultfd (runtime.stream)
+    STREAM = "stream"  # resumed after CRIU, bulk pages served through userfaultfd (runtime.pages.stream)
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,7 @@ class RestoreRequest:
     path: RestorePath = RestorePath.BULK
     threads: int = 0  # fill threads; 0: the fill's own default (bulk.fill_threads)
     max_layer_bytes: int = overlay.DEFAULT_MAX_LAYER_BYTES  # what a layer may write, at most
-    # Node-local dir of the rootfs undo journals (runtime.overlay_pending), where the next agent
+    # Node-local dir of the rootfs undo journals (runtime.overlay.pending), where the next agent
     # finds them; "": in the restore's work dir (rolled back on failure, not after a kill).
     undo_dir: str = ""
 
@@ -232,7 +233,7 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
     """Restore ``req``; ``staged(artifact)`` may hand over a work dir with this version's
     verified copies, staged ahead (``nri_plugin.prefetch``). With a ``cache`` whose entry of
     this version is complete, the chosen bulk ranges (``map_mode``) are mapped from it and the
-    rest filled from it (``runtime.bulk_map``); without one, ``on_cold`` is handed what the
+    rest filled from it (``runtime.pages.mapping``); without one, ``on_cold`` is handed what the
     entry would be written from, once the restore succeeded."""
     t = Timings()
     if progress is not None:
@@ -316,7 +317,7 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
 
             with t.phase("rootfs_apply"):
                 # Journaled outside the rootfs until the restore is final: any later failure, or
-                # the next agent after this one died, rolls it back (runtime.overlay_pending).
+                # the next agent after this one died, rolls it back (runtime.overlay.pending).
                 recover_rootfs(undo_root, req.container_id, 0, control)
                 pending.begin()
                 overlay.apply(target.rootfs, os.path.join(private, layout.ROOTFS_TAR),
@@ -361,12 +362,12 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
                         for pid in host_pids:
                             ensure_device_nodes(pid, target.spec)
             except BaseException:
-                bulk.kill_all(result.tree)  # stopped since CRIU: it never ran
+                tasks.kill_all(result.tree)  # stopped since CRIU: it never ran
                 raise
         # Every byte is in place and verified (streamed: every byte it reads will be): let it
         # run (but what was stopped when dumped).
         kept = {host_pid_of(pidns, p) for p in criu_image.stopped_pids(os.path.join(private, layout.CRIU_DIR))}
-        bulk.signal_all([p for p in result.tree if p not in kept], signal.SIGCONT)
+        tasks.signal_all([p for p in result.tree if p not in kept], signal.SIGCONT)
         if manifest.cuda is not None and cuda is not None:  # CUDA state without a driver was refused
             with t.phase("cuda_restore"):
                 cuda_restore(cuda, host_pids, gpu_map, result.host_pid, result.tree)
@@ -443,5 +444,5 @@ def _kill_leftovers(pid_in_ns: int, wait: float = 5.0) -> None:
         left = [host for nspid, host in used_pids(pidns).items() if nspid != 1]
         if not left or time.monotonic() > deadline:
             return
-        bulk.kill_all(left)
+        tasks.kill_all(left)
         time.sleep(0.01)

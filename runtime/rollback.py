@@ -1,6 +1,6 @@
 """Rollback protection: the newest generation of each artifact name this node has restored.
 
-Every publish of a name gets a larger generation (``runtime.store``), recorded in the signed
+Every publish of a name gets a larger generation (``runtime.store.volume``), recorded in the signed
 manifest. Anyone who can write the store can point a name back at an older, still validly
 signed version; a node refuses to restore a generation older than the newest it has restored
 for that name. One small file per name under ``<state>/generations/<namespace>/<name>``.

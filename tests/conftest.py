@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.criu import MIN_VERSION, criu_version, version_tuple
+from runtime.criu.command import MIN_VERSION, criu_version, version_tuple
 from runtime.errors import CriuError
 
 TESTS = Path(__file__).resolve().parent

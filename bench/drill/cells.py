@@ -22,7 +22,8 @@ from typing import Any
 from bench.drill import observe
 from bench.drill.faults import Fault, heal, inject
 from bench.drill.rig import CONTAINER, PodRun, Rig, Workload, count_of, fields, http, same_start
-from runtime import control, housekeeping, store_gc
+from runtime import control, housekeeping
+from runtime.store import gc as store_gc
 from runtime.status import Phase
 
 CHECKPOINT_PHASES = ("inspect", "criu_dump", "rootfs_capture", "shm_capture", "split", "publish")

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.drill import observe
-from runtime import store_gc
+from runtime.store import gc as store_gc
 
 FILL_NAME = ".drill-fill"
 

@@ -26,7 +26,7 @@ from bench.drill import observe
 from bench.drill.faults import StoreDisk
 from devtools.cri import CRIClient, Pod
 from runtime.containers import resolve_container
-from runtime.keys import read_key
+from runtime.store import read_key
 from devtools.sandbox import Runtime, Sandbox, SandboxConfig
 from runtime.status import ContainerStatus, Phase, StatusBook
 from runtime.store import ArtifactStore

@@ -33,7 +33,7 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .errors import ConnectionClosed, LocalProtocolError, RemoteProtocolError
+from .rpc_errors import ConnectionClosed, LocalProtocolError, RemoteProtocolError
 
 log = logging.getLogger("nri_plugin.transport")
 

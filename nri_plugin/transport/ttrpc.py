@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 
 from ..proto import ttrpc_pb2
-from .errors import Code, ConnectionClosed, LocalProtocolError, RemoteProtocolError, RpcError
+from .rpc_errors import Code, ConnectionClosed, LocalProtocolError, RemoteProtocolError, RpcError
 
 log = logging.getLogger("nri_plugin.transport")
 

@@ -3,7 +3,7 @@
 Two runc containers are built by hand (busybox-static rootfs on overlay, own netns joined by a veth
 pair with different IPs, the real rekindle-init as PID 1). The source runs a shell counter; the
 target's init waits in restore mode. No containerd is involved: this exercises runtime.containers,
-runtime.criu and runtime.criu_executor alone.
+runtime.criu.command and runtime.criu.executor alone.
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from runtime import criu as criu_mod
+from runtime.criu import command as criu_mod
 from runtime.containers import ContainerInfo, inspect_bundle, ns_pids, process_tree, workload_root
 from runtime.layout import MountPlanEntry
 from runtime.errors import CriuError
-from runtime.bulk import signal_all
-from runtime.criu_executor import DumpResult, dump_workload, restore_into
+from runtime.pages.bulk import signal_all
+from runtime.criu.executor import DumpResult, dump_workload, restore_into
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.e2e

@@ -168,7 +168,7 @@ def test_a_plugin_killed_during_the_rootfs_apply_leaves_the_image_rootfs(sandbox
 def test_a_criu_failure_after_a_complete_apply_leaves_the_image_rootfs(sandbox, pod, world):
     """The diff applied completely used to stay when CRIU failed after it: the cold start ran on
     the source's files."""
-    from runtime.criu import CRIU
+    from runtime.criu.command import CRIU
     plugin: PluginProcess = world["plugin"]
     wrapper = world["work"] / "criu-refusing-restore"
     wrapper.write_text('#!/bin/sh\ncase " $* " in *" restore "*) echo "refused by the test" >&2; exit 1;; esac\n'

@@ -63,7 +63,7 @@ def _holders(marker: str) -> list[str]:
                 argv = f.read().decode(errors="replace")
         except OSError:
             continue
-        if "runtime.stream_holder" in argv and marker in argv:
+        if "runtime.pages.holder" in argv and marker in argv:
             out.append(pid)
     return out
 

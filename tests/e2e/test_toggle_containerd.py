@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 import tomlkit
 
-from runtime import nodeconfig, nodedropin
+from nri_plugin.node import containerd_config as nodeconfig
+from nri_plugin.node import dropin as nodedropin
 from devtools.sandbox import Runtime
 
 BOOTED = "containerd successfully booted"

@@ -70,7 +70,7 @@ def checkpoint(sandbox, pod, plugin, name: str, pod_name: str, requests: int,  #
 def test_no_container_binary_runs_with_the_plugins_privileges(sandbox, pod, plugin):
     from runtime.containers import resolve_container
     from runtime.namespaces import host_pid_of
-    from runtime.gpu_target import ensure_device_nodes
+    from runtime.gpu.target import ensure_device_nodes
     from runtime.status import Phase, StatusBook
 
     plant = (f"/bin/busybox rm -f /bin/sh && /bin/busybox printf '%s' '{RECORDER}' > /bin/sh && "
@@ -142,8 +142,8 @@ def test_a_restore_uses_only_the_bytes_it_verified(sandbox, pod, plugin, tmp_pat
     from runtime.containers import resolve_container
     from runtime.control import ControlDir
     from runtime.errors import RekindleError
-    from runtime.keys import read_key
-    from runtime.store import ArtifactStore
+    from runtime.store.keys import read_key
+    from runtime.store.volume import ArtifactStore
 
     # v1 (count 3) is kept aside, as anyone with the store mounted can; v2 (count 7) is current.
     _a1, _ip1, _ = checkpoint(sandbox, pod, plugin, "raced", f"src-raced-1-{attack.__name__[8:]}", 2)
@@ -229,9 +229,9 @@ def _host_files_source(sandbox, pod, plugin, tmp_path: Path, name: str):  # type
 
 def test_a_restore_with_the_same_host_files_runs_warm_and_reads_them(sandbox, pod, plugin, tmp_path):
     from runtime.digests import new_hash
-    from runtime.keys import read_key
+    from runtime.store.keys import read_key
     from runtime.status import Phase, StatusBook
-    from runtime.store import ArtifactStore
+    from runtime.store.volume import ArtifactStore
     _lib, mount = _host_files_source(sandbox, pod, plugin, tmp_path, "hostlib-same")
     with ArtifactStore(str(plugin.store)).open("default", "hostlib-same",
                                                read_key(plugin.state_dir / "hmac.key")) as art:
@@ -359,9 +359,9 @@ class StoreWriter:
 
 @pytest.mark.parametrize("mode", ["symlinks", "criu-symlink", "swap"])
 def test_a_store_writer_racing_the_checkpoint_never_gets_a_host_file_written(sandbox, pod, plugin, tmp_path, mode):
-    from runtime.keys import read_key
+    from runtime.store.keys import read_key
     from runtime.status import Phase, StatusBook
-    from runtime.store import ArtifactStore
+    from runtime.store.volume import ArtifactStore
 
     host = tmp_path / "host"  # host files outside the store, as /root/.ssh/authorized_keys would be
     for sub in ("swapped", "criu-out"):

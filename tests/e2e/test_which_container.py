@@ -5,7 +5,7 @@ is published does not checkpoint again, unless the pod asks to overwrite."""
 from __future__ import annotations
 
 
-from runtime.store import ArtifactStore
+from runtime.store.volume import ArtifactStore
 from tests.e2e.test_checkpoint_restore import COUNTER, SERVER, checkpoint_source, wait_status
 
 BUSYBOX = "localhost/rekindle/busybox:1"

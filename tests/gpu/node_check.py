@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 
 from devtools.sandbox import Runtime
-from runtime.gpus import node_gpus
+from runtime.gpu.devices import node_gpus
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -28,7 +28,7 @@ def why_skip(what: str) -> str | None:
         return "torch is not installed (the workloads run the node's PyTorch)"
     if not Runtime.V1_7.containerd.exists():
         return f"{Runtime.V1_7.containerd} missing (on a bare GPU node run hack/gpu-node-setup.sh)"
-    from runtime.criu import CRIU
+    from runtime.criu.command import CRIU
     missing = [t for t in ("runc", CRIU, "nsenter", "unshare") if shutil.which(t) is None]
     if missing:
         return f"missing {', '.join(missing)} (on a bare GPU node run hack/gpu-node-setup.sh)"

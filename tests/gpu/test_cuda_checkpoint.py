@@ -1,4 +1,4 @@
-"""CUDA checkpoint/restore of a real PyTorch process through runtime.cuda (needs a GPU, driver >= 580).
+"""CUDA checkpoint/restore of a real PyTorch process through runtime.gpu.cuda (needs a GPU, driver >= 580).
 
 One holder process (tests/gpu/workloads/gpu_holder.py, ``$REKINDLE_GPU_TEST_GIB`` GiB, default 2)
 serves the whole module; every test leaves it running and its checksums intact.
@@ -19,7 +19,7 @@ from types import ModuleType
 
 import pytest
 
-from runtime.cuda import CudaCheckpointer, ProcessState, default_library
+from runtime.gpu.cuda import CudaCheckpointer, ProcessState, default_library
 from runtime.errors import CudaError, CudaUnavailable
 
 pytestmark = pytest.mark.gpu
@@ -113,7 +113,7 @@ def _compute_pids() -> set[int] | None:
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    return subprocess.run([sys.executable, "-m", "runtime.cuda_cli", *args], cwd=REPO, env=env,
+    return subprocess.run([sys.executable, "-m", "nri_plugin.cuda_checkpoint", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)
 
 

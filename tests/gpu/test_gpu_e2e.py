@@ -31,7 +31,7 @@ import pytest
 from tests.gpu.node_check import why_skip
 
 from devtools.cri import ContainerState, Mount, Pod
-from runtime.gpus import node_gpus
+from runtime.gpu.devices import node_gpus
 from devtools.sandbox import Runtime, Sandbox, SandboxConfig
 
 pytestmark = pytest.mark.gpu
@@ -170,7 +170,7 @@ def checkpoint_and_restore(cri, plugin: PluginProcess, pods: list[Pod], name: st
     assert cri.container_status(b_cid).state is ContainerState.RUNNING
     (OUT / f"gpu-e2e-{name}.json").write_text(json.dumps(rec, indent=1) + "\n")
     print(json.dumps(rec, indent=1))
-    from runtime.store import ArtifactStore
+    from runtime.store.volume import ArtifactStore
     ArtifactStore(str(plugin.store)).delete("default", name)  # the store is in memory
     return rec
 

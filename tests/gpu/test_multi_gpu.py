@@ -13,7 +13,7 @@ collects them into bench/results/h200x2/multi-gpu.json):
 - ``tp2-rebuild-swapped-gpus``: the same job, with each rank's memory moved onto the other GPU.
   The plugin pairs GPUs by minor number, so a pod of both GPUs of a 2-GPU node always gets them
   in the same order; this case runs the job on the node (no container, no CRIU), checkpoints
-  both ranks through runtime.cuda and restores them with the GPUs swapped
+  both ranks through runtime.gpu.cuda and restores them with the GPUs swapped
   ({GPU0: GPU1, GPU1: GPU0}), then the ranks rebuild their group on the swapped devices;
 - ``tp2-default-refused``: the job with its communicators alive on NCCL's default transports:
   the checkpoint must be refused before anything is locked, with the reason, and the job must
@@ -43,7 +43,7 @@ import pytest
 from tests.gpu.node_check import why_skip
 
 from devtools.cri import ContainerState, Mount, Pod
-from runtime.gpus import node_gpus
+from runtime.gpu.devices import node_gpus
 from devtools.sandbox import Runtime, Sandbox, SandboxConfig
 
 pytestmark = pytest.mark.gpu
@@ -147,7 +147,7 @@ def status(plugin: PluginProcess, pod: Pod, phases: set[str], timeout: float = 6
 
 def nccl_findings(sandbox: Sandbox, cid: str) -> list[dict[str, Any]]:
     """What the preflight sees of NCCL in the container right now (for the record)."""
-    from runtime import preflight
+    from runtime import checkpointable as preflight
     from runtime.containers import process_tree, resolve_container
 
     try:
@@ -274,9 +274,9 @@ def test_tp2_with_rebuild_restored_on_the_same_gpus(sandbox, cri, plugin, pods):
 
 def test_tp2_with_rebuild_restored_onto_swapped_gpus(tmp_path: Path):
     gpus = need_gpus(2)
-    from runtime import preflight
+    from runtime import checkpointable as preflight
     from runtime.containers import process_tree
-    from runtime.cuda import CudaCheckpointer
+    from runtime.gpu.cuda import CudaCheckpointer
 
     case = "tp2-rebuild-swapped-gpus"
     env = {**os.environ, **NO_MULTICAST, "REKINDLE_CONTROL_DIR": str(tmp_path), "PYTHONPATH": str(HELPER_DIR)}

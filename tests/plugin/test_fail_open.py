@@ -18,7 +18,7 @@ from nri_plugin.stub import Identity, Stub
 from runtime import control
 from runtime.compat import NodeFacts
 from runtime.status import Phase, StatusBook
-from runtime.store import ArtifactStore
+from runtime.store.volume import ArtifactStore
 from tests.waiting import wait_for_async
 
 from .fake_runtime import FakeRuntime

@@ -14,7 +14,7 @@ from nri_plugin.proto import nri_api_pb2 as api
 from nri_plugin.stub import Reply
 from runtime.compat import NodeFacts
 from runtime.status import Phase, StatusBook
-from runtime.store import ArtifactStore
+from runtime.store.volume import ArtifactStore
 
 
 class NoEngine:
@@ -126,9 +126,9 @@ def test_node_default_restore_timeout_reaches_the_init(make_plugin):
 
 def test_restore_precheck_compares_gpus_the_container_was_given(monkeypatch):
     """A node with two GPUs, a container given one: an artifact from a one-GPU container fits."""
-    from runtime import gpus as gpus_mod
-    from runtime.gpu_target import target_facts
-    from runtime.gpus import Gpu
+    from runtime.gpu import devices as gpus_mod
+    from runtime.gpu.target import target_facts
+    from runtime.manifest import Gpu
     from runtime.manifest import CudaInfo
     monkeypatch.setattr(gpus_mod, "node_gpus", lambda proc_gpus=None: {
         0: Gpu("GPU-aaaaaaaa-0000-0000-0000-000000000000", "H200"),

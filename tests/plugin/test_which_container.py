@@ -21,7 +21,7 @@ from runtime import control
 from runtime.compat import NodeFacts
 from runtime.manifest import CriuInfo, Manifest, NodeInfo, ProcessInfo, SecurityProfile, Source
 from runtime.status import ContainerStatus, Phase, StatusBook
-from runtime.store import ArtifactStore
+from runtime.store.volume import ArtifactStore
 from tests.waiting import wait_for_async
 
 KEY = b"k" * 32

@@ -17,12 +17,14 @@ from typing import Any
 
 import pytest
 
-from runtime import bulk, digests
-from runtime import criu_image as img
-from runtime.criu_proto import core_pb2, mm_pb2, pstree_pb2, vma_pb2
+from runtime import tasks
+from runtime import digests
+from runtime.pages import bulk
+from runtime.criu import image_files as img
+from runtime.criu.proto import core_pb2, mm_pb2, pstree_pb2, vma_pb2
 from runtime.errors import ArtifactRejected
 from runtime.layout import SUM_CHUNK, BulkFile, BulkRange, bulk_file, bulk_sums
-from runtime.store import ArtifactStore
+from runtime.store.volume import ArtifactStore
 from tests.unit.test_store import KEY, publish
 from tests.waiting import wait_for
 
@@ -126,7 +128,7 @@ def start_target(tmp_path: Path) -> Iterator[Callable[..., Target]]:
         assert proc.stdout is not None
         anon, shared = (int(x) for x in proc.stdout.readline().split())
         os.kill(proc.pid, signal.SIGSTOP)
-        bulk.wait_stopped([proc.pid])
+        tasks.wait_stopped([proc.pid])
         stack = _dump_images(proc.pid, tmp_path / f"{name}-images")
         return Target(proc, anon, shared, shared_file, stack, tmp_path / f"{name}-images")
 
@@ -286,7 +288,7 @@ def test_a_sums_file_that_does_not_match_the_manifest_writes_nothing(
 
 def test_zombies_and_gone_processes_count_as_settled() -> None:
     child = subprocess.Popen(["/bin/true"])
-    wait_for(lambda: bulk._task_states(child.pid) == ["Z"], 5, "the child to be a zombie")
-    bulk.wait_stopped([child.pid], timeout=0.5)  # a zombie: it never runs again
+    wait_for(lambda: tasks._task_states(child.pid) == ["Z"], 5, "the child to be a zombie")
+    tasks.wait_stopped([child.pid], timeout=0.5)  # a zombie: it never runs again
     child.wait()
-    bulk.wait_stopped([child.pid], timeout=0.5)  # gone
+    tasks.wait_stopped([child.pid], timeout=0.5)  # gone

@@ -1,4 +1,4 @@
-"""runtime.bulk_map: which ranges a restore from the node cache maps, and the image rewrite CRIU
+"""runtime.pages.mapping: which ranges a restore from the node cache maps, and the image rewrite CRIU
 restores them from (the restore itself: tests/e2e/test_node_cache.py)."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from runtime import bulk_map
-from runtime import criu_image as img
-from runtime.bulk_map import MapError, MapMode, Span
-from runtime.criu_proto import mm_pb2, pagemap_pb2
+from runtime.pages import mapping as bulk_map
+from runtime.criu import image_files as img
+from runtime.pages.mapping import MapError, MapMode, Span
+from runtime.criu.proto import mm_pb2, pagemap_pb2
 from runtime.layout import BulkFile, BulkRange, bulk_file
 from tests.unit.test_bulk_plan import ANON, _image, vma
 

@@ -7,10 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from runtime import criu as criu_mod
+from runtime.criu import command as criu_mod
 from runtime.containers import ContainerInfo, NsRef, overlay_upperdir, parse_cgroup_paths, parse_mountinfo
-from runtime import criu_image, criu_log, mount_plan
-from runtime.criu import DumpOptions, RestoreOptions
+from runtime import mount_plan
+from runtime.criu import image_files as criu_image
+from runtime.criu import log as criu_log
+from runtime.criu.command import DumpOptions, RestoreOptions
 from runtime.layout import MountPlanEntry
 from runtime.errors import CriuError, NamespaceError
 

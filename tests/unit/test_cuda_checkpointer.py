@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import threading
+import time
 
 import pytest
 
-from runtime import cuda_cli
-from runtime.cuda import CudaCheckpointer, ProcessState
+from nri_plugin import cuda_checkpoint as cuda_cli
+from runtime.gpu.cuda import CudaCheckpointer, ProcessState
 from runtime.errors import CudaError, CudaStuck, CudaUnavailable
 
 U0 = "GPU-00000000-0000-0000-0000-000000000000"
@@ -182,9 +184,20 @@ def test_checkpoint_rollback_that_fails_names_the_stuck_processes() -> None:
 
 def test_find_cuda_pids_skips_errors_and_threads() -> None:
     me = os.getpid()
-    fake = FakeDriver([me, 77])
-    with make(fake) as ck:
-        assert ck.find_cuda_pids([77, 5, me, 77]) == [77, me]
+    # a process of our own, not a fixed number: pid 77 is a thread of another process on some hosts
+    other = subprocess.Popen(["sleep", "30"])
+    thread = threading.Thread(target=time.sleep, args=(0.5,))
+    thread.start()
+    try:
+        tid = thread.native_id
+        assert tid is not None and tid != me
+        fake = FakeDriver([me, other.pid, tid])
+        with make(fake) as ck:
+            assert ck.find_cuda_pids([other.pid, 5, me, tid, other.pid]) == [other.pid, me]
+    finally:
+        thread.join()
+        other.kill()
+        other.wait()
 
 
 def test_unavailable_when_init_fails() -> None:

@@ -10,7 +10,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from runtime import checkpoint, gpu_target
+from runtime import checkpoint
+from runtime.gpu import target as gpu_target
 from runtime.containers import process_tree
 from runtime.errors import CudaError, CudaStuck
 from tests.waiting import wait_for

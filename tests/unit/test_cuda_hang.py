@@ -16,9 +16,10 @@ from typing import TypeVar
 
 import pytest
 
-from runtime import checkpoint, cuda
+from runtime import checkpoint
+from runtime.gpu import cuda
 from runtime.containers import process_tree
-from runtime.cuda import CudaCheckpointer, CudaTimeout, ProcessState
+from runtime.gpu.cuda import CudaCheckpointer, CudaTimeout, ProcessState
 from runtime.errors import CudaError, CudaStuck, CudaUnavailable
 from tests.waiting import wait_for
 

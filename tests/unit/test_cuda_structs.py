@@ -6,9 +6,9 @@ import ctypes
 
 import pytest
 
-from runtime import cuda_cli
-from runtime.cuda import GpuMapError, ProcessState, build_gpu_map, gpu_pairs
-from runtime.cuda_driver import (
+from nri_plugin import cuda_checkpoint as cuda_cli
+from runtime.gpu.cuda import GpuMapError, ProcessState, build_gpu_map, gpu_pairs
+from runtime.gpu.driver import (
     CUcheckpointCheckpointArgs,
     CUcheckpointGpuPair,
     CUcheckpointLockArgs,

@@ -8,14 +8,15 @@ import signal
 import subprocess
 from pathlib import Path
 
-from runtime import bulk, frozen
+from runtime import tasks
+from runtime import frozen
 from tests.waiting import wait_for
 
 
 def _stopped_child() -> subprocess.Popen[bytes]:
     child = subprocess.Popen(["sleep", "60"])
     os.kill(child.pid, signal.SIGSTOP)
-    wait_for(lambda: bulk.stopped([child.pid]) == {child.pid}, 5, "the child to stop")
+    wait_for(lambda: tasks.stopped([child.pid]) == {child.pid}, 5, "the child to stop")
     return child
 
 
@@ -24,8 +25,8 @@ def test_what_a_dead_agent_left_stopped_is_continued_and_what_the_workload_stopp
     try:
         frozen.record(str(tmp_path), "cid", [ours.pid])  # the agent stopped `ours`, then died
         assert frozen.thaw_left_over(str(tmp_path), "cid") == [ours.pid]
-        wait_for(lambda: not bulk.stopped([ours.pid]), 5, "the checkpoint's process to run again")
-        assert bulk.stopped([theirs.pid]) == {theirs.pid}  # stopped by the workload: stays stopped
+        wait_for(lambda: not tasks.stopped([ours.pid]), 5, "the checkpoint's process to run again")
+        assert tasks.stopped([theirs.pid]) == {theirs.pid}  # stopped by the workload: stays stopped
         assert not list(tmp_path.iterdir())
         assert frozen.thaw_left_over(str(tmp_path), "cid") == []
     finally:
@@ -39,7 +40,7 @@ def test_a_record_naming_a_reused_pid_continues_nothing(tmp_path: Path) -> None:
     try:
         (tmp_path / "frozen-cid.json").write_text(json.dumps({"stopped": [[child.pid, 1]]}))
         assert frozen.thaw_left_over(str(tmp_path), "cid") == []
-        assert bulk.stopped([child.pid]) == {child.pid}
+        assert tasks.stopped([child.pid]) == {child.pid}
     finally:
         child.kill()
         child.wait()

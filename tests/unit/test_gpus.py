@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from runtime import gpus
+from runtime.gpu import devices as gpus
 from runtime.compat import NodeFacts
-from runtime.gpu_target import source_gpus, target_facts
-from runtime.gpus import Gpu
+from runtime.gpu.target import source_gpus, target_facts
+from runtime.manifest import Gpu
 from runtime.manifest import CudaInfo
 
 A = "GPU-aaaaaaaa-1111-2222-3333-444444444444"

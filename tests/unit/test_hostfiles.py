@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from runtime import hostfiles
-from runtime.criu_image import read_reg_files
-from runtime.criu_proto import fown_pb2, regfile_pb2
+from runtime.criu.image_files import read_reg_files
+from runtime.criu.proto import fown_pb2, regfile_pb2
 from runtime.digests import hash_fd
 from runtime.hostfiles import DigestCache, HostFilesError, check, record
 from runtime.layout import MountPlanEntry

@@ -1,4 +1,4 @@
-"""Pure parts of runtime.hostview, and CRIU's argv in another view (runtime.criu)."""
+"""Pure parts of runtime.hostview, and CRIU's argv in another view (runtime.criu.command)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from runtime import criu as criu_mod
+from runtime.criu import command as criu_mod
 from runtime import hostfiles, hostview
-from runtime.criu import RestoreOptions
+from runtime.criu.command import RestoreOptions
 
 REPO = Path(__file__).resolve().parents[2]
 

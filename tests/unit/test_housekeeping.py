@@ -111,8 +111,8 @@ def test_one_failing_housekeeping_step_skips_no_other(tmp_path: Path, monkeypatc
     from nri_plugin import agent
     from nri_plugin.config import Settings
     from nri_plugin.metrics import Metrics
-    from runtime import store_gc
-    from runtime.store import ArtifactStore
+    from runtime.store import gc as store_gc
+    from runtime.store.volume import ArtifactStore
 
     def prepare() -> tuple[Path, Path, Path]:
         logs = tmp_path / "state" / "logs"
@@ -147,7 +147,7 @@ def test_a_planted_tree_in_the_store_is_counted_and_housekeeping_goes_on(tmp_pat
     from nri_plugin.config import Settings
     from nri_plugin.metrics import Metrics
     from runtime import fdfs
-    from runtime.store import ArtifactStore
+    from runtime.store.volume import ArtifactStore
     from tests.unit.test_store_gc import deep_tree
 
     settings = Settings(state_dir=str(tmp_path / "state"), store=str(tmp_path / "store"))

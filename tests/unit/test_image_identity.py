@@ -11,7 +11,7 @@ import pytest
 from nri_plugin.agent import NodeEngine
 from runtime.checkpoint import CheckpointRequest, checkpoint
 from runtime.errors import ImageUnknown
-from runtime.store import ArtifactStore
+from runtime.store.volume import ArtifactStore
 
 
 def test_a_checkpoint_naming_an_image_without_its_id_is_refused_before_anything(tmp_path: Path) -> None:

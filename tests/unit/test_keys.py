@@ -1,4 +1,4 @@
-"""runtime.keys: the HMAC key as kubelet mounts it, as the plugin creates it, and every way a
+"""runtime.store.keys: the HMAC key as kubelet mounts it, as the plugin creates it, and every way a
 key path can be wrong (each one line, never a hang or a traceback)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 
 from runtime import openat2
 from runtime.errors import ConfigError, KeyMissing
-from runtime.keys import create_key, load_key, read_key
+from runtime.store.keys import create_key, load_key, read_key
 from tests.e2e.kubelet_volumes import project
 
 KEY = bytes(range(32))

@@ -1,7 +1,8 @@
 """Layering: the engine (runtime/) never depends on the NRI side (nri_plugin/), the transport
 never depends on Rekindle's policy or engine (kept swappable and testable alone), and neither
 the engine nor the plugin depends on the dev harness (devtools/: it is not shipped) or on the
-tests and benchmarks."""
+tests and benchmarks. Inside the engine, each wing (runtime/criu, overlay, store, gpu, pages)
+has its contract: what it may not import; and no two modules share a name."""
 
 from __future__ import annotations
 
@@ -23,9 +24,12 @@ def imports_of(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
-                out.add(".".join([*base, node.module] if node.module else base))
-            elif node.module:
-                out.add(node.module)
+                module = ".".join([*base, node.module] if node.module else base)
+            else:
+                module = node.module or ""
+            out.add(module)
+            # ``from runtime import restore`` imports the module runtime.restore
+            out.update(f"{module}.{a.name}" for a in node.names)
     return out
 
 
@@ -49,6 +53,65 @@ def test_lower_layers_do_not_import_higher_ones(package, forbidden):
             if any(name == f or name.startswith(f + ".") for f in forbidden):
                 bad.append(f"{path.relative_to(ROOT)} imports {name}")
     assert not bad, "\n".join(bad)
+
+
+FLOWS = ("runtime.checkpoint", "runtime.restore", "runtime.doctor", "runtime.housekeeping")
+WINGS = ("runtime.criu", "runtime.overlay", "runtime.store", "runtime.gpu", "runtime.pages")
+
+
+def _others(*allowed: str) -> tuple[str, ...]:
+    return tuple(w for w in WINGS if w not in allowed)
+
+
+@pytest.mark.parametrize("wing, forbidden", [
+    # CRIU and its images know nothing of what is stored, mapped or on a GPU
+    ("runtime/criu", _others("runtime.criu")),
+    # the writable layer: files and tar only
+    ("runtime/overlay", _others("runtime.overlay")),
+    # the shared store: bytes and manifests; how pages go into a process is not its business
+    ("runtime/store", _others("runtime.store")),
+    # the GPUs: the driver and the devices; the pages it restores from are the caller's
+    ("runtime/gpu", _others("runtime.gpu")),
+    # the bulk pages read CRIU's images and the store's versions, nothing of the GPU or the layer
+    ("runtime/pages", _others("runtime.pages", "runtime.criu", "runtime.store")),
+    # containerd's clients and its default paths: under everything
+    ("runtime/containerd", WINGS),
+], ids=["criu", "overlay", "store", "gpu", "pages", "containerd"])
+def test_each_wing_keeps_to_its_contract(wing, forbidden):
+    """A wing never imports a flow (checkpoint, restore, doctor, housekeeping), the plugin, or a
+    wing its contract leaves out; the flows compose the wings."""
+    bad = []
+    for path in sorted((ROOT / wing).rglob("*.py")):
+        if path.name.endswith(("_pb2.py", "_pb2_grpc.py")):
+            continue
+        for name in imports_of(path):
+            if any(name == f or name.startswith(f + ".") for f in (*FLOWS, "nri_plugin", *forbidden)):
+                bad.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_shared_modules_import_no_flow():
+    """``runtime/*.py`` outside the flows is what the flows and the wings share: never a flow."""
+    bad = []
+    for path in sorted((ROOT / "runtime").glob("*.py")):
+        if ".".join(path.relative_to(ROOT).with_suffix("").parts) in FLOWS:
+            continue
+        for name in imports_of(path):
+            if any(name == f or name.startswith(f + ".") for f in FLOWS):
+                bad.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert not bad, "\n".join(bad)
+
+
+def test_no_two_modules_share_a_name():
+    """``preflight.py`` on both sides once meant two different things; a name says one."""
+    seen: dict[str, list[str]] = {}
+    for package in ("runtime", "nri_plugin", "devtools", "bench"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            if path.name in ("__init__.py", "__main__.py") or path.name.endswith(("_pb2.py", "_pb2_grpc.py")):
+                continue
+            seen.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    shared = {name: paths for name, paths in seen.items() if len(paths) > 1}
+    assert not shared, shared
 
 
 @pytest.mark.parametrize("library, allowed", [

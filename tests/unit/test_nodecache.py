@@ -1,4 +1,4 @@
-"""runtime.nodecache pieces that need no restore (the cache through the plugin:
+"""runtime.pages.nodecache pieces that need no restore (the cache through the plugin:
 tests/e2e/test_node_cache.py)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from runtime import nodecache
-from runtime.bulk_map import MapMode
+from runtime.pages import nodecache
+from runtime.pages.mapping import MapMode
 
 CG = "/sys/fs/cgroup/memory"
 
@@ -22,7 +22,7 @@ def test_the_memory_limit_read_is_the_callers_cgroups() -> None:
     try:
         with open(os.path.join(path, "memory.limit_in_bytes"), "w") as f:
             f.write(str(512 << 20))
-        code = "from runtime.nodecache import cgroup_memory; print(cgroup_memory()[0])"
+        code = "from runtime.pages.nodecache import cgroup_memory; print(cgroup_memory()[0])"
         out = subprocess.run(["sh", "-c", f'echo $$ > {path}/cgroup.procs && exec {sys.executable} -c "{code}"'],
                              capture_output=True, text=True, check=True, cwd=os.getcwd()).stdout
         assert int(out) == 512 << 20

@@ -7,11 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from runtime import nodeconfig, nritoggle
+from nri_plugin.node import containerd_config as nodeconfig
+from nri_plugin.node import toggle as nritoggle
+from runtime.containerd import defaults
 from runtime.errors import ConfigError
 
 DATA = Path(__file__).resolve().parent.parent / "data"
-NRI = nodeconfig.NRI_PLUGIN
+NRI = defaults.NRI_PLUGIN
 SOCK = "/run/test/nri.sock"
 
 # (file, config version, NRI table present before)
@@ -197,7 +199,7 @@ def test_main_json_reports_change_then_nothing(tmp_path, capsys):
     """The chart's init container parses this JSON to decide on a containerd restart."""
     import json
 
-    from runtime.nritoggle import main
+    from nri_plugin.node.toggle import main
     cfg = tmp_path / "config.toml"
     cfg.write_text((DATA / "containerd-1.7.24-debian.toml").read_text())
     assert main(["--json", "--config", str(cfg)]) == 0

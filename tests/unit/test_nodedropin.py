@@ -9,12 +9,15 @@ from pathlib import Path, PurePosixPath
 
 import pytest
 
-from runtime import nodeconfig, nodedropin, nritoggle
+from nri_plugin.node import containerd_config as nodeconfig
+from nri_plugin.node import dropin as nodedropin
+from nri_plugin.node import toggle as nritoggle
+from runtime.containerd import defaults
 from runtime.errors import ConfigError, ManagedContainerd
-from runtime.nodehost import HostView
+from nri_plugin.node.host import HostView
 
 DATA = Path(__file__).resolve().parent.parent / "data"
-NRI = nodeconfig.NRI_PLUGIN
+NRI = defaults.NRI_PLUGIN
 SOCK = "/run/test/nri.sock"
 CFG = PurePosixPath("/etc/containerd/config.toml")
 DROP = PurePosixPath("/etc/containerd/conf.d/99-rekindle-nri.toml")

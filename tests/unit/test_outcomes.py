@@ -20,7 +20,7 @@ def _existing() -> str:
     import tempfile
 
     from tests.unit.test_store import KEY, publish
-    from runtime.store import ArtifactStore
+    from runtime.store.volume import ArtifactStore
     with tempfile.TemporaryDirectory() as tmp:
         store = ArtifactStore(tmp)
         publish(store, "team-a", "m")

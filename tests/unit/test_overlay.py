@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from runtime.errors import OverlayError
-from runtime.overlay import apply, capture
+from runtime.overlay.rootfs import apply, capture
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (mknod, trusted xattrs, "
                                 "chown, mount -t overlay)")
@@ -545,7 +545,7 @@ def test_capture_stores_a_sparse_file_sparsely_and_gnu_tar_and_apply_restore_its
 
 def test_capture_merges_extents_beyond_the_map_limit(tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    import runtime.overlay_tar as overlay_tar
+    import runtime.overlay.tar as overlay_tar
     monkeypatch.setattr(overlay_tar, "MAX_SPARSE_EXTENTS", 5)
     upper, root = tmp_path / "upper", tmp_path / "root"
     upper.mkdir()

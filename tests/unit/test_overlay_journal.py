@@ -16,8 +16,10 @@ from typing import Any
 
 import pytest
 
-from runtime import control, overlay_pending, overlay_undo
-from runtime.overlay import PAUSE_AT_MEMBER, apply, capture
+from runtime import control
+from runtime.overlay import pending as overlay_pending
+from runtime.overlay import undo as overlay_undo
+from runtime.overlay.rootfs import PAUSE_AT_MEMBER, apply, capture
 from tests.unit.test_overlay import image_tree, member, needs_root, overlay, snapshot, write_tar
 
 __all__ = ["overlay"]  # the fixture, used by name
@@ -67,7 +69,7 @@ def test_a_journal_outside_the_rootfs_rolls_back_a_complete_apply(tmp_path: Path
 
 def _apply_in_child(tmp_path: Path, rootfs: Path, step: str) -> subprocess.Popen[bytes]:
     tar, dels = layer(tmp_path)
-    code = ("import sys; from runtime.overlay import apply; "
+    code = ("import sys; from runtime.overlay.rootfs import apply; "
             "apply(sys.argv[1], sys.argv[2], sys.argv[3], journal=sys.argv[4]); "
             "from runtime.testpause import pause_for_test; pause_for_test('applied')")
     return subprocess.Popen([sys.executable, "-c", code, str(rootfs), str(tar), str(dels),
@@ -115,7 +117,7 @@ def test_a_rollback_killed_half_way_is_run_again_to_the_same_rootfs(tmp_path: Pa
     tar, dels = layer(tmp_path)
     journal = tmp_path / "01-rootfs"
     apply(str(rootfs), str(tar), str(dels), journal=str(journal))
-    code = ("import sys, runtime.overlay_undo as u, runtime.overlay_fs as f; real = f.remove; n = [0]\n"
+    code = ("import sys, runtime.overlay.undo as u, runtime.overlay.fs as f; real = f.remove; n = [0]\n"
             "def remove(parent, name):\n"
             "    n[0] += 1\n"
             "    if n[0] == 150: import os; os.kill(os.getpid(), 9)\n"

@@ -12,9 +12,9 @@ import pytest
 from nri_plugin.prefetch import Prefetcher
 from runtime.housekeeping import rotate_logs
 from runtime.pagecache import is_cached
-from runtime import prefetch
-from runtime.prefetch import warm
-from runtime.store import ArtifactStore
+from runtime.store import readahead as prefetch
+from runtime.store.readahead import warm
+from runtime.store.volume import ArtifactStore
 from tests.unit.test_store import KEY, publish
 from tests.waiting import wait_for
 

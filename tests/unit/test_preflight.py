@@ -1,4 +1,4 @@
-"""runtime.preflight: what a checkpoint must refuse up front, on stand-in /proc trees and on real
+"""runtime.checkpointable: what a checkpoint must refuse up front, on stand-in /proc trees and on real
 processes (io_uring, NCCL's default set-up as NCCL lays it out, supported and unsupported fds)."""
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from tests.nccl_forge import FORGE_PROXY_SOCKET
-from runtime import preflight, procfs, unixdiag
-from runtime.preflight import Kind, NcclTransport
+from runtime import procfs, unixdiag
+from runtime import checkpointable as preflight
+from runtime.checkpointable import Kind, NcclTransport
 
 NCCL_SOCK_INODE = 5001
 

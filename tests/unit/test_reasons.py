@@ -31,11 +31,11 @@ EXPECTED = {
     "runtime.errors.Incompatible": Reason.INCOMPATIBLE, "runtime.errors.LessPrivileged": Reason.PRIVILEGE,
     "runtime.containerd.client.ContainerdError": Reason.RUNTIME,
     "runtime.containerd.cri_lookup.CRIError": Reason.RUNTIME,
-    "runtime.stream.StreamError": Reason.CRIU, "runtime.stream.StreamIntegrityError": Reason.INTEGRITY,
-    "runtime.restore.RestoreRolledBackBadly": Reason.RUNTIME, "runtime.bulk.FillError": Reason.INTEGRITY,
-    "runtime.overlay_tar._Invalid": Reason.RUNTIME, "runtime.hostfiles.HostFilesError": Reason.INCOMPATIBLE,
-    "runtime.bulk_map.MapError": Reason.INTEGRITY, "runtime.nodecache.CacheError": Reason.STORE,
-    "runtime.cuda.CudaTimeout": Reason.CUDA, "runtime.cuda.GpuMapError": Reason.INCOMPATIBLE,
+    "runtime.pages.stream.StreamError": Reason.CRIU, "runtime.pages.stream.StreamIntegrityError": Reason.INTEGRITY,
+    "runtime.restore.RestoreRolledBackBadly": Reason.RUNTIME, "runtime.pages.bulk.FillError": Reason.INTEGRITY,
+    "runtime.overlay.tar._Invalid": Reason.RUNTIME, "runtime.hostfiles.HostFilesError": Reason.INCOMPATIBLE,
+    "runtime.pages.mapping.MapError": Reason.INTEGRITY, "runtime.pages.nodecache.CacheError": Reason.STORE,
+    "runtime.gpu.cuda.CudaTimeout": Reason.CUDA, "runtime.gpu.cuda.GpuMapError": Reason.INCOMPATIBLE,
     "nri_plugin.restore_target.TargetRefused": Reason.RUNTIME,
     "nri_plugin.jobs.Skipped": Reason.OTHER,  # the guards' own texts: classed by their words
 }

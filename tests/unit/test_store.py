@@ -15,14 +15,14 @@ from pathlib import Path
 import pytest
 
 from runtime import digests
-from runtime import store_gc
+from runtime.store import gc as store_gc
 from runtime.owner import Owner
 from runtime.errors import ArtifactNotFound, ArtifactRejected, StoreError
 from runtime.manifest import (
     CriuInfo, FileEntry, Manifest, NodeInfo, ProcessInfo, SecurityProfile, Source, sign,
 )
 from runtime.rollback import GenerationBook
-from runtime.store import ArtifactStore, validate_name, validate_namespace
+from runtime.store.volume import ArtifactStore, validate_name, validate_namespace
 
 KEY = b"s" * 32
 
@@ -487,7 +487,7 @@ def test_a_killed_publisher_leaves_a_staging_dir_the_next_sweep_removes(tmp_path
     import subprocess
     import sys
     # Killed while the publish copies into the store (the only time the store holds a staging dir).
-    code = ("import sys, os, signal; from runtime import store as st; from tests.unit.test_store import make_manifest; "
+    code = ("import sys, os, signal; from runtime.store import volume as st; from tests.unit.test_store import make_manifest; "
             "s = st.ArtifactStore(sys.argv[1]).stage('team-a', 'x'); "
             "open(os.path.join(s.path, 'pages.img'), 'wb').write(b'p' * 65536); "
             "real = st._transfer; "
@@ -552,7 +552,7 @@ def test_large_file_digest_is_by_pieces_and_catches_one_flipped_byte(tmp_path):
 
 @pytest.mark.parametrize("moved", [True, False], ids=["renamed-in", "copied-in"])
 def test_publish_moves_or_copies_the_private_tree_and_records_its_bytes(tmp_path: Path, monkeypatch, moved) -> None:
-    from runtime import store as store_mod
+    from runtime.store import volume as store_mod
     if not moved:  # the store on another file system than the private dir
         monkeypatch.setattr(store_mod, "_move", lambda *a: False)
     store = ArtifactStore(str(tmp_path / "store"))
@@ -568,7 +568,7 @@ def test_publish_moves_or_copies_the_private_tree_and_records_its_bytes(tmp_path
 def test_publish_never_writes_through_a_name_planted_in_the_store(tmp_path: Path, monkeypatch) -> None:
     """Another writer of the store plants a symlink to a host file in the staging dir while the
     publish copies into it: the publish fails, the host file is untouched."""
-    from runtime import store as store_mod
+    from runtime.store import volume as store_mod
     victim = tmp_path / "authorized_keys"
     victim.write_text("victim\n")
     real = store_mod._transfer

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from runtime import store_gc
+from runtime.store import gc as store_gc
 from runtime.owner import OWNER, Owner
-from runtime.store import ArtifactStore
+from runtime.store.volume import ArtifactStore
 from tests.unit.test_store import KEY, publish
 
 DEPTH = 1500  # past the interpreter's recursion limit (1000)

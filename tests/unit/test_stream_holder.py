@@ -1,4 +1,4 @@
-"""runtime.stream_holder, the second holder of a streamed restore's uffds: when the agent's end
+"""runtime.pages.holder, the second holder of a streamed restore's uffds: when the agent's end
 of its socket goes before "done", it kills every process of the restored pid namespace but the
 init and tells the init to start cold; after "done" it touches nothing."""
 
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from runtime import stream
+from runtime.pages import stream
 from runtime.control import ControlDir
 from tests.waiting import wait_for
 

@@ -1,4 +1,4 @@
-"""runtime.stream's server against a real process: a child maps a region, registers it with a
+"""runtime.pages.stream's server against a real process: a child maps a region, registers it with a
 userfaultfd of its own (missing mode, the FORK/REMAP/REMOVE/UNMAP events CRIU asks for) and
 hands the uffd over; the server installs the verified pieces while the child reads them."""
 
@@ -14,9 +14,10 @@ import time
 import blake3
 import pytest
 
-from runtime import stream, uffd
+from runtime.pages import stream
+from runtime.pages import uffd
 from runtime.layout import SUM_CHUNK, BulkFile, BulkRange, bulk_file
-from runtime.stream import PIECE
+from runtime.pages.stream import PIECE
 
 pytestmark = pytest.mark.skipif(uffd.probe() is not None, reason=f"no userfaultfd: {uffd.probe()}")
 
@@ -25,7 +26,7 @@ pytestmark = pytest.mark.skipif(uffd.probe() is not None, reason=f"no userfaultf
 CHILD = textwrap.dedent("""
     import mmap, os, socket, sys, ctypes, blake3
     sys.path.insert(0, sys.argv[1])
-    from runtime import uffd
+    from runtime.pages import uffd
     sk = socket.socket(fileno=int(sys.argv[2]))
     length = int(sys.argv[3])
     m = mmap.mmap(-1, length + uffd.PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

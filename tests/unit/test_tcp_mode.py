@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from runtime import criu, procfs, tcpmode
+from runtime import procfs, tcpmode
+from runtime.criu import command as criu
 
 LISTEN, ESTABLISHED, TIME_WAIT, CLOSE_WAIT = 0x0A, 0x01, 0x06, 0x08
 

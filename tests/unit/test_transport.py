@@ -9,7 +9,7 @@ import pytest
 
 from nri_plugin.proto import ttrpc_pb2
 from nri_plugin.transport import mux, ttrpc
-from nri_plugin.transport.errors import LocalProtocolError, RemoteProtocolError
+from nri_plugin.transport.rpc_errors import LocalProtocolError, RemoteProtocolError
 
 
 def test_mux_header_is_conn_id_then_length_big_endian():

@@ -1,0 +1,618 @@
+"""Bulk pages beside CRIU: split them out of a dump, and fill them into a stopped restore.
+
+CRIU restores a process's memory on one thread (~1-2 GB/s); a GPU process checkpointed by the
+driver holds its whole device memory as one private anonymous mapping. So:
+
+- :func:`split` (checkpoint side, after ``criu dump``): for every process, the present pagemap
+  entries that lie in one plain private anonymous writable VMA are merged into runs; runs of at
+  least ``min_run`` bytes (by default all) move out of CRIU's images. The process's pages file is renamed to
+  ``bulk/pages-<pid>.bulk`` (no copy), a new pages file gets the bytes of the entries CRIU keeps,
+  and the pagemap loses the moved entries outright (an entry kept with flags 0 makes CRIU's
+  restorer spin). An entry straddling two VMAs stays with CRIU. Shared mappings, file mappings
+  and read-only ones stay with CRIU (process_vm_writev cannot write read-only mappings), and so
+  does whatever is written into the process after CRIU restored it and before the fill
+  (``runtime.criu.image_files.written_after_restore``: the VMAs a pending signal's frame can land in, each
+  thread's rseq area), which the fill would otherwise overwrite with the dumped bytes. The
+  digest of each SUM_CHUNK of the bulk file goes to ``bulk/pages-<pid>.sums``. VMAs
+  named in ``huge`` (the CUDA driver's host staging copy) get MADV_HUGEPAGE in mm-<pid>.img:
+  CRIU applies madvise after its own page reads, so the empty range is THP-eligible before the
+  fill; no other VMA changes, so the restored process has the advice the source had.
+- :func:`fill` (restore side, CRIU ran with ``--leave-stopped``): first :func:`check_targets`
+  (every range in private anonymous writable memory of a process CRIU restored, no stack) and
+  :func:`assert_untouched` (no page of a range written yet); then N threads read each bulk file
+  1 MiB at a time into private buffers, hash exactly those bytes, compare the digest with the
+  signed one, and only then write them into the stopped process with process_vm_writev. A
+  piece not in the page cache is first asked of the disk whole (``POSIX_FADV_WILLNEED``): the
+  threads share one open file, whose readahead state their interleaved 1 MiB reads keep
+  resetting; the advice keeps large requests queued however the threads interleave
+  (``bench.disk_queue`` measures both). The caller resumes the process only when :func:`fill`
+  returned; on any error it kills the stopped tree, which then never ran.
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import dataclasses
+import errno
+import logging
+import mmap
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from runtime.criu import image_files as img
+from runtime.errors import Reason, RekindleError
+from runtime import layout
+from runtime.layout import (BULK_DIR, CRIU_DIR, DIGEST_BYTES, SUM_CHUNK, BulkFile, BulkRange, bulk_file,
+                            bulk_pagemap, bulk_sums)
+from runtime.store import Artifact
+from runtime import digests
+from runtime.digests import WORKERS, new_hash, piece_ranges
+from runtime.pagecache import is_cached
+
+log = logging.getLogger(__name__)
+
+# Every run moves by default: CRIU restores small runs at ~1 GB/s (a page fault per 4 KiB page,
+# on one thread): an LLM worker's 301 MiB of heap runs below 2 MiB took 0.27-0.64 s of CRIU's
+# restore on the H200, and the fill writes them on many threads instead.
+MIN_RUN = img.PAGE
+CHUNK = SUM_CHUNK  # per-thread buffer: hashed and written while still in the core's cache
+
+
+def fill_threads(asked: int = 0) -> int:
+    """The fill's threads: ``asked``, else one per core, up to 16 (:data:`WORKERS`). The fill is
+    bound by memory bandwidth (zeroing, copying and hashing every page); more did worse: on the
+    two-H200 machine (32 vCPUs), 49 GiB filled at 9.5-10.3 GB/s on 32 threads against 14.3 on
+    16, and the CUDA restore after it took 8.1-8.2 s against 7.0."""
+    return asked if asked > 0 else WORKERS
+
+
+# Pieces filled at once by all the fills of this process: restores started together (pods
+# scaling out on one node) share the cores instead of each running one thread per core.
+_FILLING = threading.BoundedSemaphore(WORKERS)
+
+
+class FillError(RekindleError):
+    reason_class = Reason.INTEGRITY  # a chunk off its digest, a range off the restored tree
+    """Bulk pages could not be written into the restored process (or did not verify)."""
+
+
+@dataclass(frozen=True)
+class SplitStats:
+    processes: int
+    moved_bytes: int
+    kept_bytes: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class FillStats:
+    bytes_read: int
+    bytes_written: int
+    seconds: float
+    threads: int
+
+
+# --- split ---------------------------------------------------------------------------------------
+
+MAX_RANGES = layout.MAX_BULK_RANGES  # per artifact: the restore plan lists each and is capped
+
+
+_NOTHING = img.Written((), ())
+
+
+def _movable(vma: Any, written: img.Written) -> bool:
+    return img.is_private_anon_writable(vma) and (vma.start, vma.end) not in written.vmas
+
+
+def _cut(entries: Sequence[Any], pages: Sequence[tuple[int, int]]) -> list[Any]:
+    """``entries`` with each one that overlaps a span of ``pages`` cut at the span's edges, so
+    that those pages can stay with CRIU alone (the pages file's order is unchanged)."""
+    if not pages:
+        return list(entries)
+    pinned = img.Written((), tuple(pages))
+    out = []
+    for e in entries:
+        lo, hi = e.vaddr, e.vaddr + img.nr_pages(e) * img.PAGE
+        if not img.has_data(e) or not pinned.hits(lo, hi):
+            out.append(e)
+            continue
+        cuts = sorted({x for a, b in pages for x in (a, b) if lo < x < hi})
+        if not cuts:
+            out.append(e)
+            continue
+        for a, b in zip([lo, *cuts], [*cuts, hi]):
+            part = type(e)()
+            part.CopyFrom(e)
+            part.vaddr, part.compat_nr_pages = a, (b - a) // img.PAGE
+            if e.HasField("nr_pages"):
+                part.nr_pages = (b - a) // img.PAGE
+            out.append(part)
+    return out
+
+
+def _runs(pagemap: img.Pagemap, vmas: list[Any], min_run: int, cap: int = MAX_RANGES,
+          written: img.Written = _NOTHING) -> tuple[list[BulkRange], set[int]]:
+    """Bulk ranges of one process and the indexes of the pagemap entries they replace: at most
+    ``cap`` ranges, the longest (shorter runs stay with CRIU). What is ``written`` after CRIU
+    restored the process (:func:`runtime.criu.image_files.written_after_restore`) stays with CRIU: those
+    VMAs whole, those pages (entries cut at them, :func:`_cut`)."""
+    starts = [v.start for v in vmas]
+    runs: list[tuple[int, int, int, list[int], int]] = []  # vaddr, length, offset, entries, vma
+    offset = 0
+    for idx, e in enumerate(pagemap.entries):
+        if not img.has_data(e):
+            continue
+        length = img.nr_pages(e) * img.PAGE
+        i = bisect.bisect_right(starts, e.vaddr) - 1
+        vma_ok = (i >= 0 and e.vaddr + length <= vmas[i].end and _movable(vmas[i], written)
+                  and not written.hits(e.vaddr, e.vaddr + length))
+        if vma_ok:
+            last = runs[-1] if runs else None
+            if (last is not None and last[4] == i and last[0] + last[1] == e.vaddr
+                    and last[2] + last[1] == offset):
+                runs[-1] = (last[0], last[1] + length, last[2], [*last[3], idx], i)
+            else:
+                runs.append((e.vaddr, length, offset, [idx], i))
+        else:
+            runs.append((e.vaddr, length, offset, [], -1))  # a barrier: nothing merges across it
+        offset += length
+    chosen = [r for r in runs if r[4] >= 0 and r[1] >= min_run]
+    if len(chosen) > cap:
+        chosen = sorted(chosen, key=lambda r: -r[1])[:cap]
+        chosen.sort(key=lambda r: r[2])
+    ranges, moved = [], set()
+    for vaddr, length, off, entries, _vma in chosen:
+        ranges.append(BulkRange(vaddr, length, off))
+        moved.update(entries)
+    return ranges, moved
+
+
+def _kept_by_kind(pagemap: img.Pagemap, vmas: list[Any], moved: set[int], min_run: int,
+                  written: img.Written = _NOTHING,
+                  inherited: frozenset[tuple[int, int]] = frozenset()) -> dict[str, int]:
+    """Bytes left with CRIU, by why: what a benchmark needs to see where CRIU's time goes."""
+    starts = [v.start for v in vmas]
+    kinds: dict[str, int] = {}
+    for idx, e in enumerate(pagemap.entries):
+        if idx in moved or not img.has_data(e):
+            continue
+        length = img.nr_pages(e) * img.PAGE
+        i = bisect.bisect_right(starts, e.vaddr) - 1
+        if i < 0 or e.vaddr + length > vmas[i].end:
+            kind = "straddling"
+        elif (vmas[i].start, vmas[i].end) in inherited:
+            kind = "copy-on-write with a parent or child"
+        elif written.hits(e.vaddr, e.vaddr + length):
+            kind = "stacks and rseq areas"
+        elif img.is_private_anon_writable(vmas[i]):
+            kind = f"anonymous runs < {min_run >> 10} KiB"
+        elif vmas[i].status & img.VMA_ANON_SHARED:
+            kind = "shared anonymous"
+        elif vmas[i].status & (img.VMA_FILE_PRIVATE | img.VMA_FILE_SHARED):
+            kind = "file-backed"
+        elif not vmas[i].prot & img.PROT_WRITE:
+            kind = "read-only anonymous"
+        else:
+            kind = "special"
+        kinds[kind] = kinds.get(kind, 0) + length
+    return kinds
+
+
+def _copy_kept(pagemap: img.Pagemap, src: str, moved: set[int]) -> int:
+    """Write the new pages file: the data of the entries CRIU keeps, in entry order."""
+    kept = 0
+    tmp = pagemap.pages_path + ".tmp"
+    with open(src, "rb") as fin, open(tmp, "wb") as fout:
+        offset = 0
+        for idx, e in enumerate(pagemap.entries):
+            if not img.has_data(e):
+                continue
+            length = img.nr_pages(e) * img.PAGE
+            if idx not in moved:
+                done = 0
+                while done < length:
+                    n = os.copy_file_range(fin.fileno(), fout.fileno(), length - done, offset + done)
+                    if n <= 0:
+                        raise OSError(errno.EIO, f"{src}: short copy at {offset + done}")
+                    done += n
+                kept += length
+            offset += length
+        fout.flush()
+        os.fsync(fout.fileno())
+    os.replace(tmp, pagemap.pages_path)
+    return kept
+
+
+def _chunk_digest(fd: int, offset: int, length: int) -> bytes:
+    digest, done = new_hash(), 0
+    while done < length:
+        data = os.pread(fd, min(CHUNK, length - done), offset + done)
+        if not data:
+            raise OSError(errno.EIO, "bulk file shrank while hashed")
+        digest.update(data)
+        done += len(data)
+    return digest.digest()
+
+
+def write_sums(bulk_path: str, sums_path: str) -> None:
+    """The digest of each SUM_CHUNK of ``bulk_path``, in order (the fill checks each chunk
+    before it writes it; the manifest signs this file like any other)."""
+    fd = os.open(bulk_path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        with ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="rekindle-sums") as pool:
+            sums = list(pool.map(lambda off: _chunk_digest(fd, off, min(SUM_CHUNK, size - off)),
+                                 range(0, size, SUM_CHUNK)))
+    finally:
+        os.close(fd)
+    tmp = sums_path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(b"".join(sums))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, sums_path)
+
+
+HUGE_FALLBACK_MIN = 1 << 30
+
+
+def _mark_huge(images: str, pid: int, ranges: Iterable[tuple[int, int]], bulk: list[BulkRange]) -> int:
+    spans = list(ranges)
+    if not spans and bulk:
+        # The driver's staging copy was not seen appear (it may reuse a mapping): it is the
+        # process's largest private anonymous run by far; mark that one VMA, if it is large.
+        top = max(bulk, key=lambda r: r.length)
+        if top.length >= HUGE_FALLBACK_MIN:
+            spans = [(top.vaddr, top.vaddr + top.length)]
+    if not spans:
+        return 0
+    mm = img.read_mm(images, pid)
+    marked = 0
+    for vma in mm.entry.vmas:
+        if img.is_private_anon_writable(vma) and any(vma.start < end and start < vma.end for start, end in spans):
+            vma.madv |= 1 << img.MADV_HUGEPAGE
+            marked += 1
+    if marked:
+        img.write_mm(mm)
+        log.info("pid %d: MADV_HUGEPAGE on %d VMA(s) for the fill: %s", pid, marked,
+                 ", ".join(f"{a:#x}+{(b - a) >> 20}MiB" for a, b in spans))
+    return marked
+
+
+def _inherited(procs: Sequence[img.PstreeEntry], vmas_of: Mapping[int, list[Any]]) -> dict[int, frozenset[tuple[int, int]]]:
+    """Per process, the private anonymous VMAs it has at the very place its parent in the tree
+    has one: inherited at a fork, their pages shared copy-on-write. CRIU restores such a VMA in
+    the parent before the fork and keeps in the child each page equal to the parent's (shared
+    again); a fill writes each process's copy privately, doubling a forked tree's memory. So
+    they stay with CRIU, in both processes."""
+    spans = {pid: {(v.start, v.end) for v in vmas if img.is_private_anon_writable(v)} for pid, vmas in vmas_of.items()}
+    out: dict[int, set[tuple[int, int]]] = {p.pid: set() for p in procs}
+    for p in procs:
+        if p.ppid in spans:
+            common = spans[p.pid] & spans[p.ppid]
+            out[p.pid] |= common
+            out[p.ppid] |= common
+    return {pid: frozenset(v) for pid, v in out.items()}
+
+
+def split(artifact_dir: str, huge: Mapping[int, Sequence[tuple[int, int]]] | None = None,
+          min_run: int = MIN_RUN) -> tuple[tuple[BulkFile, ...], SplitStats]:
+    """Move the bulk page runs of the dump in ``artifact_dir/criu`` to ``artifact_dir/bulk``.
+
+    ``huge`` maps each CUDA process (pid as the image numbers it) to the address ranges whose
+    VMAs get MADV_HUGEPAGE (the driver's staging copy, seen appear at the CUDA checkpoint; when
+    none was seen, the process's largest bulk run, if at least 1 GiB). Returns the bulk files."""
+    t0 = time.monotonic()
+    images = os.path.join(artifact_dir, CRIU_DIR)
+    files, moved_total, kept_total = [], 0, 0
+    procs = [e for e in img.read_pstree(images)
+             if os.path.exists(os.path.join(images, f"pagemap-{e.pid}.img"))]  # not zombies
+    vmas_of = {p.pid: sorted(img.read_mm(images, p.pid).entry.vmas, key=lambda v: v.start) for p in procs}
+    inherited = _inherited(procs, vmas_of)
+    for proc in procs:
+        pid = proc.pid
+        vmas = vmas_of[pid]
+        written = img.written_after_restore(images, proc, vmas)
+        if inherited[pid]:  # kept whole with CRIU, which restores them shared (see _inherited)
+            written = dataclasses.replace(written, vmas=(*written.vmas, *sorted(inherited[pid])))
+        pagemap = img.read_pagemap(images, pid)
+        pagemap = dataclasses.replace(pagemap, entries=_cut(pagemap.entries, written.pages))
+        ranges, moved = _runs(pagemap, vmas, min_run, cap=MAX_RANGES // max(1, len(procs)), written=written)
+        kept = _kept_by_kind(pagemap, vmas, moved, min_run, written, inherited[pid])
+        if kept:
+            log.info("pid %d: left with CRIU: %s", pid, ", ".join(
+                f"{v / 2**20:.1f} MiB {k}" for k, v in sorted(kept.items(), key=lambda kv: -kv[1])))
+        if not ranges:
+            continue
+        os.makedirs(os.path.join(artifact_dir, BULK_DIR), mode=0o700, exist_ok=True)
+        dest = os.path.join(artifact_dir, bulk_file(pid))
+        os.rename(pagemap.pages_path, dest)
+        shutil.copyfile(pagemap.path, os.path.join(artifact_dir, bulk_pagemap(pid)))
+        kept_total += _copy_kept(pagemap, dest, moved)
+        write_sums(dest, os.path.join(artifact_dir, bulk_sums(pid)))
+        img.write_pagemap(pagemap, [e for i, e in enumerate(pagemap.entries) if i not in moved])
+        if huge is not None and pid in huge:  # a CUDA process
+            _mark_huge(images, pid, huge[pid], ranges)
+        files.append(BulkFile(pid, bulk_file(pid), pagemap.pages_id, tuple(ranges)))
+        moved_total += sum(r.length for r in ranges)
+    stats = SplitStats(len(files), moved_total, kept_total, time.monotonic() - t0)
+    log.info("bulk split: %d processes, %.1f MiB to bulk files, %.1f MiB left with CRIU, %.2fs",
+             stats.processes, moved_total / 2**20, kept_total / 2**20, stats.seconds)
+    return tuple(files), stats
+
+
+# --- fill ----------------------------------------------------------------------------------------
+
+class _Iovec(ctypes.Structure):
+    _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_process_vm_writev = _libc.process_vm_writev
+_process_vm_writev.argtypes = [ctypes.c_int, ctypes.POINTER(_Iovec), ctypes.c_ulong,
+                               ctypes.POINTER(_Iovec), ctypes.c_ulong, ctypes.c_ulong]
+_process_vm_writev.restype = ctypes.c_ssize_t
+
+
+def write_remote(pid: int, local: int, remote: int, length: int) -> None:
+    """Copy ``length`` bytes at our address ``local`` to ``remote`` in process ``pid``
+    (ctypes drops the GIL for the call, so threads copy in parallel)."""
+    while length:
+        liov, riov = _Iovec(local, length), _Iovec(remote, length)
+        n = _process_vm_writev(pid, ctypes.byref(liov), 1, ctypes.byref(riov), 1, 0)
+        if n < 0:
+            err = ctypes.get_errno()
+            if err == errno.EINTR:
+                continue
+            raise OSError(err, f"process_vm_writev(pid {pid}, {remote:#x}+{length}): {os.strerror(err)}")
+        if n == 0:
+            raise OSError(errno.EFAULT, f"process_vm_writev(pid {pid}, {remote:#x}): nothing written")
+        local, remote, length = local + n, remote + n, length - n
+
+
+# --- what the fill may write ---------------------------------------------------------------------
+
+# A page the target already has was written after CRIU let the tree go (a signal frame, say):
+# the fill must never overwrite it. /proc/<pid>/pagemap: bit 63 present, bit 62 swapped; in the
+# entry's top byte (little-endian) those are 0xC0.
+_TOUCHED = bytes(1 if b & 0xC0 else 0 for b in range(256))
+_ZERO_PAGE = bytes(img.PAGE)
+_SCAN = 2 << 20  # address span per pagemap read: 4 KiB of entries
+
+
+def assert_untouched(pid: int, ranges: Iterable[BulkRange]) -> None:
+    """FillError if any page of ``ranges`` in process ``pid`` is present (or swapped) and holds
+    anything but zeros. Zeros are what a huge page faulted in around a page CRIU wrote (THP),
+    or khugepaged's collapse, put there: nothing was written. Checked for every range before
+    the first write: a write of the fill itself faults in a whole huge page where THP applies."""
+    fd = os.open(f"/proc/{pid}/pagemap", os.O_RDONLY | os.O_CLOEXEC)
+    mem = -1
+    try:
+        for r in ranges:
+            for vaddr in range(r.vaddr, r.vaddr + r.length, _SCAN):
+                n = min(_SCAN, r.vaddr + r.length - vaddr) // img.PAGE
+                data = os.pread(fd, n * 8, vaddr // img.PAGE * 8)
+                if len(data) != n * 8:
+                    raise FillError(f"pid {pid}: pagemap short at {vaddr:#x}")
+                touched = data[7::8].translate(_TOUCHED)
+                i = touched.find(1)
+                while i >= 0:
+                    page = vaddr + i * img.PAGE
+                    if mem < 0:
+                        mem = os.open(f"/proc/{pid}/mem", os.O_RDONLY | os.O_CLOEXEC)
+                    if os.pread(mem, img.PAGE, page) != _ZERO_PAGE:
+                        raise FillError(f"pid {pid}: page {page:#x} was written after CRIU restored the "
+                                        "process; the bulk pages would overwrite it")
+                    i = touched.find(1, i + 1)
+    finally:
+        os.close(fd)
+        if mem >= 0:
+            os.close(mem)
+
+
+def _writable_spans(pid: int) -> list[tuple[int, int]]:
+    """Spans of the restored process's plain private anonymous writable mappings, as the kernel
+    lists them (adjacent ones merged): no file behind them, not its stack, no special mapping."""
+    spans: list[tuple[int, int]] = []
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            lines = f.read().splitlines()
+    except OSError as exc:
+        raise FillError(f"restored process {pid}: cannot read its maps: {exc}") from exc
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) < 5:
+            continue
+        addrs, perms, _off, dev, inode = fields[:5]
+        name = fields[5].strip() if len(fields) > 5 else ""
+        if (perms[1] != "w" or perms[3] != "p" or inode != "0" or dev not in ("00:00", "0:0")
+                or (name and name != "[heap]" and not name.startswith("[anon:"))):
+            continue
+        lo, hi = (int(x, 16) for x in addrs.split("-"))
+        if spans and spans[-1][1] == lo:
+            spans[-1] = (spans[-1][0], hi)
+        else:
+            spans.append((lo, hi))
+    return spans
+
+
+def _inside(spans: Sequence[tuple[int, int]], lo: int, hi: int) -> bool:
+    i = bisect.bisect_right(spans, (lo, 1 << 65)) - 1
+    return i >= 0 and spans[i][0] <= lo and hi <= spans[i][1]
+
+
+def check_targets(files: Sequence[BulkFile], images: str, tree: Iterable[int],
+                  pid_of: Callable[[int], int]) -> list[int]:
+    """The host pid of each bulk file's process, once every range was found to belong there:
+    the process is one of the dumped tree (``images``, CRIU's verified images) and one CRIU
+    restored (``tree``, host pids), and every range lies in one private anonymous writable VMA
+    that is no thread's stack, both in the dumped mm image and in the restored process's maps."""
+    dumped = {e.pid: e for e in img.read_pstree(images)
+              if os.path.exists(os.path.join(images, f"mm-{e.pid}.img"))}  # not zombies
+    restored = set(tree)
+    hosts = []
+    for f in files:
+        entry = dumped.get(f.pid)
+        if entry is None:
+            raise FillError(f"{f.path}: pid {f.pid} is no live process of the dumped tree")
+        host = pid_of(f.pid)
+        if host not in restored:
+            raise FillError(f"{f.path}: pid {f.pid} (host pid {host}) is not a process CRIU restored")
+        vmas = sorted(img.read_mm(images, f.pid).entry.vmas, key=lambda v: v.start)
+        written = img.written_after_restore(images, entry, vmas)
+        movable = [(int(v.start), int(v.end)) for v in vmas if _movable(v, written)]
+        live = _writable_spans(host)
+        for r in f.ranges:
+            lo, hi = r.vaddr, r.vaddr + r.length
+            if written.hits(lo, hi):
+                raise FillError(f"{f.path}: range {lo:#x}+{r.length:#x} lies in a thread's stack or rseq area "
+                                "(written after CRIU restored the process)")
+            if not _inside(movable, lo, hi):
+                raise FillError(f"{f.path}: range {lo:#x}+{r.length:#x} is not inside one private anonymous "
+                                "writable VMA of the dumped process")
+            if not _inside(live, lo, hi):
+                raise FillError(f"{f.path}: range {lo:#x}+{r.length:#x} is not inside a private anonymous "
+                                f"writable mapping of restored process {host}")
+        hosts.append(host)
+    return hosts
+
+
+def read_sums(artifact: Artifact, f: BulkFile, source: Callable[[str], int] | None = None) -> bytes:
+    """The chunk digests of ``f``, checked against the manifest (read them when the bulk file
+    is opened: a later open may find the version gone). ``source``: opens the node cache's
+    copy instead of the store's."""
+    path = layout.bulk_sums(f.pid)
+    want = -(-artifact.entry(f.path).size // SUM_CHUNK) * DIGEST_BYTES
+    if artifact.entry(path).size != want:
+        raise FillError(f"{artifact.label}: {path} is {artifact.entry(path).size} bytes, want {want}")
+    fd = (source or artifact.open_file)(path)
+    try:
+        data = os.pread(fd, want + 1, 0)
+    finally:
+        os.close(fd)
+    artifact.check(path, len(data), new_hash(data).hexdigest())
+    return data
+
+
+# --- fill ----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Piece:
+    file: int
+    offset: int
+    length: int
+
+
+class _Filler:
+    def __init__(self, fds: list[int], pids: list[int], files: Sequence[BulkFile], sums: list[bytes],
+                 progress: Callable[[int], None] | None) -> None:
+        self.fds, self.pids, self.files, self.sums = fds, pids, files, sums
+        # (file offset, vaddr, length) of each range, by file, sorted by offset
+        self.segments = [sorted((r.offset, r.vaddr, r.length) for r in f.ranges) for f in files]
+        self.progress = progress
+        self.local = threading.local()
+        self.lock = threading.Lock()
+        self.read = self.written = 0
+
+    def _buffer(self) -> tuple[mmap.mmap, memoryview, int]:
+        buf = getattr(self.local, "buf", None)
+        if buf is None:
+            m = mmap.mmap(-1, CHUNK, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
+            buf = self.local.buf = (m, memoryview(m), addr)
+        return buf
+
+    def piece(self, p: _Piece) -> None:
+        with _FILLING:
+            self._piece(p)
+
+    def _piece(self, p: _Piece) -> None:
+        _m, view, addr = self._buffer()
+        fd, pid, segs, sums = self.fds[p.file], self.pids[p.file], self.segments[p.file], self.sums[p.file]
+        pos, end, written, read = p.offset, p.offset + p.length, 0, 0
+        if not is_cached(fd, pos, p.length):
+            try:
+                os.posix_fadvise(fd, pos, p.length, os.POSIX_FADV_WILLNEED)
+            except OSError:  # a hint: the reads below still read it
+                pass
+        while pos < end:
+            want = min(CHUNK, end - pos)  # one SUM_CHUNK: pieces start on one
+            i = max(bisect.bisect_right(segs, (pos, 1 << 65, 0)) - 1, 0)
+            if not any(off < pos + want and pos < off + length for off, _v, length in segs[i:i + 2]):
+                # No range of this chunk to fill (a node cache's copy has a hole where a range
+                # is mapped instead): nothing of it is read or written.
+                pos += want
+                continue
+            got = 0
+            read += want
+            while got < want:
+                n = os.preadv(fd, [view[got:want]], pos + got)
+                if n <= 0:
+                    raise FillError(f"bulk file shrank while read (at {pos + got})")
+                got += n
+            # Verified before a byte of it is written: what is written is exactly what was hashed.
+            k = pos // SUM_CHUNK * DIGEST_BYTES
+            digest = new_hash()
+            digest.update(view[:want])
+            if digest.digest() != sums[k:k + DIGEST_BYTES]:
+                raise FillError(f"file {self.files[p.file].path}: content changed (the bytes at {pos} "
+                                "do not match their digest)")
+            while i < len(segs) and segs[i][0] < pos + want:
+                off, vaddr, length = segs[i]
+                lo, hi = max(off, pos), min(off + length, pos + want)
+                if lo < hi:
+                    write_remote(pid, addr + (lo - pos), vaddr + (lo - off), hi - lo)
+                    written += hi - lo
+                i += 1
+            pos += want
+        with self.lock:
+            self.read += read
+            self.written += written
+            done = self.read
+        if self.progress is not None:
+            self.progress(done)
+
+
+def fill(artifact: Artifact, files: Sequence[BulkFile], fds: Sequence[int], pid_of: Callable[[int], int], *,
+         sums: Sequence[bytes], images: str, tree: Iterable[int], threads: int = WORKERS,
+         progress: Callable[[int], None] | None = None) -> FillStats:
+    """Write every bulk file (``fds[i]`` is ``files[i]``, opened by the caller through
+    ``artifact``; ``sums[i]`` its :func:`read_sums`) into its stopped process; FillError unless
+    every range belongs to the restored tree (:func:`check_targets`: ``images`` is CRIU's
+    verified image directory, ``tree`` the host pids CRIU restored) and every chunk matched its
+    signed digest before it was written; nothing is written over a page the process has."""
+    t0 = time.monotonic()
+    try:
+        if digests.PIECE % SUM_CHUNK:
+            raise FillError(f"fill pieces of {digests.PIECE} bytes do not hold whole {SUM_CHUNK}-byte chunks")
+        pids = check_targets(files, images, tree, pid_of)
+        pieces: list[_Piece] = []
+        for i, (f, fd, chunks) in enumerate(zip(files, fds, sums, strict=True)):
+            size = os.fstat(fd).st_size
+            if size != artifact.entry(f.path).size:
+                raise FillError(f"{artifact.label}: {f.path} is {size} bytes, the manifest says "
+                                f"{artifact.entry(f.path).size}")
+            if any(r.offset + r.length > size for r in f.ranges):
+                raise FillError(f"{artifact.label}: {f.path}: a range lies past the end of the file")
+            if len(chunks) != -(-size // SUM_CHUNK) * DIGEST_BYTES:
+                raise FillError(f"{artifact.label}: {f.path}: {len(chunks)} bytes of chunk digests for {size} bytes")
+            pieces.extend(_Piece(i, off, length) for off, length in piece_ranges(size) if length)
+        for pid, f in zip(pids, files):
+            assert_untouched(pid, f.ranges)
+        filler = _Filler(list(fds), pids, files, list(sums), progress)
+        with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="rekindle-fill") as pool:
+            list(pool.map(filler.piece, pieces))
+    except OSError as exc:
+        raise FillError(f"{artifact.label}: bulk fill failed: {exc}") from exc
+    stats = FillStats(filler.read, filler.written, time.monotonic() - t0, threads)
+    log.info("bulk fill: %.1f MiB read and verified, %.1f MiB written, %d threads, %.2fs (%.2f GB/s)",
+             stats.bytes_read / 2**20, stats.bytes_written / 2**20, threads, stats.seconds,
+             stats.bytes_read / 1e9 / max(stats.seconds, 1e-9))
+    return stats

@@ -1,0 +1,139 @@
+"""The second holder of a streamed restore's uffds: the tree never runs on a zero page.
+
+When the last holder of a userfaultfd closes it, the kernel unregisters its ranges and every
+page not yet served reads as zero from then on: silent corruption. So while the agent serves
+a restore (``runtime.pages.stream``), this process, in a session of its own (it outlives a SIGKILL
+of the agent and of the agent's process group), holds a copy of every uffd, received over a
+unix socket from the agent:
+
+    agent -> holder   "F" + uffds (SCM_RIGHTS)    hold these too; answers "A"
+    agent -> holder   "D"                         all is installed: close every copy, exit 0
+    agent -> holder   "X"                         the agent gave up (and tells the init itself)
+    EOF before "D"                                the agent is gone mid-serve
+
+On EOF before "D", the tasks whose pages are not all there block on their next fault (their
+uffds stay open here); the holder SIGKILLs every process of the restored pid namespace (but
+its init) that started before the agent went away, writes ``restore-failed`` into the control
+dir unless an outcome is there already or the rootfs still holds the restore's changes
+(``rootfs-pending``: then the next agent rolls them back and fails the restore, once), then
+closes its copies and exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+from runtime import control as control_mod
+
+log = logging.getLogger("rekindle.stream_holder")
+REASON = "the agent went away while it served the restored memory"
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _stat(pid: str) -> tuple[int, int] | None:
+    """(pid namespace inode, start time in clock ticks since boot) of ``pid``."""
+    try:
+        ns = os.stat(f"/proc/{pid}/ns/pid").st_ino
+        with open(f"/proc/{pid}/stat") as f:
+            start = int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+    return ns, start
+
+
+def kill_namespace(pidns: int, init_pid: int, started_before: int) -> list[int]:
+    """SIGKILL every process of pid namespace ``pidns`` but ``init_pid`` that started before
+    ``started_before`` (clock ticks since boot); the pids signalled."""
+    killed = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == init_pid:
+            continue
+        st = _stat(name)
+        if st is None or st[0] != pidns or st[1] > started_before:
+            continue
+        try:
+            os.kill(int(name), signal.SIGKILL)
+            killed.append(int(name))
+        except ProcessLookupError:
+            pass
+    return killed
+
+
+def now_ticks() -> int:
+    return int(time.clock_gettime(time.CLOCK_BOOTTIME) * _TICKS) + 1
+
+
+def serve(sock: socket.socket, pidns: int, init_pid: int, control: str | None) -> int:
+    held: list[int] = []
+    why = REASON
+    try:
+        while True:
+            msg, fds, _flags, _addr = socket.recv_fds(sock, 1, 64)
+            held.extend(fds)
+            if msg == b"F":
+                sock.sendall(b"A")
+            elif msg == b"D":
+                return 0
+            elif msg == b"X":
+                control = None  # the agent writes restore-failed with its reason
+                why = "the agent gave up the serve"
+                break
+            elif msg == b"":
+                break
+    except OSError as exc:
+        log.error("uffd holder: the agent's socket failed: %s", exc)
+    # The agent is gone before the last piece: nothing it did not serve may be read.
+    before = now_ticks()
+    killed = kill_namespace(pidns, init_pid, before)
+    log.error("uffd holder: %s; killed %s", why, killed)
+    if control is not None:
+        ctl = control_mod.ControlDir(Path(control))
+        try:
+            # With the rootfs still to be rolled back, the verdict is the next agent's (it rolls
+            # back first): the init would not start cold on that rootfs.
+            if not any(ctl.exists(n) for n in (control_mod.RESTORE_COMPLETE, control_mod.RESTORE_FAILED,
+                                               control_mod.COLD_START, control_mod.ROOTFS_PENDING)):
+                ctl.write(control_mod.RESTORE_FAILED, REASON + "\n")
+        except OSError as exc:
+            log.error("uffd holder: cannot tell the init to start cold: %s", exc)
+    # The killed tasks leave their faults once they die; only then close the copies.
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(_stat(str(p)) is not None and _zombie_or_alive(p) for p in killed):
+        time.sleep(0.01)
+    return 1
+
+
+def _zombie_or_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m runtime.pages.holder")
+    p.add_argument("--fd", type=int, required=True)
+    p.add_argument("--pidns", type=int, required=True)
+    p.add_argument("--init-pid", type=int, required=True)
+    p.add_argument("--control")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C for the agent is not ours
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    sock = socket.socket(fileno=args.fd)
+    try:
+        return serve(sock, args.pidns, args.init_pid, args.control)
+    finally:
+        sock.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,567 @@
+"""The node-local artifact cache: verified, sealed copies that later restores map or read.
+
+Layout: ``<root>/v1/<key>/`` per artifact version (``key``: the signed manifest's id and the
+map mode), written by one writer into ``.tmp-<key>-<pid>`` (with an owner record) and renamed
+into place whole; only root on the node can reach ``<root>`` (0700). An entry holds
+
+- ``fill-<pid>.bin``: each process's bulk file byte for byte, but holes in the chunks wholly
+  inside a mapped range (the fill, the streamed serve and the chunk digests work on it
+  unchanged);
+- ``map-<pid>-<vaddr>.bin``: one file per mapped range (``runtime.pages.mapping``), its bytes at
+  ``vaddr % 2 MiB``;
+- ``files/``: verified copies of the artifact's other files (CRIU's images, the layer);
+- ``entry.json``: what it was made from (label, version, manifest id, the mapped ranges) and
+  the identity of each bulk file once sealed (size, inode, ctime).
+
+Every byte written was hashed against the signed digests first (the bulk files' chunk sums,
+the manifest's digest of every other file). A written file is made read-only (0444); an entry whose files do not have the recorded identity any
+more (changed, replaced, truncated) is dropped, never used, and so is a partial one (no
+``entry.json``; swept once its writer is provably dead). A restore holds a shared lock on the
+entry's directory while it uses it; eviction (least recently used first, to stay under the
+byte and entry bounds) takes it exclusively, so an entry a restore uses is never evicted.
+The bulk bytes of a mapped range are not hashed again when used: the entry is trusted because
+only root can change it, and a change made through the file system changes its ctime.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import logging
+import os
+import stat
+import struct
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from runtime import layout, strict_json
+from runtime.pages import bulk
+from runtime.store import Artifact
+from runtime.pages.mapping import MapMode, Span
+from runtime.digests import WORKERS, new_hash, piece_ranges
+from runtime.errors import Reason, RekindleError
+from runtime.fdfs import remove_tree, safe_parts
+from runtime.layout import DIGEST_BYTES, SUM_CHUNK, BulkFile
+from runtime.owner import read_owner, write_owner_at
+from runtime.testpause import pause_for_test
+
+log = logging.getLogger(__name__)
+
+VERSION = "v1"
+ENTRY = "entry.json"
+FILES = "files"
+TMP, EVICT = ".tmp-", ".evict-"
+MAX_ENTRY_JSON = 1 << 20
+TMPFS_MAGIC = 0x01021994
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+MAX_ENTRIES = 8
+MIN_FREE = 0.10  # an entry is written only if this share of the node's memory (tmpfs) or disk stays free
+CGROUP_SPARE = 2 << 30  # and this much of the plugin's memory limit (CRIU, the fill's buffers)
+
+
+class CacheError(RekindleError):
+    reason_class = Reason.STORE
+
+
+def fill_name(pid: int) -> str:
+    return f"fill-{pid}.bin"
+
+
+@dataclass(frozen=True)
+class Sealed:
+    size: int
+    ino: int
+    ctime_ns: int
+
+
+@dataclass(frozen=True)
+class Record:
+    """``entry.json``."""
+
+    key: str
+    label: str
+    version: str
+    manifest_id: str
+    mode: str
+    bytes: int
+    spans: tuple[tuple[int, int, int, int], ...]  # (pid, vaddr, length, offset in its bulk file)
+    files: dict[str, Sealed]
+    created: float
+
+    def span_list(self) -> list[Span]:
+        return [Span(*s) for s in self.spans]
+
+
+@dataclass(frozen=True)
+class EntryInfo:
+    key: str
+    label: str
+    version: str
+    mode: str
+    bytes: int
+    last_used: float
+    in_use: bool
+
+
+def entry_key(manifest_id: str, mode: MapMode) -> str:
+    return hashlib.sha256(f"rekindle-cache-v1\0{manifest_id}\0{mode.value}".encode()).hexdigest()[:32]
+
+
+def _seal(fd: int) -> Sealed:
+    # Read-only, and its identity recorded: any change made through the file system (a write
+    # needs the mode changed back, which changes the ctime) makes the entry unusable. Not
+    # immutable: root can clear that flag as easily, and a cache dir a crash left behind
+    # (or a test's) must stay removable by root's ``rm -rf``.
+    os.fchmod(fd, 0o444)
+    st = os.fstat(fd)
+    return Sealed(st.st_size, st.st_ino, st.st_ctime_ns)
+
+
+def cgroup_memory() -> tuple[int, int] | None:
+    """(limit, usage) of this process's memory cgroup, None without a limit. A tmpfs's pages are
+    charged to the cgroup of who wrote them: past its limit the writer is killed."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2
+            base = "/sys/fs/cgroup" + path
+            names = ("memory.max", "memory.current")
+        elif "memory" in controllers.split(","):
+            base = "/sys/fs/cgroup/memory" + path
+            names = ("memory.limit_in_bytes", "memory.usage_in_bytes")
+        else:
+            continue
+        # In a container the path /proc names is the host's; its own cgroup is mounted as the root.
+        for root in (base, "/sys/fs/cgroup/memory" if controllers else "/sys/fs/cgroup"):
+            try:
+                with open(os.path.join(root, names[0])) as f:
+                    text = f.read().strip()
+                with open(os.path.join(root, names[1])) as f:
+                    usage = int(f.read().strip())
+            except (OSError, ValueError):
+                continue
+            if text == "max" or int(text) >= 1 << 60:
+                return None
+            return int(text), usage
+    return None
+
+
+def meminfo() -> dict[str, int]:
+    out = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            out[name] = int(rest.split()[0]) * 1024
+    return out
+
+
+class Held:
+    """An entry open for one restore: a shared lock on its directory until :meth:`close`."""
+
+    def __init__(self, record: Record, dir_fd: int) -> None:
+        self.record = record
+        self.dir_fd = dir_fd
+        self._fds: dict[str, int] = {}
+
+    def fd(self, name: str) -> int:
+        """A read-only fd of bulk file ``name``, checked against its sealed identity."""
+        if name in self._fds:
+            return self._fds[name]
+        want = self.record.files.get(name)
+        if want is None:
+            raise CacheError(f"cache entry {self.record.key}: no file {name}")
+        fd = os.open(name, FILE_FLAGS, dir_fd=self.dir_fd)
+        st = os.fstat(fd)
+        if (not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o7777 != 0o444
+                or (st.st_size, st.st_ino, st.st_ctime_ns) != (want.size, want.ino, want.ctime_ns)):
+            os.close(fd)
+            raise CacheError(f"cache entry {self.record.key}: {name} changed since it was sealed")
+        self._fds[name] = fd
+        return fd
+
+    def stat(self, name: str) -> os.stat_result:
+        return os.fstat(self.fd(name))
+
+    def open_copy(self, path: str) -> int:
+        """A read-only fd of the cached copy of the artifact's file ``path`` (the caller
+        verifies it against the manifest, as it would the store's)."""
+        parts = safe_parts(path)
+        if parts is None:
+            raise CacheError(f"unsafe path {path!r}")
+        cur, opened = os.open(FILES, DIR_FLAGS, dir_fd=self.dir_fd), []
+        try:
+            opened.append(cur)
+            for part in parts[:-1]:
+                cur = os.open(part, DIR_FLAGS, dir_fd=cur)
+                opened.append(cur)
+            return os.open(parts[-1], FILE_FLAGS, dir_fd=cur)
+        finally:
+            for d in opened:
+                os.close(d)
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+        if self.dir_fd >= 0:
+            os.close(self.dir_fd)  # the lock goes with it
+            self.dir_fd = -1
+
+
+@dataclass
+class NodeCache:
+    root: str
+    max_bytes: int
+    max_entries: int = MAX_ENTRIES
+    min_free: float = MIN_FREE
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def __post_init__(self) -> None:
+        self.dir = os.path.join(self.root, VERSION)
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_bytes > 0
+
+    def prepare(self) -> None:
+        os.makedirs(self.root, mode=0o700, exist_ok=True)
+        os.chmod(self.root, 0o700)
+        os.makedirs(self.dir, mode=0o700, exist_ok=True)
+
+    def _open_root(self) -> int:
+        return os.open(self.dir, DIR_FLAGS)
+
+    # --- reading ---------------------------------------------------------------------------
+
+    def _record(self, dir_fd: int, key: str) -> Record:
+        fd = os.open(ENTRY, FILE_FLAGS, dir_fd=dir_fd)
+        try:
+            data = os.read(fd, MAX_ENTRY_JSON + 1)
+        finally:
+            os.close(fd)
+        rec: Record = strict_json.from_obj(Record, strict_json.loads(data, max_bytes=MAX_ENTRY_JSON), ENTRY)
+        if rec.key != key:
+            raise CacheError(f"cache entry {key} says it is {rec.key}")
+        return rec
+
+    def hold(self, artifact: Artifact, mode: MapMode) -> Held | None:
+        """The complete, unchanged entry of ``artifact``'s version, locked shared; None if
+        there is none (a bad one is dropped)."""
+        if not self.enabled:
+            return None
+        key = entry_key(artifact.manifest_id, mode)
+        try:
+            root = self._open_root()
+        except OSError:
+            return None
+        try:
+            try:
+                dir_fd = os.open(key, DIR_FLAGS, dir_fd=root)
+            except FileNotFoundError:
+                return None
+            fcntl.flock(dir_fd, fcntl.LOCK_SH)
+            held = None
+            try:
+                if not os.path.samestat(os.fstat(dir_fd), os.stat(key, dir_fd=root, follow_symlinks=False)):
+                    raise FileNotFoundError(key)  # evicted while we locked it
+                rec = self._record(dir_fd, key)
+                if rec.manifest_id != artifact.manifest_id or rec.version != artifact.version:
+                    raise CacheError(f"cache entry {key} was made from another version")
+                held = Held(rec, dir_fd)
+                for name in rec.files:
+                    held.fd(name)
+                with contextlib.suppress(OSError):
+                    os.utime(key, dir_fd=root, follow_symlinks=False)  # its last use, for the LRU
+                return held
+            except FileNotFoundError:
+                os.close(dir_fd)
+                return None
+            except (OSError, ValueError, TypeError, KeyError, CacheError) as exc:
+                if held is not None:
+                    held.close()
+                else:
+                    os.close(dir_fd)
+                log.warning("%s: node cache entry %s dropped: %s", artifact.label, key, exc)
+                self._drop(root, key)
+                return None
+        finally:
+            os.close(root)
+
+    def has(self, manifest_id: str, mode: MapMode) -> bool:
+        return self.enabled and os.path.exists(os.path.join(self.dir, entry_key(manifest_id, mode), ENTRY))
+
+    # --- bounds and removal -----------------------------------------------------------------
+
+    def _drop(self, root: int, name: str, *, wait: bool = True) -> bool:
+        """Remove entry ``name`` unless a restore holds it (``wait``: a bad entry is renamed
+        away at once, holders keep their fds)."""
+        try:
+            dir_fd = os.open(name, DIR_FLAGS, dir_fd=root)
+        except OSError:
+            return False
+        try:
+            if not wait:
+                try:
+                    fcntl.flock(dir_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    return False
+            gone = f"{EVICT}{name}-{os.getpid()}-{time.monotonic_ns()}"
+            os.rename(name, gone, src_dir_fd=root, dst_dir_fd=root)
+        except OSError:
+            return False
+        finally:
+            os.close(dir_fd)
+        self._remove(root, gone)
+        return True
+
+    def _remove(self, root: int, name: str) -> None:
+        try:
+            remove_tree(root, name)
+        except OSError as exc:
+            log.warning("node cache: %s not removed: %s", name, exc)
+
+    def entries(self) -> list[EntryInfo]:
+        out = []
+        try:
+            names = os.listdir(self.dir)
+        except OSError:
+            return []
+        for name in names:
+            if name.startswith("."):
+                continue
+            try:
+                dir_fd = os.open(os.path.join(self.dir, name), DIR_FLAGS)
+            except OSError:
+                continue
+            try:
+                rec = self._record(dir_fd, name)
+                try:
+                    fcntl.flock(dir_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    in_use = False
+                except BlockingIOError:
+                    in_use = True
+                out.append(EntryInfo(name, rec.label, rec.version, rec.mode, rec.bytes,
+                                     os.fstat(dir_fd).st_mtime, in_use))
+            except (OSError, ValueError, TypeError, KeyError, CacheError):
+                continue
+            finally:
+                os.close(dir_fd)
+        return sorted(out, key=lambda e: -e.last_used)
+
+    def used_bytes(self) -> int:
+        return sum(e.bytes for e in self.entries())
+
+    def _make_room(self, root: int, need: int) -> bool:
+        entries = self.entries()
+        total = sum(e.bytes for e in entries)
+        for e in sorted(entries, key=lambda e: e.last_used):  # least recently used first
+            if total + need <= self.max_bytes and len(entries) < self.max_entries:
+                break
+            if self._drop(root, e.key, wait=False):
+                log.info("node cache: evicted %s (%s, %.1f MiB)", e.key, e.label, e.bytes / 2**20)
+                total -= e.bytes
+                entries = [x for x in entries if x.key != e.key]
+        return total + need <= self.max_bytes and len(entries) < self.max_entries
+
+    def sweep(self) -> int:
+        """Remove what a writer left unfinished (its owner provably dead) and evicted entries
+        not removed yet; returns how many."""
+        swept = 0
+        try:
+            root = self._open_root()
+        except OSError:
+            return 0
+        try:
+            for name in os.listdir(root):
+                if name.startswith(EVICT):
+                    self._remove(root, name)
+                    swept += 1
+                elif name.startswith(TMP):
+                    try:
+                        fd = os.open(name, DIR_FLAGS, dir_fd=root)
+                    except OSError:
+                        continue
+                    try:
+                        owner = read_owner(fd)
+                    finally:
+                        os.close(fd)
+                    if owner is None or owner.provably_dead():
+                        self._remove(root, name)
+                        swept += 1
+        finally:
+            os.close(root)
+        if swept:
+            log.info("node cache: swept %d unfinished or evicted entries", swept)
+        return swept
+
+    # --- writing ----------------------------------------------------------------------------
+
+    def write(self, artifact: Artifact, files: Sequence[BulkFile], spans: Sequence[Span], mode: MapMode,
+              threads: int = WORKERS) -> Record | None:
+        """Write ``artifact``'s entry (its bulk ``files``, ``spans`` of them mapped later) unless
+        it exists or does not fit; None when not written. Every byte is verified first."""
+        if not self.enabled:
+            return None
+        key = entry_key(artifact.manifest_id, mode)
+        with self._lock:  # one writer per process: two restores of one version write it once
+            self.prepare()
+            root = self._open_root()
+            try:
+                if os.path.exists(os.path.join(self.dir, key, ENTRY)):
+                    return None
+                others = sum(f.size for f in artifact.manifest.files if not layout.is_bulk_pages(f.path))
+                need = sum(artifact.entry(f.path).size for f in files) + others
+                if not self._fits(need):
+                    return None
+                if not self._make_room(root, need):
+                    log.info("%s: not cached on this node: %.1f MiB past the cache's bounds (%d bytes, %d entries)",
+                             artifact.label, need / 2**20, self.max_bytes, self.max_entries)
+                    return None
+                tmp = f"{TMP}{key}-{os.getpid()}"
+                if os.path.lexists(os.path.join(self.dir, tmp)):
+                    self._remove(root, tmp)
+                os.mkdir(tmp, 0o700, dir_fd=root)
+                try:
+                    rec = self._write_into(root, tmp, key, artifact, files, spans, mode, threads)
+                    os.rename(tmp, key, src_dir_fd=root, dst_dir_fd=root)
+                except BaseException:
+                    self._remove(root, tmp)
+                    raise
+                log.info("%s: cached on this node as %s: %.1f MiB, %d range(s) to map", artifact.label, key,
+                         rec.bytes / 2**20, len(spans))
+                return rec
+            finally:
+                os.close(root)
+
+    def _fits(self, need: int) -> bool:
+        try:
+            if fs_magic(self.dir) == TMPFS_MAGIC:
+                cg = cgroup_memory()
+                if cg is not None and cg[1] + need > cg[0] - CGROUP_SPARE:
+                    log.info("node cache: %.1f MiB would not fit under this plugin's memory limit (%.1f of %.1f MiB "
+                             "used)", need / 2**20, cg[1] / 2**20, cg[0] / 2**20)
+                    return False
+                mem = meminfo()
+                left = mem.get("MemAvailable", 0) - need
+                if left < self.min_free * mem.get("MemTotal", 0):
+                    log.info("node cache: %.1f MiB would leave too little memory free (%.1f MiB available)",
+                             need / 2**20, mem.get("MemAvailable", 0) / 2**20)
+                    return False
+            else:
+                st = os.statvfs(self.dir)
+                # df's view: what is used plus what this user may still take (f_blocks also
+                # counts blocks reserved away from us, which on some hosts are most of the disk)
+                avail = st.f_bavail * st.f_frsize
+                usable = (st.f_blocks - st.f_bfree) * st.f_frsize + avail
+                if avail - need < self.min_free * usable:
+                    log.info("node cache: %.1f MiB would leave less than %d%% of %s free (%.1f of %.1f MiB "
+                             "available)", need / 2**20, round(self.min_free * 100), self.dir, avail / 2**20,
+                             usable / 2**20)
+                    return False
+        except OSError:
+            return False
+        return True
+
+    def _write_into(self, root: int, tmp: str, key: str, artifact: Artifact, files: Sequence[BulkFile],
+                    spans: Sequence[Span], mode: MapMode, threads: int) -> Record:
+        dir_fd = os.open(tmp, DIR_FLAGS, dir_fd=root)
+        opened: list[int] = []
+        try:
+            write_owner_at(dir_fd)
+            artifact.materialize(os.path.join(self.dir, tmp, FILES), skip=layout.is_bulk_pages)
+            jobs: list[_Job] = []
+            outs: dict[str, int] = {}
+            for f in files:
+                size = artifact.entry(f.path).size
+                sums = bulk.read_sums(artifact, f)
+                src = artifact.open_file(f.path)
+                opened.append(src)
+                if os.fstat(src).st_size != size:
+                    raise CacheError(f"{artifact.label}: {f.path} is not the size the manifest says")
+                mine = [s for s in spans if s.pid == f.pid]
+                fill = os.open(fill_name(f.pid), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600,
+                               dir_fd=dir_fd)
+                opened.append(fill)
+                os.ftruncate(fill, size)
+                outs[fill_name(f.pid)] = fill
+                maps = []
+                for s in mine:
+                    m = os.open(s.name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+                    opened.append(m)
+                    os.ftruncate(m, s.file_size)
+                    outs[s.name] = m
+                    maps.append((s.offset, s.offset + s.length, m, s.file_offset))
+                for off, length in piece_ranges(size):
+                    if length:
+                        jobs.append(_Job(src, sums, off, length, fill, sorted(maps), f.path))
+            with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="rekindle-cache") as pool:
+                list(pool.map(_copy_piece, jobs))
+            pause_for_test("cache-write")  # bulk bytes written, no entry.json yet
+            sealed = {name: _seal(fd) for name, fd in outs.items()}
+            used = sum(os.fstat(fd).st_blocks * 512 for fd in outs.values())
+            used += sum(f.size for f in artifact.manifest.files if not layout.is_bulk_pages(f.path))
+            rec = Record(key=key, label=artifact.label, version=artifact.version, manifest_id=artifact.manifest_id,
+                         mode=mode.value, bytes=used,
+                         spans=tuple((s.pid, s.vaddr, s.length, s.offset) for s in spans),
+                         files=sealed, created=time.time())
+            obj = strict_json.to_obj(rec)
+            fd = os.open(ENTRY, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o444, dir_fd=dir_fd)
+            try:
+                os.write(fd, strict_json.canonical_json(obj))
+            finally:
+                os.close(fd)
+            return rec
+        finally:
+            for fd in opened:
+                os.close(fd)
+            os.close(dir_fd)
+
+
+def fs_magic(path: str) -> int:
+    """The file system type of ``path`` (statfs's f_type)."""
+    import ctypes
+    buf = ctypes.create_string_buffer(128)
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.statfs(os.fsencode(path), buf) != 0:
+        raise OSError(ctypes.get_errno(), "statfs")
+    return int(struct.unpack_from("l", buf.raw, 0)[0])
+
+
+@dataclass(frozen=True)
+class _Job:
+    src: int
+    sums: bytes
+    offset: int
+    length: int
+    fill: int
+    maps: list[tuple[int, int, int, int]]  # (lo, hi, fd, file offset of lo)
+    path: str
+
+
+def _copy_piece(job: _Job) -> None:
+    pos, end = job.offset, job.offset + job.length
+    while pos < end:
+        want = min(SUM_CHUNK, end - pos)
+        data = os.pread(job.src, want, pos)
+        if len(data) != want:
+            raise CacheError(f"{job.path}: shrank while read (at {pos})")
+        k = pos // SUM_CHUNK * DIGEST_BYTES
+        if new_hash(data).digest() != job.sums[k:k + DIGEST_BYTES]:
+            raise CacheError(f"{job.path}: the bytes at {pos} do not match their digest")
+        hi = pos + want
+        if not any(lo <= pos and hi <= top for lo, top, _fd, _at in job.maps):  # all but what is mapped
+            os.pwrite(job.fill, data, pos)
+        for lo, top, fd, at in job.maps:
+            a, b = max(lo, pos), min(top, hi)
+            if a < b:
+                os.pwrite(fd, memoryview(data)[a - pos:b - pos], at + (a - lo))
+        pos = hi

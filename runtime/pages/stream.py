@@ -1,0 +1,997 @@
+"""The streamed restore: bulk pages served through userfaultfd while the restored tree runs.
+
+The bulk path (``runtime.pages.bulk.fill``) writes every bulk page before the tree may run. Here the
+tree is resumed right after CRIU, and the bulk ranges arrive while it runs:
+
+- :func:`prepare_images` (restore side, on the private copy of CRIU's images): each bulk range
+  goes back into its process's pagemap as an entry flagged ``PE_LAZY`` and not ``PE_PRESENT``
+  (CRIU 4.2.1's ``--lazy-pages`` restore skips lazy entries without moving its pages-file
+  offset, so the pages file CRIU keeps stays as the split wrote it), and every other entry loses
+  ``PE_LAZY`` (a dump tags all private anonymous pages lazy: CRIU then restores them itself).
+  Refused (the caller falls back to the bulk path) when a bulk range lies in a VMA CRIU would
+  not register with userfaultfd (``vma_entry_can_be_lazy``: locked, hugetlb, not anonymous).
+- :class:`Listener`: ``criu restore --lazy-pages`` connects to ``lazy-pages.socket`` in its
+  work dir and sends, per task, an int32 pid (in the restored pid namespace; negative for a
+  zombie, which has no uffd) and that task's uffd by SCM_RIGHTS, then ``RSTF`` (0x52535446);
+  it expects no reply. The socket listens before CRIU starts (CRIU fails without it).
+- :class:`Server`: N threads install the bulk files' 2 MiB pieces in address order, and a
+  fault-serving thread installs first the piece holding an address the tree touched; an
+  event-reading thread keeps the address-space events (FORK, REMAP, REMOVE, UNMAP) apace, so
+  an install that the kernel refuses while the space changes (EAGAIN) goes on as soon as the
+  event is read. Every piece is read into private memory, each chunk hashed and compared with its
+  digest before any of its bytes is installed; installs use ``UFFDIO_COPY``,
+  which leaves a page already present alone (EEXIST): nothing the kernel or the process wrote
+  after CRIU is overwritten. A fault outside every bulk range (a hole, or a range the process
+  discarded since) gets zero pages. A mismatch kills the tree before the next piece.
+- Fail closed: when the last holder of a uffd closes it, the kernel unregisters the range and
+  the process reads zero pages from then on. A holder process (``runtime.pages.holder``, its
+  own session) keeps a copy of every uffd until the server says it is done; if the server goes
+  away first, the tasks block on their faults, and the holder kills them and tells the init to
+  start cold.
+
+Digests: each 1 MiB chunk of a bulk file has its BLAKE3 digest in ``bulk/pages-<pid>.sums``
+(written at checkpoint, signed through the manifest: ``runtime.pages.bulk.read_sums``), as the bulk
+fill uses them; the server installs 2 MiB pieces, each chunk checked before any byte of it goes in.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import functools
+import ctypes
+import logging
+import mmap
+import os
+import select
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from runtime.criu import image_files as img
+from runtime.pages import uffd
+from runtime.containers import ContainerInfo
+from runtime.criu import CRIU
+from runtime.criu.proto import pagemap_pb2
+from runtime.control import ControlDir
+from runtime.digests import WORKERS, new_hash
+from runtime.errors import Reason, RekindleError
+from runtime.layout import DIGEST_BYTES, SUM_CHUNK, BulkFile
+from runtime.namespaces import enter_cgroups_argv
+from runtime.pagecache import is_cached
+
+log = logging.getLogger(__name__)
+
+SOCKET_NAME = "lazy-pages.socket"
+RESTORE_FINISHED = 0x52535446  # "RSTF"
+PIECE = 2 << 20  # what one install takes, and what a fault brings in at once: whole chunks
+FAULT_THREADS = 2
+# flags of a VMA CRIU registers with userfaultfd (criu/include/vma.h vma_entry_can_be_lazy)
+MAP_PRIVATE, MAP_ANONYMOUS, MAP_LOCKED, MAP_HUGETLB = 0x02, 0x20, 0x2000, 0x40000
+_NOT_LAZY_STATUS = img.VMA_AREA_VDSO | img.VMA_AREA_VVAR | img.VMA_AREA_VSYSCALL
+
+
+class StreamError(RekindleError):
+    """The streamed restore failed: the tree was killed (or never ran)."""
+
+    reason_class = Reason.CRIU  # most: CRIU's lazy-pages hand-off
+
+
+class StreamIntegrityError(StreamError):
+    """A bulk file off its ranges or chunk digests while served."""
+
+    reason_class = Reason.INTEGRITY
+
+
+def _can_be_lazy(vma: object) -> bool:
+    flags, status = getattr(vma, "flags"), getattr(vma, "status")
+    return (bool(flags & MAP_ANONYMOUS) and bool(flags & MAP_PRIVATE) and not flags & (MAP_LOCKED | MAP_HUGETLB)
+            and not status & _NOT_LAZY_STATUS)
+
+
+def prepare_images(images: str, files: Sequence[BulkFile]) -> None:
+    """Rewrite the pagemaps of CRIU's images in ``images`` for ``criu restore --lazy-pages``:
+    the bulk ranges lazy (no data), everything else eager. StreamError when a bulk range lies
+    where CRIU registers no userfaultfd (then nothing was written)."""
+    rewritten = []
+    by_pid = {f.pid: f for f in files}
+    # Every process CRIU restores, not only those with bulk files: a dump tags each private
+    # anonymous page lazy, and a lazy page nobody serves would read zero (a tree's pages kept
+    # with CRIU: a forked child's inherited VMAs, short runs).
+    for proc in img.read_pstree(images):
+        if proc.pid in by_pid or not os.path.exists(os.path.join(images, f"pagemap-{proc.pid}.img")):
+            continue
+        pagemap = img.read_pagemap(images, proc.pid)
+        entries = list(pagemap.entries)
+        if any(e.HasField("flags") and e.flags & img.PE_LAZY for e in entries):
+            for e in entries:
+                if e.HasField("flags"):
+                    e.flags &= ~img.PE_LAZY
+            rewritten.append((pagemap, entries))
+    for f in files:
+        pagemap = img.read_pagemap(images, f.pid)
+        vmas = sorted(img.read_mm(images, f.pid).entry.vmas, key=lambda v: v.start)
+        starts = [v.start for v in vmas]
+        entries = []
+        for e in pagemap.entries:
+            if e.HasField("flags"):
+                e.flags &= ~img.PE_LAZY
+            entries.append(e)
+        for r in f.ranges:
+            i = bisect.bisect_right(starts, r.vaddr) - 1
+            if i < 0 or r.vaddr + r.length > vmas[i].end or not _can_be_lazy(vmas[i]):
+                raise StreamError(f"pid {f.pid}: bulk range {r.vaddr:#x}+{r.length} is not in a VMA "
+                                  "CRIU registers with userfaultfd")
+            e = pagemap_pb2.pagemap_entry()
+            # compat_nr_pages is required (proto2); CRIU reads nr_pages when it is there
+            e.vaddr, e.nr_pages, e.flags = r.vaddr, r.length // img.PAGE, img.PE_LAZY
+            e.compat_nr_pages = min(e.nr_pages, 0xFFFFFFFF)
+            entries.append(e)
+        entries.sort(key=lambda e: e.vaddr)
+        rewritten.append((pagemap, entries))
+    for pagemap, entries in rewritten:
+        img.write_pagemap(pagemap, entries)
+
+
+class Listener:
+    """The lazy-pages socket in ``work_dir``, listening before CRIU starts; :meth:`receive`
+    takes CRIU's hand-off (pid in the restored namespace -> uffd)."""
+
+    def __init__(self, work_dir: str) -> None:
+        self.path = os.path.join(work_dir, SOCKET_NAME)
+        self._dir = os.open(work_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        # through the directory fd: the work dir's path may exceed sun_path's 108 bytes
+        short = f"/proc/self/fd/{self._dir}/{SOCKET_NAME}"
+        try:
+            os.unlink(SOCKET_NAME, dir_fd=self._dir)  # a stale socket would take CRIU elsewhere
+        except FileNotFoundError:
+            pass
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        self.conn: socket.socket | None = None
+        try:
+            self.sock.bind(short)
+            os.chmod(SOCKET_NAME, 0o600, dir_fd=self._dir)
+            self.sock.listen(1)
+        except OSError:
+            self.close()
+            raise
+
+    def receive(self, take: Callable[[int, int], None], timeout: float = 1800.0) -> None:
+        """Hand each (pid, uffd) CRIU sends to ``take`` (which owns the fd from then on);
+        return at RSTF. StreamError otherwise."""
+        self.sock.settimeout(timeout)
+        try:
+            conn, _ = self.sock.accept()
+        except OSError as exc:
+            raise StreamError(f"CRIU did not connect to {SOCKET_NAME}: {exc}") from exc
+        self.conn = conn
+        try:
+            conn.settimeout(timeout)
+            while True:
+                raw = _recv_exact(conn, 4)
+                value = int.from_bytes(raw, sys.byteorder, signed=True)
+                if value == RESTORE_FINISHED:
+                    return
+                if value <= 0:  # a zombie: no memory, no uffd
+                    continue
+                _msg, fds, _flags, _addr = socket.recv_fds(conn, 1, 1)
+                if len(fds) != 1:
+                    for fd in fds:
+                        os.close(fd)
+                    raise StreamError(f"CRIU sent pid {value} without its uffd")
+                take(value, fds[0])
+        except (OSError, ValueError) as exc:
+            raise StreamError(f"lazy-pages hand-off from CRIU failed: {exc}") from exc
+        finally:
+            conn.close()
+
+    def interrupt(self) -> None:
+        """Make a :meth:`receive` in progress return (with StreamError)."""
+        for sk in (self.sock, self.conn):
+            if sk is not None:
+                try:
+                    sk.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.sock.close()
+        try:
+            os.unlink(SOCKET_NAME, dir_fd=self._dir)
+        except FileNotFoundError:
+            pass
+        os.close(self._dir)
+
+
+def _recv_exact(conn: socket.socket, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        got = conn.recv(n - len(buf))
+        if not got:
+            raise StreamError(f"CRIU closed the lazy-pages socket before RSTF ({len(buf)} of {n} bytes)")
+        buf += got
+    return buf
+
+
+# --- the holder ----------------------------------------------------------------------------------
+
+class Holder:
+    """The second holder of every uffd (``runtime.pages.holder``), in its own session and in
+    the target's cgroups, so that it outlives this process and this process's container. :meth:`hold` hands it uffds; :meth:`done` lets it close them."""
+
+    def __init__(self, pidns: int, init_pid: int, control_dir: str | None, cgroups: Sequence[str] = ()) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock = ours
+        argv = [sys.executable, "-m", "runtime.pages.holder", "--fd", str(theirs.fileno()),
+                "--pidns", str(pidns), "--init-pid", str(init_pid)]
+        if control_dir is not None:
+            argv += ["--control", control_dir]
+        if cgroups:
+            # In the target's cgroups: it lives as long as the pod does, not as the agent's
+            # container (a DaemonSet pod deleted mid-serve takes the agent's whole cgroup along).
+            argv = enter_cgroups_argv(cgroups, argv)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        try:
+            self.proc = subprocess.Popen(argv, pass_fds=(theirs.fileno(),), start_new_session=True,
+                                         stdin=subprocess.DEVNULL, env=env)
+        finally:
+            theirs.close()
+        self._lock = threading.Lock()
+
+    def hold(self, fds: Sequence[int], wait: bool = False) -> None:
+        with self._lock:
+            socket.send_fds(self.sock, [b"F"], list(fds))
+            if wait and self.sock.recv(1) != b"A":
+                raise StreamError("the uffd holder did not take the uffds")
+
+    def done(self) -> None:
+        with self._lock:
+            try:
+                self.sock.sendall(b"D")
+                while self.sock.recv(4096):  # its copies are closed when it closes its end
+                    pass
+            except OSError:
+                pass
+        self.close()
+
+    def abort(self) -> None:
+        """The serve failed: the holder kills what is left; the caller tells the init."""
+        with self._lock:
+            try:
+                self.sock.sendall(b"X")
+            except OSError:
+                pass
+        self.close()
+
+    def close(self) -> None:
+        self.sock.close()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            log.error("uffd holder %d did not exit", self.proc.pid)
+
+
+# --- the server ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Piece:
+    id: int
+    file: int
+    offset: int
+    length: int
+    digests: bytes  # of its chunks, in order
+
+
+@dataclass
+class _Target:
+    """One address space (a restored task, or a child forked since). Its ranges are looked up
+    by address (a fault) and by file offset (a piece) through two sorted indexes, rebuilt only
+    when the space changes (an event): a restored process has thousands of ranges, and both
+    look-ups run once per piece or fault."""
+    fd: int
+    ranges: list[tuple[int, int, int, int]]  # (vaddr, length, file, file offset), by vaddr
+    pending: set[int]  # pieces not yet installed here
+    name: str
+    alive: bool = True
+    moves: int = 0  # REMAP events seen: an install that overlapped one is redone
+    starts: list[int] = field(default_factory=list)  # of ranges
+    by_offset: list[tuple[int, int, int, int]] = field(default_factory=list)  # (file, offset, vaddr, length)
+
+    def __post_init__(self) -> None:
+        self.reindex(self.ranges)
+
+    def reindex(self, ranges: list[tuple[int, int, int, int]]) -> None:
+        self.ranges = sorted(ranges)
+        self.starts = [r[0] for r in self.ranges]
+        self.by_offset = sorted((f, off, vaddr, length) for vaddr, length, f, off in self.ranges)
+
+    def at(self, address: int) -> tuple[int, int] | None:
+        """(file, offset in it) of the byte at ``address``, or None (not a bulk range now)."""
+        i = bisect.bisect_right(self.starts, address) - 1
+        if i < 0:
+            return None
+        vaddr, length, f, off = self.ranges[i]
+        return (f, off + address - vaddr) if address < vaddr + length else None
+
+    def spans(self, file: int, lo: int, hi: int) -> list[tuple[int, int, int]]:
+        """(vaddr, offset, length) of the parts of ``file``'s [lo, hi) mapped here now."""
+        out = []
+        # ranges of one file do not overlap in the file: only the one before lo may reach in
+        i = max(bisect.bisect_left(self.by_offset, (file, lo)) - 1, 0)
+        while i < len(self.by_offset):
+            f, off, vaddr, length = self.by_offset[i]
+            i += 1
+            if f < file or off + length <= lo:
+                continue
+            if f > file or off >= hi:
+                break
+            a, b = max(off, lo), min(off + length, hi)
+            out.append((vaddr + (a - off), a, b - a))
+        return out
+
+
+@dataclass(frozen=True)
+class StreamStats:
+    bytes_verified: int
+    bytes_installed: int
+    faults: int
+    pieces_by_fault: int
+    forks: int
+    seconds: float
+    threads: int
+    # from each fault's event read to its wake, summed over faults (threads wait in parallel)
+    # and the longest: a lower bound of what the tree waited on pages
+    fault_wait_s: float = 0.0
+    fault_wait_max_s: float = 0.0
+    # thread-seconds spent reading pieces into private memory, hashing them, installing them
+    read_s: float = 0.0
+    hash_s: float = 0.0
+    install_s: float = 0.0
+    first_pieces: int = 0  # installed before the rest: the CUDA driver's host copy
+    retries: int = 0  # installs the kernel refused while the address space changed (EAGAIN)
+
+
+@dataclass
+class _Counters:
+    verified: int = 0
+    installed: int = 0
+    faults: int = 0
+    by_fault: int = 0
+    forks: int = 0
+    fault_wait: float = 0.0
+    fault_wait_max: float = 0.0
+    read: float = 0.0
+    hash: float = 0.0
+    install: float = 0.0
+    retries: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class Server:
+    """Serves the bulk files ``files`` (read through ``fds``) into the tasks whose uffds are
+    handed over by :meth:`add` (pid in the image, uffd: this object owns it from then on).
+    Faults are served from the first uffd on (CRIU's restorer, and the kernel for it, may touch
+    lazy memory before CRIU is done); :meth:`start` begins the installs (after CRIU's RSTF:
+    every range is registered at its place then)."""
+
+    def __init__(self, label: str, files: Sequence[BulkFile], fds: Sequence[int],
+                 sums: Sequence[bytes], kill: Callable[[], object],
+                 threads: int = WORKERS, holder: Holder | None = None,
+                 progress: Callable[[int], None] | None = None,
+                 first: Sequence[tuple[int, int, int]] = ()) -> None:
+        """``first``: (pid, start, end) address spans whose pieces are installed before the rest
+        (the CUDA driver's host copy, which its restore reads while the pieces arrive)."""
+        self.label, self.kill, self.holder, self.progress = label, kill, holder, progress
+        self.threads = max(0, threads)
+        self.fds = [os.dup(fd) for fd in fds]  # the caller's may close before the serve ends
+        self.pieces: list[_Piece] = []
+        self.first: list[int] = []  # of each file's pieces: its piece at offset o is first + o // PIECE
+        for i, (f, fd, ds) in enumerate(zip(files, self.fds, sums, strict=True)):
+            self.first.append(len(self.pieces))
+            size = os.fstat(fd).st_size
+            if len(ds) != -(-size // SUM_CHUNK) * DIGEST_BYTES or any(r.offset + r.length > size for r in f.ranges):
+                raise StreamIntegrityError(f"{label}: {f.path} does not match its ranges or chunk digests")
+            for off in range(0, size, PIECE):
+                n = min(PIECE, size - off)
+                d = ds[off // SUM_CHUNK * DIGEST_BYTES:-(-(off + n) // SUM_CHUNK) * DIGEST_BYTES]
+                self.pieces.append(_Piece(len(self.pieces), i, off, n, d))
+        self.files = list(files)
+        self.order, self.first_pieces = self._order(first)  # of the installs
+        self.targets: list[_Target] = []
+        self.table = threading.Lock()  # targets, their ranges and pending sets
+        self.locks = [threading.Lock() for _ in self.pieces]
+        self.counters = _Counters()
+        self.failure: str | None = None
+        self.finished = threading.Event()
+        self._stop = threading.Event()
+        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        self._faults: collections.deque[tuple[_Target, int, float]] = collections.deque()  # with when read
+        self._woken: set[tuple[int, int]] = set()  # (target, page) woken with its piece already in
+        self._fault_cv = threading.Condition()
+        self._events_read = threading.Condition()  # notified after each batch of events is read
+        self._events_batches = 0  # batches read so far: a retry waits only for a batch after its own try
+        self._next = 0
+        self._again: collections.deque[int] = collections.deque()  # pieces pending again (fork, move)
+        self._busy = 0
+        self._threads: list[threading.Thread] = []
+        self._t0 = time.monotonic()
+        self._local = threading.local()
+        self._installing = False
+        self._installers = 0  # install threads running
+        self._spawn("rekindle-uffd-events", self._read_events)
+        # more than one: a fault waiting on a piece an installer holds keeps no other waiting
+        for i in range(FAULT_THREADS):
+            self._spawn(f"rekindle-uffd-faults-{i}", self._serve_faults)
+
+    def _order(self, first: Sequence[tuple[int, int, int]]) -> tuple[list[int], int]:
+        """The pieces in install order, and how many of them come first: those holding bytes
+        of a ``first`` span, then the rest, each in file (= address) order."""
+        ahead: set[int] = set()
+        for i, f in enumerate(self.files):
+            for pid, start, end in first:
+                if pid != f.pid:
+                    continue
+                for r in f.ranges:
+                    lo, hi = max(r.vaddr, start), min(r.vaddr + r.length, end)
+                    if lo < hi:
+                        ahead.update(self._pieces_of(i, r.offset + lo - r.vaddr, r.offset + hi - r.vaddr))
+        front = sorted(ahead)
+        return front + [p.id for p in self.pieces if p.id not in ahead], len(front)
+
+    # -- lifecycle
+
+    def _spawn(self, name: str, fn: Callable[[], None]) -> None:
+        th = threading.Thread(target=self._guard, args=(fn,), name=name, daemon=True)
+        th.start()
+        self._threads.append(th)
+
+    def add(self, pid: int, fd: int) -> None:
+        """Serve task ``pid``'s uffd ``fd`` (held by the holder first: it must never be the
+        only copy while the task can run)."""
+        try:
+            if self.holder is not None:
+                self.holder.hold([fd], wait=True)
+        except BaseException:
+            os.close(fd)
+            raise
+        i = next((i for i, f in enumerate(self.files) if f.pid == pid), -1)
+        spans = sorted((r.vaddr, r.length, i, r.offset) for r in self.files[i].ranges) if i >= 0 else []
+        with self.table:
+            self.targets.append(_Target(fd, spans, {p.id for p in self.pieces if p.file == i}, f"pid {pid}"))
+        try:
+            os.write(self._wake_w, b"x")  # poll it too
+        except OSError:
+            pass
+
+    def start(self) -> None:
+        self._t0 = time.monotonic()  # the serve's seconds count from here (faults before: CRIU's)
+        self._installing = True
+        for i in range(self.threads):
+            with self.table:
+                self._installers += 1
+            self._spawn(f"rekindle-stream-{i}", self._install_loop)
+        self._check_done()
+
+    def wait(self, timeout: float | None = None) -> StreamStats:
+        """Wait until every piece is installed everywhere (then the uffds are closed) or the
+        serve failed (then the tree is dead): StreamStats, or StreamError."""
+        if not self.finished.wait(timeout):
+            self._fail(f"not served within {timeout}s")
+        self.close()
+        if self.failure is not None:
+            raise StreamError(f"{self.label}: streamed restore failed: {self.failure}")
+        c = self.counters
+        stats = StreamStats(c.verified, c.installed, c.faults, c.by_fault, c.forks,
+                            round(time.monotonic() - self._t0, 3), self.threads,
+                            round(c.fault_wait, 3), round(c.fault_wait_max, 4),
+                            round(c.read, 3), round(c.hash, 3), round(c.install, 3), self.first_pieces, c.retries)
+        log.info("stream: %.1f MiB verified, %.1f MiB installed, %d faults (%d pieces first by fault, "
+                 "waited %.2fs in all, %.3fs at most), %d forks, %d threads, %.2fs (%.2f GB/s; thread-seconds: "
+                 "read %.2f, hash %.2f, install %.2f; %d retries)",
+                 stats.bytes_verified / 2**20, stats.bytes_installed / 2**20, stats.faults,
+                 stats.pieces_by_fault, stats.fault_wait_s, stats.fault_wait_max_s, stats.forks,
+                 stats.threads, stats.seconds, stats.bytes_verified / 1e9 / max(stats.seconds, 1e-9),
+                 stats.read_s, stats.hash_s, stats.install_s, stats.retries)
+        return stats
+
+    def close(self) -> None:
+        """Stop serving and close every uffd (after the holder closed its copies, when all is
+        installed; else the holder kills the tree when it sees this end go)."""
+        self._stop.set()
+        self.finished.set()
+        with self._fault_cv:
+            self._fault_cv.notify_all()
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
+        for th in self._threads:
+            if th is not threading.current_thread():
+                th.join()
+        self._threads = []
+        if self.holder is not None:
+            if self.failure is None:
+                self.holder.done()
+            else:
+                self.holder.abort()  # the holder kills what is left; our caller tells the init
+            self.holder = None
+        with self.table:
+            for t in self.targets:
+                if t.fd >= 0:
+                    os.close(t.fd)
+                    t.fd = -1
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._wake_r = self._wake_w = -1
+
+    def _guard(self, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except Exception as exc:  # any failure fails the restore closed
+            log.exception("stream: %s failed", threading.current_thread().name)
+            self._fail(f"{threading.current_thread().name}: {exc}")
+
+    def _fail(self, reason: str) -> None:
+        with self.table:
+            first = self.failure is None
+            if first:
+                self.failure = reason
+        if first:
+            log.error("%s: streamed restore fails: %s; killing the restored tree", self.label, reason)
+            self.kill()
+        self._stop.set()
+        self.finished.set()
+
+    def _check_done(self) -> None:
+        with self.table:
+            done = (self._installing and self._busy == 0
+                    and not any(t.pending for t in self.targets if t.alive))
+        if done:
+            self.finished.set()
+
+    # -- pieces
+
+    def _buffer(self) -> tuple[memoryview, int]:
+        buf = getattr(self._local, "buf", None)
+        if buf is None:
+            m = mmap.mmap(-1, PIECE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            buf = self._local.buf = (memoryview(m), ctypes.addressof(ctypes.c_char.from_buffer(m)), m)
+        return buf[0], buf[1]
+
+    def _read_verified(self, p: _Piece) -> int:
+        """Our address of piece ``p``'s bytes, read into private memory and verified."""
+        view, addr = self._buffer()
+        fd = self.fds[p.file]
+        if not is_cached(fd, p.offset, p.length):
+            try:
+                os.posix_fadvise(fd, p.offset, p.length, os.POSIX_FADV_WILLNEED)
+            except OSError:
+                pass
+        got = 0
+        reading = hashing = 0.0
+        while got < p.length:  # chunk by chunk, each hashed while still in the core's cache
+            start, want = got, min(p.length, got + SUM_CHUNK)
+            t0 = time.perf_counter()
+            while got < want:
+                n = os.preadv(fd, [view[got:want]], p.offset + got)
+                if n <= 0:
+                    raise StreamIntegrityError(f"bulk file shrank while read (at {p.offset + got})")
+                got += n
+            t1 = time.perf_counter()
+            digest = new_hash()
+            digest.update(view[start:want])
+            k = start // SUM_CHUNK * DIGEST_BYTES
+            if digest.digest() != p.digests[k:k + DIGEST_BYTES]:
+                raise StreamIntegrityError(f"chunk at {p.offset + start} of {self.files[p.file].path} does not match its digest")
+            reading, hashing = reading + (t1 - t0), hashing + (time.perf_counter() - t1)
+        with self.counters.lock:
+            self.counters.verified += p.length
+            self.counters.read += reading
+            self.counters.hash += hashing
+            verified = self.counters.verified
+        if self.progress is not None:
+            self.progress(verified)
+        return addr
+
+    def _install(self, pid: int, by_fault: bool) -> None:
+        """Install piece ``pid`` wherever it is still pending (once: its lock)."""
+        p = self.pieces[pid]
+        with self.locks[pid]:
+            if self._stop.is_set():
+                return
+            with self.table:
+                needing = [t for t in self.targets if t.alive and pid in t.pending]
+            if not needing:
+                return
+            try:
+                addr = self._read_verified(p)
+            except StreamError as exc:
+                self._fail(str(exc))
+                return
+            if by_fault:
+                with self.counters.lock:
+                    self.counters.by_fault += 1
+            for t in needing:
+                self._install_into(t, p, addr)
+
+    def _segments(self, t: _Target, p: _Piece) -> list[tuple[int, int, int]]:
+        """(dst, offset in the piece, length) of ``p``'s bytes in ``t`` now."""
+        return [(dst, off - p.offset, n) for dst, off, n in t.spans(p.file, p.offset, p.offset + p.length)]
+
+    def _pieces_of(self, file: int, lo: int, hi: int) -> range:
+        """The ids of ``file``'s pieces holding any of [lo, hi)."""
+        return range(self.first[file] + lo // PIECE, self.first[file] + -(-hi // PIECE))
+
+    def _install_into(self, t: _Target, p: _Piece, addr: int) -> None:
+        installed = 0
+        t0 = time.perf_counter()
+        with self.table:
+            segs = self._segments(t, p)
+            moves = t.moves
+        i = 0
+        while i < len(segs):
+            if self._stop.is_set():
+                return
+            dst, rel, length = segs[i]
+            batches = self._events_batches
+            try:
+                installed += uffd.copy(t.fd, dst, addr + rel, length)
+                i += 1
+            except uffd.Changing:
+                # the space changes under us: once the event is read, redo what is left as the
+                # (maybe moved or shrunk) ranges say; a page installed already is skipped (EEXIST)
+                self._await_events(batches)
+                with self.table:
+                    segs = self._segments(t, p)
+                i = 0
+            except uffd.Gone:
+                i += 1  # unmapped since, or the process exited
+        with self.table:
+            if t.moves == moves:
+                t.pending.discard(p.id)
+            else:  # part of it may have moved away before its copy: again
+                self._again.append(p.id)
+        with self.counters.lock:
+            self.counters.installed += installed
+            self.counters.install += time.perf_counter() - t0
+
+    def _install_loop(self) -> None:
+        try:
+            self._install_pieces()
+        finally:
+            with self.table:
+                self._installers -= 1
+        self._check_done()
+
+    def _install_pieces(self) -> None:
+        while not self._stop.is_set():
+            with self.table:
+                if self._next < len(self.order):
+                    pid = self.order[self._next]
+                    self._next += 1
+                elif self._again:  # a child forked, or a range moved, mid-serve: what it lacks
+                    pid = self._again.popleft()
+                elif any(t.pending for t in self.targets if t.alive):
+                    pid = -1  # the last pieces are being installed now: look again shortly
+                else:
+                    break
+                if pid >= 0:
+                    self._busy += 1
+            if pid < 0:
+                self._stop.wait(0.01)
+                continue
+            try:
+                self._install(pid, by_fault=False)
+            finally:
+                with self.table:
+                    self._busy -= 1
+            self._check_done()
+
+    # -- events and faults
+
+    def _piece_at(self, t: _Target, address: int) -> int | None:
+        with self.table:
+            where = t.at(address)
+        return None if where is None else self.first[where[0]] + where[1] // PIECE
+
+    def _serve_faults(self) -> None:
+        while True:
+            with self._fault_cv:
+                while not self._faults and not self._stop.is_set():
+                    self._fault_cv.wait()
+                if self._stop.is_set():
+                    return
+                t, address, seen = self._faults.popleft()
+            if t.fd < 0 or not t.alive:
+                continue
+            page = address & ~(uffd.PAGE - 1)
+            pid = self._piece_at(t, page)
+            if pid is not None:
+                with self.table:
+                    key = (id(t), page)
+                    if pid not in t.pending:
+                        if key in self._woken:  # woken once and back: missing after all, install again
+                            self._woken.discard(key)
+                            t.pending.add(pid)
+                            self._again.append(pid)
+                        else:  # likely a fault queued as its piece went in: a wake is all it needs
+                            self._woken.add(key)
+            while True:
+                batches = self._events_batches
+                try:
+                    if pid is None:
+                        uffd.zeropage(t.fd, page, uffd.PAGE)  # a hole, or discarded since
+                    else:
+                        self._install(pid, by_fault=True)
+                        self._check_done()
+                    uffd.wake(t.fd, page, uffd.PAGE)
+                    waited = time.monotonic() - seen
+                    with self.counters.lock:
+                        self.counters.fault_wait += waited
+                        self.counters.fault_wait_max = max(self.counters.fault_wait_max, waited)
+                    break
+                except uffd.Changing:
+                    self._await_events(batches)
+                    pid = self._piece_at(t, page)
+                except uffd.Gone:
+                    break
+                if self._stop.is_set():
+                    return
+
+    def _read_events(self) -> None:
+        poller = select.poll()
+        polled: dict[int, _Target] = {}
+        poller.register(self._wake_r, select.POLLIN)
+        while not self._stop.is_set():
+            with self.table:
+                for t in self.targets:
+                    if t.alive and t.fd >= 0 and t.fd not in polled:
+                        poller.register(t.fd, select.POLLIN)
+                        polled[t.fd] = t
+            for fd, mask in poller.poll(1000):
+                if fd == self._wake_r:
+                    try:
+                        os.read(self._wake_r, 4096)
+                    except BlockingIOError:
+                        pass
+                    continue
+                t = polled[fd]
+                events = uffd.read_events(fd) if mask & select.POLLIN else []
+                if mask & (select.POLLHUP | select.POLLERR | select.POLLNVAL) and not events:
+                    poller.unregister(fd)
+                    del polled[fd]
+                    continue
+                for ev in events:
+                    self._event(t, ev)
+            with self._events_read:
+                self._events_batches += 1
+                self._events_read.notify_all()
+
+    def _await_events(self, batches: int) -> None:
+        """Wait until a batch of events was read after ``batches`` (the count before a try that
+        the kernel refused while the space changed): at once if one was read meanwhile."""
+        with self.counters.lock:
+            self.counters.retries += 1
+        with self._events_read:
+            self._events_read.wait_for(lambda: self._events_batches != batches or self._stop.is_set(), 0.05)
+
+    def _event(self, t: _Target, ev: uffd.Event) -> None:
+        if ev.kind == uffd.EVENT_PAGEFAULT:
+            with self.counters.lock:
+                self.counters.faults += 1
+            with self._fault_cv:
+                self._faults.append((t, ev.address, time.monotonic()))
+                self._fault_cv.notify()
+        elif ev.kind == uffd.EVENT_FORK:
+            # The child's missing pages are the parent's now; hold its uffd at once (the child
+            # runs only once this event is read).
+            if self.holder is not None:
+                self.holder.hold([ev.fd])
+            with self.table:
+                child = _Target(ev.fd, list(t.ranges), set(t.pending), f"child of {t.name}")
+                self.targets.append(child)
+                self._again.extend(sorted(child.pending))
+            with self.counters.lock:
+                self.counters.forks += 1
+            log.info("stream: %s forked; %d pieces pending there", t.name, len(child.pending))
+        elif ev.kind == uffd.EVENT_REMAP:
+            with self.table:
+                t.reindex(_moved(t.ranges, ev.start, ev.end, ev.to))
+                t.moves += 1
+                # what moved is installed again where it is now (pages already there: EEXIST)
+                for vaddr, length, f, off in t.ranges:
+                    if ev.to < vaddr + length and vaddr < ev.to + (ev.end - ev.start):
+                        again = self._pieces_of(f, off, off + length)
+                        t.pending.update(again)
+                        self._again.extend(again)
+                respawn = self._installing and self.threads > 0 and self._installers == 0 and bool(t.pending)
+                if respawn:
+                    self._installers += 1
+            if respawn:  # the install threads were done already
+                self._spawn("rekindle-stream-again", self._install_loop)
+        elif ev.kind in (uffd.EVENT_REMOVE, uffd.EVENT_UNMAP):
+            with self.table:
+                t.reindex(_cut(t.ranges, ev.start, ev.end))
+        self._check_done()
+
+
+def _cut(ranges: list[tuple[int, int, int, int]], start: int, end: int) -> list[tuple[int, int, int, int]]:
+    """``ranges`` without [start, end) (discarded or unmapped: a later fault there is a hole)."""
+    out = []
+    for vaddr, length, f, off in ranges:
+        if vaddr + length <= start or vaddr >= end:
+            out.append((vaddr, length, f, off))
+            continue
+        if vaddr < start:
+            out.append((vaddr, start - vaddr, f, off))
+        if vaddr + length > end:
+            out.append((end, vaddr + length - end, f, off + (end - vaddr)))
+    return out
+
+
+def _moved(ranges: list[tuple[int, int, int, int]], start: int, end: int,
+           to: int) -> list[tuple[int, int, int, int]]:
+    """``ranges`` after mremap moved [start, end) to ``to``."""
+    out = _cut(ranges, start, end)
+    out = _cut(out, to, to + (end - start))  # whatever was mapped there is gone
+    for vaddr, length, f, off in ranges:
+        lo, hi = max(vaddr, start), min(vaddr + length, end)
+        if lo < hi:
+            out.append((to + (lo - start), hi - lo, f, off + (lo - vaddr)))
+    return sorted(out)
+
+
+@functools.cache
+def _criu_lacks(criu: str) -> str | None:
+    """Why ``criu`` cannot hand uffds over with the events the server needs (None: it can);
+    asked once per process (CRIU and the kernel do not change under a running agent)."""
+    try:
+        p = subprocess.run([criu, "check", "--feature", "uffd-noncoop"], capture_output=True, text=True,
+                           timeout=30)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"{criu} check --feature uffd-noncoop: {exc}"
+    if p.returncode != 0:
+        return f"{criu} lacks non-cooperative userfaultfd: {(p.stdout + p.stderr).strip()[-200:]}"
+    return None
+
+
+def unsupported(criu: str = CRIU) -> str | None:
+    """Why this node cannot stream a restore (None: it can): the kernel's userfaultfd with the
+    FORK, REMAP, REMOVE and UNMAP events, and CRIU's ``--lazy-pages`` with them."""
+    return uffd.probe() or _criu_lacks(criu)
+
+
+# --- one streamed restore, as runtime.restore drives it -------------------------------------------
+
+THREADS_ENV = "REKINDLE_STREAM_THREADS"
+
+
+# Measured on 16 cores beside the driver's CUDA restore (bench/results/h200): 8 and 12 threads
+# serve 5.9-6.4 GB/s, 4 serve 4.5-5.0, and 16 fewer than 8 (they take the driver's cores).
+DEFAULT_THREADS = min(12, WORKERS)
+
+
+def threads(asked: int | None) -> int:
+    """Install threads: ``$REKINDLE_STREAM_THREADS`` when set, else ``asked`` (the restore's
+    fill threads), else :data:`DEFAULT_THREADS`. 0 serves faults only (a measurement setting:
+    the restore completes only once every piece was touched)."""
+    raw = os.environ.get(THREADS_ENV, "")
+    if raw.isdigit() and int(raw) <= 1024:
+        return int(raw)
+    return asked if asked else DEFAULT_THREADS
+
+
+def driver_spans(images: str, cuda_pids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(pid, start, end) of the CUDA driver's host copy in CRIU's images: the VMAs the
+    checkpoint marked MADV_HUGEPAGE in the CUDA processes (``runtime.pages.bulk``'s split). An order
+    only: which pieces the serve installs first."""
+    spans = []
+    for pid in cuda_pids:
+        try:
+            vmas = img.read_mm(images, pid).entry.vmas
+        except (OSError, ValueError):
+            continue
+        spans += [(pid, v.start, v.end) for v in vmas
+                  if v.madv & (1 << img.MADV_HUGEPAGE) and img.is_private_anon_writable(v)]
+    return spans
+
+
+def prepare(files: Sequence[BulkFile], images: str) -> str | None:
+    """Make CRIU's images lazy for ``files``, or say why this restore cannot stream (then
+    nothing was changed: the bulk path can run)."""
+    why = unsupported()
+    if why is not None:
+        return why
+    try:
+        prepare_images(images, files)
+    except StreamError as exc:
+        return str(exc)
+    return None
+
+
+class Session:
+    """One streamed restore: :meth:`begin` before CRIU (the holder starts, the socket listens,
+    faults are served as the uffds arrive), :meth:`start` after CRIU returned (the tree still
+    stopped: installs begin), :meth:`wait` once it runs; :meth:`abort` (idempotent, a no-op
+    once served) on any failure kills the tree."""
+
+    def __init__(self, listener: Listener, server: Server) -> None:
+        self.listener: Listener | None = listener
+        self.server: Server | None = server
+        self.served = False
+        self.handed: threading.Event = threading.Event()
+        self.error: BaseException | None = None
+        self._receiver = threading.Thread(target=self._receive, name="rekindle-lazy-pages", daemon=True)
+        self._receiver.start()
+
+    @classmethod
+    def begin(cls, work_dir: str, target: ContainerInfo, control: ControlDir | None, label: str,
+              files: Sequence[BulkFile], fds: Sequence[int], sums: Sequence[bytes],
+              threads: int, progress: Callable[[int], None] | None = None,
+              first: Sequence[tuple[int, int, int]] = ()) -> Session:
+        from runtime.pages.holder import kill_namespace, now_ticks
+        pidns, init_pid = target.namespaces["pid"].inode, target.init_pid
+        holder = Holder(pidns, init_pid, str(control.path) if control is not None else None,
+                        cgroups=list(target.cgroups.values()))
+        try:
+            listener = Listener(work_dir)
+        except OSError:
+            holder.close()
+            raise
+        try:
+            # whatever the tree forked since is in its pid namespace: kill all of it, but the init
+            server = Server(label, files, fds, sums, lambda: kill_namespace(pidns, init_pid, now_ticks()),
+                            threads=threads, holder=holder, progress=progress, first=first)
+        except BaseException:
+            listener.close()
+            holder.close()
+            raise
+        return cls(listener, server)
+
+    def _receive(self) -> None:
+        assert self.listener is not None and self.server is not None
+        try:
+            self.listener.receive(self.server.add)
+        except BaseException as exc:
+            self.error = exc
+        self.handed.set()
+
+    def start(self, timeout: float = 60.0) -> None:
+        """CRIU returned: every uffd was handed over; begin the installs."""
+        assert self.server is not None
+        if not self.handed.wait(timeout):
+            raise StreamError(f"CRIU did not finish its lazy-pages hand-off within {timeout}s")
+        if self.error is not None:
+            raise StreamError(str(self.error))
+        self._close_listener()
+        self.server.start()
+
+    def wait(self, timeout: float = 3600.0) -> StreamStats:
+        assert self.server is not None
+        stats = self.server.wait(timeout)
+        self.served = True
+        return stats
+
+    def _close_listener(self) -> None:
+        if self.listener is not None:
+            self.listener.interrupt()
+            self._receiver.join(5)
+            self.listener.close()
+            self.listener = None
+
+    def abort(self) -> None:
+        if self.server is not None and not self.served:
+            self.server._fail("the restore failed")
+            self.server.close()
+        self.server = None
+        self._close_listener()

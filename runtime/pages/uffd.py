@@ -1,0 +1,223 @@
+"""userfaultfd through ctypes: the ioctls and event messages the streamed restore uses.
+
+Only what ``runtime.pages.stream`` needs: the uffds come from ``criu restore --lazy-pages`` (opened
+with O_NONBLOCK and the non-cooperative events FORK, REMAP, REMOVE and UNMAP), so this module
+installs pages (``UFFDIO_COPY``, ``UFFDIO_ZEROPAGE``), wakes waiters (``UFFDIO_WAKE``) and
+decodes events. :func:`probe` says whether the kernel offers what streaming needs;
+:func:`open_uffd` and :func:`register` are for probing and tests (a region of our own).
+Every ioctl runs through ctypes, which drops the GIL: threads install in parallel.
+The layout is the kernel's UAPI (linux/userfaultfd.h); the numbers are x86_64 and aarch64's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import platform
+from dataclasses import dataclass
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+_UFFD_API = 0xAA
+# Events
+EVENT_PAGEFAULT = 0x12
+EVENT_FORK = 0x13
+EVENT_REMAP = 0x14
+EVENT_REMOVE = 0x15
+EVENT_UNMAP = 0x16
+# Features (what CRIU asks for; the streamed restore needs all four)
+FEATURE_EVENT_FORK = 1 << 1
+FEATURE_EVENT_REMAP = 1 << 2
+FEATURE_EVENT_REMOVE = 1 << 3
+FEATURE_EVENT_UNMAP = 1 << 6
+NEEDED_FEATURES = FEATURE_EVENT_FORK | FEATURE_EVENT_REMAP | FEATURE_EVENT_REMOVE | FEATURE_EVENT_UNMAP
+FEATURE_NAMES = {FEATURE_EVENT_FORK: "EVENT_FORK", FEATURE_EVENT_REMAP: "EVENT_REMAP",
+                 FEATURE_EVENT_REMOVE: "EVENT_REMOVE", FEATURE_EVENT_UNMAP: "EVENT_UNMAP"}
+REGISTER_MODE_MISSING = 1
+_SYS_USERFAULTFD = {"x86_64": 323, "aarch64": 282}.get(platform.machine())
+
+
+def _ioc(direction: int, nr: int, size: int) -> int:
+    return (direction << 30) | (size << 16) | (_UFFD_API << 8) | nr
+
+
+class _Range(ctypes.Structure):
+    _fields_ = [("start", ctypes.c_uint64), ("len", ctypes.c_uint64)]
+
+
+class _Api(ctypes.Structure):
+    _fields_ = [("api", ctypes.c_uint64), ("features", ctypes.c_uint64), ("ioctls", ctypes.c_uint64)]
+
+
+class _Register(ctypes.Structure):
+    _fields_ = [("range", _Range), ("mode", ctypes.c_uint64), ("ioctls", ctypes.c_uint64)]
+
+
+class _Copy(ctypes.Structure):
+    _fields_ = [("dst", ctypes.c_uint64), ("src", ctypes.c_uint64), ("len", ctypes.c_uint64),
+                ("mode", ctypes.c_uint64), ("copy", ctypes.c_int64)]
+
+
+class _Zeropage(ctypes.Structure):
+    _fields_ = [("range", _Range), ("mode", ctypes.c_uint64), ("zeropage", ctypes.c_int64)]
+
+
+_READ, _WRITE = 2, 1
+UFFDIO_REGISTER = _ioc(_READ | _WRITE, 0x00, ctypes.sizeof(_Register))
+UFFDIO_WAKE = _ioc(_READ, 0x02, ctypes.sizeof(_Range))
+UFFDIO_COPY = _ioc(_READ | _WRITE, 0x03, ctypes.sizeof(_Copy))
+UFFDIO_ZEROPAGE = _ioc(_READ | _WRITE, 0x04, ctypes.sizeof(_Zeropage))
+UFFDIO_API = _ioc(_READ | _WRITE, 0x3F, ctypes.sizeof(_Api))
+_API_VERSION = 0xAA
+MSG_SIZE = 32
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_ioctl = _libc.ioctl
+_ioctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p]
+_ioctl.restype = ctypes.c_int
+_syscall = _libc.syscall
+_syscall.restype = ctypes.c_long
+
+
+def _call(fd: int, request: int, arg: ctypes.Structure) -> int:
+    """0, or the errno of a failed ioctl."""
+    if _ioctl(fd, request, ctypes.addressof(arg)) == 0:
+        return 0
+    return ctypes.get_errno()
+
+
+class Gone(Exception):
+    """The range or the process behind the uffd is gone (unmapped, exited): nothing to install."""
+
+
+class Changing(Exception):
+    """The address space is changing (an event not read yet): retry after reading events."""
+
+
+def copy(fd: int, dst: int, src: int, length: int) -> int:
+    """Install ``length`` bytes at our address ``src`` into ``dst`` (page-aligned), waking the
+    waiters. A page already present is left as it is (EEXIST: served before, or written by the
+    process or the kernel since: never overwritten). Returns the bytes installed; Gone, Changing
+    or OSError otherwise (what was installed before stays)."""
+    installed = 0
+    while length > 0:
+        arg = _Copy(dst, src, length, 0, 0)
+        err = _call(fd, UFFDIO_COPY, arg)
+        done = arg.copy if arg.copy > 0 else 0
+        installed += done
+        dst, src, length = dst + done, src + done, length - done
+        if err == 0:
+            continue
+        if err == errno.EEXIST:  # skip the present page, go on after it
+            dst, src, length = dst + PAGE, src + PAGE, length - PAGE
+        elif err == errno.EAGAIN:
+            if done:
+                continue
+            raise Changing()
+        elif err in (errno.ENOENT, errno.ESRCH, errno.EFAULT):
+            raise Gone()
+        elif err == errno.EINTR:
+            continue
+        else:
+            raise OSError(err, f"UFFDIO_COPY {dst:#x}+{length}: {os.strerror(err)}")
+    return installed
+
+
+def zeropage(fd: int, start: int, length: int) -> None:
+    """Map zero pages over what is missing in ``start``+``length`` (a hole: never written)."""
+    while length > 0:
+        arg = _Zeropage(_Range(start, length), 0, 0)
+        err = _call(fd, UFFDIO_ZEROPAGE, arg)
+        done = arg.zeropage if arg.zeropage > 0 else 0
+        start, length = start + done, length - done
+        if err == 0:
+            continue
+        if err == errno.EEXIST:
+            start, length = start + PAGE, length - PAGE
+        elif err == errno.EAGAIN:
+            if done:
+                continue
+            raise Changing()
+        elif err in (errno.ENOENT, errno.ESRCH, errno.EFAULT):
+            raise Gone()
+        elif err != errno.EINTR:
+            raise OSError(err, f"UFFDIO_ZEROPAGE {start:#x}+{length}: {os.strerror(err)}")
+
+
+def wake(fd: int, start: int, length: int) -> None:
+    err = _call(fd, UFFDIO_WAKE, _Range(start, length))
+    if err not in (0, errno.ENOENT, errno.ESRCH):
+        raise OSError(err, f"UFFDIO_WAKE {start:#x}+{length}: {os.strerror(err)}")
+
+
+@dataclass(frozen=True)
+class Event:
+    kind: int
+    address: int = 0  # PAGEFAULT: the faulting address
+    flags: int = 0
+    fd: int = -1      # FORK: the child's uffd (already in our fd table)
+    start: int = 0    # REMOVE/UNMAP: [start, end); REMAP: from
+    end: int = 0
+    to: int = 0       # REMAP: the new address (len in end - start)
+
+
+def decode(msg: bytes) -> Event:
+    kind = msg[0]
+    a, b, c = (int.from_bytes(msg[8 + 8 * i:16 + 8 * i], "little") for i in range(3))
+    if kind == EVENT_PAGEFAULT:
+        return Event(kind, address=b, flags=a)
+    if kind == EVENT_FORK:
+        return Event(kind, fd=a & 0xFFFFFFFF)
+    if kind == EVENT_REMAP:
+        return Event(kind, start=a, to=b, end=a + c)
+    if kind in (EVENT_REMOVE, EVENT_UNMAP):
+        return Event(kind, start=a, end=b)
+    return Event(kind)
+
+
+def read_events(fd: int, max_events: int = 64) -> list[Event]:
+    """The events queued on ``fd`` (non-blocking: [] when none)."""
+    try:
+        raw = os.read(fd, MSG_SIZE * max_events)
+    except BlockingIOError:
+        return []
+    return [decode(raw[i:i + MSG_SIZE]) for i in range(0, len(raw) - MSG_SIZE + 1, MSG_SIZE)]
+
+
+def open_uffd(features: int = 0) -> int:
+    """A new userfaultfd (O_CLOEXEC|O_NONBLOCK) with the API handshake done for ``features``;
+    OSError when the kernel refuses (no userfaultfd, or a feature missing)."""
+    if _SYS_USERFAULTFD is None:
+        raise OSError(errno.ENOSYS, f"userfaultfd: unknown syscall number on {platform.machine()}")
+    fd = _syscall(_SYS_USERFAULTFD, os.O_CLOEXEC | os.O_NONBLOCK)
+    if fd < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"userfaultfd: {os.strerror(err)}")
+    api = _Api(_API_VERSION, features, 0)
+    err = _call(fd, UFFDIO_API, api)
+    if err:
+        os.close(fd)
+        raise OSError(err, f"UFFDIO_API (features {features:#x}): {os.strerror(err)}")
+    if api.features & features != features:
+        os.close(fd)
+        missing = [n for f, n in FEATURE_NAMES.items() if features & f and not api.features & f]
+        raise OSError(errno.EOPNOTSUPP, f"userfaultfd lacks {', '.join(missing) or hex(features)}")
+    return int(fd)
+
+
+def register(fd: int, start: int, length: int) -> None:
+    """Register ``start``+``length`` of our own address space in missing mode (tests, probing)."""
+    err = _call(fd, UFFDIO_REGISTER, _Register(_Range(start, length), REGISTER_MODE_MISSING, 0))
+    if err:
+        raise OSError(err, f"UFFDIO_REGISTER {start:#x}+{length}: {os.strerror(err)}")
+
+
+def probe() -> str | None:
+    """None when this kernel serves what the streamed restore needs, else why not."""
+    try:
+        fd = open_uffd(NEEDED_FEATURES)
+    except OSError as exc:
+        return str(exc)
+    os.close(fd)
+    return None
