@@ -56,6 +56,9 @@ from runtime.store import ArtifactStore
 from . import guards, logs
 from .config import Settings
 from .events import RuntimeInfo
+from .handler_types import (ConfigureHandler, CreateContainerHandler, HandlerErrorHandler, PostCreateContainerHandler,
+                            PostStartContainerHandler, RemoveContainerHandler, RemovePodSandboxHandler,
+                            RunPodSandboxHandler, StopContainerHandler, StopPodSandboxHandler, SynchronizeHandler)
 from .jobs import Jobs, Skipped, Work, restore_failure_phase
 from .prefetch import Prefetcher
 from .policy import Intent, Role, decide, role_hint
@@ -88,7 +91,9 @@ def who(pod: api.PodSandbox, ctr: api.Container) -> str:
     return f"{pod.namespace}/{pod.name}:{ctr.name}"
 
 
-class RekindlePlugin:
+class RekindlePlugin(ConfigureHandler, SynchronizeHandler, RunPodSandboxHandler, StopPodSandboxHandler,
+                     RemovePodSandboxHandler, CreateContainerHandler, PostCreateContainerHandler,
+                     PostStartContainerHandler, StopContainerHandler, RemoveContainerHandler, HandlerErrorHandler):
     def __init__(self, settings: Settings, *, store: ArtifactStore, key: bytes, status: StatusBook,
                  jobs: Jobs, specs: SpecAccess | None, facts: NodeFacts,
                  image_ref: ImageRef | None = None, generations: GenerationBook | None = None,

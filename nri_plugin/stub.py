@@ -61,6 +61,8 @@ from runtime.errors import RekindleError
 from runtime.containerd.defaults import DEFAULT_SOCKET
 
 from . import logs
+from .handler_types import (CONFIGURE, DISCONNECT, HANDLER_ERROR, REQUEST_HANDLERS, SHUTDOWN, STATE_HANDLERS,
+                            SYNCHRONIZE, EventHandler, subscribed_events)
 from .events import Event, RuntimeInfo, describe_mask, event_mask
 from .proto import nri_api_pb2 as api
 from .transport.rpc_errors import Code, ConnectionClosed, LocalProtocolError, RpcError, TransportError
@@ -78,24 +80,6 @@ REPLY_MARGIN = 0.4
 MAX_REPLY = MAX_MESSAGE - 64
 # Threads for sync handlers. Handlers are short; more threads would only hide a stall.
 HANDLER_WORKERS = 4
-
-# StateChange events and the plugin method each one calls.
-STATE_HANDLERS: dict[Event, str] = {
-    Event.RUN_POD_SANDBOX: "run_pod_sandbox",
-    Event.STOP_POD_SANDBOX: "stop_pod_sandbox",
-    Event.REMOVE_POD_SANDBOX: "remove_pod_sandbox",
-    Event.POST_CREATE_CONTAINER: "post_create_container",
-    Event.START_CONTAINER: "start_container",
-    Event.POST_START_CONTAINER: "post_start_container",
-    Event.POST_UPDATE_CONTAINER: "post_update_container",
-    Event.REMOVE_CONTAINER: "remove_container",
-}
-REQUEST_HANDLERS: dict[Event, str] = {
-    Event.CREATE_CONTAINER: "create_container",
-    Event.UPDATE_CONTAINER: "update_container",
-    Event.STOP_CONTAINER: "stop_container",
-}
-
 
 M = TypeVar("M")
 
@@ -132,12 +116,6 @@ class Identity:
             raise ValueError(f"plugin index must be two digits, got {self.idx!r}")
         if not self.name or not all(c.isalnum() or c in "_.+-" for c in self.name):
             raise ValueError(f"plugin name must match [a-zA-Z0-9_.+-]+, got {self.name!r}")
-
-
-def subscribed_events(plugin: object) -> set[Event]:
-    """Events for which the plugin has a handler."""
-    names = {**STATE_HANDLERS, **REQUEST_HANDLERS}
-    return {ev for ev, meth in names.items() if callable(getattr(plugin, meth, None))}
 
 
 _PODDED = {"CreateContainer": api.CreateContainerRequest, "UpdateContainer": api.UpdateContainerRequest,
@@ -249,7 +227,7 @@ class Stub:
             self._client = None
             self._trunk = None
             self._notify_connection(False, False)
-            await self._call_plugin("on_disconnect", trunk.error)
+            await self._call_plugin(DISCONNECT, trunk.error)
 
     def _notify_connection(self, connected: bool, synchronized: bool) -> None:
         for obs in self.observers:
@@ -290,15 +268,16 @@ class Stub:
         limit = min(deadline, self.request_timeout) if deadline else self.request_timeout
         return max(limit - REPLY_MARGIN, 0.1)
 
-    async def _call_plugin(self, name: str, *args: Any, budget: float | None = None,
+    async def _call_plugin(self, handler: EventHandler[Any], *args: Any, budget: float | None = None,
                            pod: api.PodSandbox | None = None, ctr: api.Container | None = None,
                            encode: Callable[[Any], bytes] = lambda _: b"") -> bytes:
         """Run one plugin handler and encode its reply; if it is absent, raises, overruns
         ``budget`` seconds or returns something unsendable, ``encode(None)`` (the empty reply).
         Raises nothing but CancelledError: this is the fail-open boundary."""
-        fn: Callable[..., Any] | None = getattr(self.plugin, name, None)
-        if not callable(fn):
+        fn = handler.of(self.plugin)
+        if fn is None:
             return encode(None)
+        name = handler.name
         started = time.monotonic()
         failure: str | None = None
         # The handler's log lines carry its event, pod and container (in its thread or task).
@@ -333,15 +312,16 @@ class Stub:
             raise
         except Exception as exc:  # noqa: BLE001 - the fail-open boundary: any error is an empty reply
             failure = "overrun" if isinstance(exc, HandlerOverrun) else "error"
-            self._failed(name, pod, ctr, exc)
+            self._failed(handler, pod, ctr, exc)
             return encode(None)
         finally:
-            if name != "on_disconnect":
+            if handler is not DISCONNECT:
                 self._notify_handler(name, time.monotonic() - started, failure)
 
-    def _failed(self, name: str, pod: api.PodSandbox | None, ctr: api.Container | None,
+    def _failed(self, handler: EventHandler[Any], pod: api.PodSandbox | None, ctr: api.Container | None,
                 exc: Exception) -> None:
         """Log a failed or overrun handler, then tell the plugin once the empty reply is out."""
+        name = handler.name
         where = f"{pod.namespace}/{pod.name}" if pod is not None else "-"
         if ctr is not None:
             where += f":{ctr.name}"
@@ -350,8 +330,8 @@ class Stub:
         else:
             log.error("%s: handler %s failed; replying without changes: %s: %s", where, name,
                       type(exc).__name__, exc, exc_info=not isinstance(exc, RekindleError))
-        hook = getattr(self.plugin, "on_handler_error", None)
-        if callable(hook) and name != "on_disconnect":
+        hook = HANDLER_ERROR.of(self.plugin)
+        if hook is not None and handler is not DISCONNECT:
             # Scheduled, not called: the empty reply goes out first, in this same loop turn.
             asyncio.get_running_loop().call_soon(self._run_hook, hook, name, pod, ctr, exc)
 
@@ -372,7 +352,7 @@ class Stub:
         if not mask:
             raise RpcError(Code.FAILED_PRECONDITION, "plugin subscribes to no event")
         log.info("configured by %s; events %s", self.runtime, describe_mask(mask))
-        return await self._call_plugin("configure", req.config, self.runtime, budget=self._budget(deadline),
+        return await self._call_plugin(CONFIGURE, req.config, self.runtime, budget=self._budget(deadline),
                                        encode=lambda _: api.ConfigureResponse(events=mask).SerializeToString())
 
     async def _synchronize(self, payload: bytes, deadline: float | None) -> bytes:
@@ -385,7 +365,7 @@ class Stub:
             return ack
         pods, containers = self._sync_pods, self._sync_containers
         self._sync_pods, self._sync_containers = [], []
-        data = await self._call_plugin("synchronize", pods, containers, budget=self._budget(deadline),
+        data = await self._call_plugin(SYNCHRONIZE, pods, containers, budget=self._budget(deadline),
                                        encode=lambda u: api.SynchronizeResponse(update=u or []).SerializeToString())
         self.synchronized.set()
         log.info("synchronized: %d pods, %d containers", len(pods), len(containers))
@@ -393,7 +373,7 @@ class Stub:
         return data
 
     async def _shutdown(self, payload: bytes, deadline: float | None) -> bytes:
-        return await self._call_plugin("shutdown", budget=self._budget(deadline))
+        return await self._call_plugin(SHUTDOWN, budget=self._budget(deadline))
 
     async def _state_change(self, payload: bytes, deadline: float | None) -> bytes:
         req = api.StateChangeEvent.FromString(payload)
@@ -402,29 +382,29 @@ class Stub:
         except ValueError:
             log.debug("ignoring unknown event %d", req.event)
             return b""
-        meth = STATE_HANDLERS.get(event)
-        if meth is None:
+        handler = STATE_HANDLERS.get(event)
+        if handler is None:
             return b""
         pod_only = event in (Event.RUN_POD_SANDBOX, Event.STOP_POD_SANDBOX, Event.REMOVE_POD_SANDBOX)
         ctr = None if pod_only else req.container
         args = (req.pod,) if ctr is None else (req.pod, ctr)
-        return await self._call_plugin(meth, *args, budget=self._budget(deadline), pod=req.pod, ctr=ctr)
+        return await self._call_plugin(handler, *args, budget=self._budget(deadline), pod=req.pod, ctr=ctr)
 
     async def _create_container(self, payload: bytes, deadline: float | None) -> bytes:
         req = api.CreateContainerRequest.FromString(payload)
         return await self._call_plugin(
-            "create_container", req.pod, req.container, budget=self._budget(deadline), pod=req.pod,
+            REQUEST_HANDLERS[Event.CREATE_CONTAINER], req.pod, req.container, budget=self._budget(deadline), pod=req.pod,
             ctr=req.container, encode=lambda r: (r or api.CreateContainerResponse()).SerializeToString())
 
     async def _update_container(self, payload: bytes, deadline: float | None) -> bytes:
         req = api.UpdateContainerRequest.FromString(payload)
         return await self._call_plugin(
-            "update_container", req.pod, req.container, req.linux_resources, budget=self._budget(deadline),
+            REQUEST_HANDLERS[Event.UPDATE_CONTAINER], req.pod, req.container, req.linux_resources, budget=self._budget(deadline),
             pod=req.pod, ctr=req.container,
             encode=lambda u: api.UpdateContainerResponse(update=u or []).SerializeToString())
 
     async def _stop_container(self, payload: bytes, deadline: float | None) -> bytes:
         req = api.StopContainerRequest.FromString(payload)
         return await self._call_plugin(
-            "stop_container", req.pod, req.container, budget=self._budget(deadline), pod=req.pod,
+            REQUEST_HANDLERS[Event.STOP_CONTAINER], req.pod, req.container, budget=self._budget(deadline), pod=req.pod,
             ctr=req.container, encode=lambda u: api.StopContainerResponse(update=u or []).SerializeToString())

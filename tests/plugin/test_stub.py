@@ -212,3 +212,18 @@ def test_sync_handlers_run_in_the_stubs_own_bounded_pool(sock):
     run(body())
     assert len(plugin.threads) == 5, plugin.threads  # four that hung, then the one after release
     assert all(name.startswith("nri-handler") for name in plugin.threads), plugin.threads
+
+
+def test_the_plugin_subscribes_to_the_events_of_the_protocols_it_implements():
+    from nri_plugin.handler_types import subscribed_events
+    from nri_plugin.handlers import RekindlePlugin
+
+    plugin = object.__new__(RekindlePlugin)  # which handlers it has, not what it does
+    assert subscribed_events(plugin) == {Event.RUN_POD_SANDBOX, Event.STOP_POD_SANDBOX, Event.REMOVE_POD_SANDBOX,
+                                         Event.CREATE_CONTAINER, Event.POST_CREATE_CONTAINER,
+                                         Event.POST_START_CONTAINER, Event.STOP_CONTAINER, Event.REMOVE_CONTAINER}
+
+    class NotAHandler:
+        create_container = None  # the name without a method
+
+    assert subscribed_events(NotAHandler()) == set()
