@@ -20,8 +20,9 @@ from __future__ import annotations
 import copy
 import json
 from enum import Enum
-from typing import Any, Protocol
+from typing import Protocol
 
+from runtime import oci
 from runtime.control import CONTAINER_PATH, INIT_IN_CONTAINER, ORIGINAL_ARGS_ANNOTATION
 
 from .events import RuntimeInfo
@@ -36,8 +37,8 @@ class Strategy(Enum):
 
 
 class SpecAccess(Protocol):
-    def get_spec(self, container_id: str) -> dict[str, Any]: ...
-    def update_spec(self, container_id: str, spec: dict[str, Any]) -> object: ...
+    def get_spec(self, container_id: str) -> oci.Spec: ...
+    def update_spec(self, container_id: str, spec: oci.Spec) -> object: ...
 
 
 def choose(runtime: RuntimeInfo) -> Strategy:
@@ -56,7 +57,7 @@ def is_swapped(args: list[str]) -> bool:
     return bool(args) and args[0] == INIT_IN_CONTAINER
 
 
-def swapped_spec(spec: dict[str, Any], mode: str, timeout: int, fail_closed: bool = False) -> dict[str, Any]:
+def swapped_spec(spec: oci.Spec, mode: str, timeout: int, fail_closed: bool = False) -> oci.Spec:
     """A copy of ``spec`` whose process runs the init; unknown fields are kept as they are."""
     new = copy.deepcopy(spec)
     process = new.get("process")
@@ -72,7 +73,7 @@ def swapped_spec(spec: dict[str, Any], mode: str, timeout: int, fail_closed: boo
 
 
 def swap_by_spec_update(access: SpecAccess, container_id: str, mode: str, timeout: int,
-                        spec: dict[str, Any] | None = None, fail_closed: bool = False) -> list[str]:
+                        spec: oci.Spec | None = None, fail_closed: bool = False) -> list[str]:
     """Rewrite the stored spec (``spec``: the one just read in this handler, if any, saving a
     round trip to containerd); returns the new args."""
     spec = access.get_spec(container_id) if spec is None else spec

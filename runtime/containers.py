@@ -23,8 +23,8 @@ import json
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any
 
+from runtime import oci
 from runtime.errors import ContainerNotFound, NamespaceError
 
 log = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ class MountInfo:
 class ContainerInfo:
     id: str
     bundle: str
-    spec: dict[str, Any] = field(repr=False, compare=False, hash=False)
+    spec: oci.Spec = field(repr=False, compare=False, hash=False)
     init_pid: int
     rootfs: str
     upperdir: str
@@ -82,7 +82,7 @@ class ContainerInfo:
         return self.namespaces[kind].path
 
     @property
-    def spec_mounts(self) -> list[dict[str, Any]]:
+    def spec_mounts(self) -> list[oci.Mount]:
         return list(self.spec.get("mounts") or [])
 
 

@@ -17,10 +17,9 @@ from __future__ import annotations
 import json
 import os
 import secrets
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
+from runtime import oci
 from runtime import names
 from runtime.errors import AnnotationError
 
@@ -51,7 +50,7 @@ MAX_READ = 64 * 1024
 
 
 
-def original_args(spec: Mapping[str, Any]) -> list[str]:
+def original_args(spec: oci.Spec) -> list[str]:
     """The container's command before the entrypoint swap (the annotation), else its args."""
     raw = (spec.get("annotations") or {}).get(ORIGINAL_ARGS_ANNOTATION)
     if raw:

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
 
+from runtime import oci
 from runtime.containers import ContainerInfo, MountInfo, read_mountinfo
 from runtime.errors import CriuError
 from runtime.layout import MountPlanEntry
@@ -24,7 +24,7 @@ from runtime.layout import MountPlanEntry
 log = logging.getLogger(__name__)
 
 
-def _is_bind(m: dict[str, Any]) -> bool:
+def _is_bind(m: oci.Mount) -> bool:
     return m.get("type") == "bind" or any(o in ("bind", "rbind") for o in m.get("options") or [])
 
 
@@ -47,7 +47,7 @@ def resolve_in_root(rootfs: str, path: str, depth: int = 0) -> str:
 
 
 def plan_external_mounts(
-    mountinfo: list[MountInfo], spec: dict[str, Any], rootfs: str | None = None
+    mountinfo: list[MountInfo], spec: oci.Spec, rootfs: str | None = None
 ) -> list[MountPlanEntry]:
     """Externals for a dump: every spec bind mount present in the workload's mountinfo and every cgroup mount."""
     points = {m.mount_point for m in mountinfo}

@@ -56,10 +56,10 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from runtime import oci
 from runtime.devrules import DeviceRule, excess, parse_rules
 from runtime.errors import ArtifactRejected
 
@@ -137,7 +137,7 @@ class SecurityProfile:
                "id mappings without a user namespace")
 
     @classmethod
-    def from_oci_spec(cls, spec: Mapping[str, Any], *, label: str = "oci-spec") -> SecurityProfile:
+    def from_oci_spec(cls, spec: oci.Spec, *, label: str = "oci-spec") -> SecurityProfile:
         """Derive the profile from an OCI runtime spec; a malformed spec raises ArtifactRejected."""
         try:
             return _profile_from_spec(spec)
@@ -259,7 +259,7 @@ def _allows_all_devices(rules: Any) -> bool:
     return verdict
 
 
-def _profile_from_spec(spec: Mapping[str, Any]) -> SecurityProfile:
+def _profile_from_spec(spec: oci.Spec) -> SecurityProfile:
     process = spec.get("process") or {}
     user = process.get("user") or {}
     uid, gid = user.get("uid", 0), user.get("gid", 0)

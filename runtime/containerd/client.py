@@ -17,11 +17,12 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import grpc
 from google.protobuf import any_pb2, field_mask_pb2
 
+from runtime import oci
 from runtime.containerd import RECONNECT_OPTIONS
 from runtime.containerd.proto import containers_pb2 as pb
 from runtime.containerd.proto import containers_pb2_grpc as pb_grpc
@@ -57,7 +58,7 @@ class ContainerRecord:
     runtime: str
     snapshotter: str
     snapshot_key: str
-    spec: dict[str, Any]
+    spec: oci.Spec
     spec_type_url: str
     raw: Any = field(repr=False)  # the containers_pb2.Container
 
@@ -94,14 +95,16 @@ class ContainerdClient:
             spec = json.loads(c.spec.value) if c.spec.value else {}
         except ValueError as e:
             raise ContainerdError("Containers.Get", f"container {container_id}: spec is not JSON: {e}") from None
+        if not isinstance(spec, dict):
+            raise ContainerdError("Containers.Get", f"container {container_id}: spec is not a JSON object")
         return ContainerRecord(id=c.id, image=c.image, labels=dict(c.labels), runtime=c.runtime.name,
-                               snapshotter=c.snapshotter, snapshot_key=c.snapshot_key, spec=spec,
+                               snapshotter=c.snapshotter, snapshot_key=c.snapshot_key, spec=cast(oci.Spec, spec),
                                spec_type_url=c.spec.type_url, raw=c)
 
-    def get_spec(self, container_id: str) -> dict[str, Any]:
+    def get_spec(self, container_id: str) -> oci.Spec:
         return self.get(container_id).spec
 
-    def update_spec(self, container_id: str, spec: dict[str, Any], type_url: str | None = None) -> ContainerRecord:
+    def update_spec(self, container_id: str, spec: oci.Spec, type_url: str | None = None) -> ContainerRecord:
         """Store spec as the container's OCI spec (only the spec field changes)."""
         if type_url is None:
             type_url = self.get(container_id).spec_type_url or OCI_SPEC_TYPE_URL

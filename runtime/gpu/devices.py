@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Iterable
 
+from runtime import oci
 from runtime.manifest import Gpu
 
 PROC_GPUS = "/proc/driver/nvidia/gpus"
@@ -63,7 +63,7 @@ def visible_gpus(devices: Iterable[tuple[str, int, int]], proc_gpus: str = PROC_
     return [g for minor, g in node_gpus(proc_gpus).items() if minor in wanted]
 
 
-def spec_devices(spec: Mapping[str, Any]) -> list[tuple[str, int, int]]:
+def spec_devices(spec: oci.Spec) -> list[tuple[str, int, int]]:
     """(path, major, minor) of every device in an OCI spec."""
     out = []
     for d in (spec.get("linux") or {}).get("devices") or []:

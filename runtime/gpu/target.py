@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Iterable
 
+from runtime import oci
 from runtime import tasks
 from runtime.compat import NodeFacts
 from runtime.containers import process_tree
@@ -45,7 +45,7 @@ def node_cuda(cuda: Checkpointer | None) -> CudaInfo | None:
         return None
 
 
-def target_facts(facts: NodeFacts, target_spec: Mapping[str, Any]) -> NodeFacts:
+def target_facts(facts: NodeFacts, target_spec: oci.Spec) -> NodeFacts:
     """The node's facts with the GPU list narrowed to what the target container can see."""
     return facts_for_devices(facts, spec_devices(target_spec))
 
@@ -61,12 +61,12 @@ def facts_for_devices(facts: NodeFacts, devices: Iterable[tuple[str, int, int]])
     return dataclasses.replace(facts, cuda=CudaInfo(facts.cuda.driver_version, gpus or facts.cuda.gpus))
 
 
-def source_gpus(cuda: Checkpointer, source_spec: Mapping[str, Any]) -> tuple[Gpu, ...]:
+def source_gpus(cuda: Checkpointer, source_spec: oci.Spec) -> tuple[Gpu, ...]:
     """The GPUs a checkpoint source was given; all that CUDA sees when its spec lists none."""
     return tuple(visible_gpus(spec_devices(source_spec)) or cuda.gpus())
 
 
-def gpu_device_nodes(target_spec: Mapping[str, Any]) -> list[CharDevice]:
+def gpu_device_nodes(target_spec: oci.Spec) -> list[CharDevice]:
     """The target's NVIDIA device nodes, as its OCI spec lists them."""
     out = []
     for d in (target_spec.get("linux") or {}).get("devices") or []:
@@ -79,7 +79,7 @@ def gpu_device_nodes(target_spec: Mapping[str, Any]) -> list[CharDevice]:
     return out
 
 
-def ensure_device_nodes(host_pid: int, target_spec: Mapping[str, Any]) -> list[str]:
+def ensure_device_nodes(host_pid: int, target_spec: oci.Spec) -> list[str]:
     """The target's NVIDIA device nodes in the restored process's /dev (created from the host)."""
     return ensure_char_devices(host_pid, gpu_device_nodes(target_spec))
 
