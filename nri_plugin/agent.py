@@ -144,7 +144,7 @@ class NodeEngine:
 
     def restore(self, work: Work) -> dict[str, float]:
         req = restore_request(self.settings, work.container_id, work.namespace, work.artifact, image=work.image,
-                              image_ref=self._image_id(work.image))
+                              image_ref=self._image_id(work.image), version=work.version)
         prefetcher = self.prefetcher
         staged = (lambda art: prefetcher.take(work.pod_uid, art)) if prefetcher is not None else None
         writer = self.cache_writer
@@ -254,13 +254,13 @@ def checkpoint_request(settings: Settings, container_id: str, namespace: str, na
 
 
 def restore_request(settings: Settings, container_id: str, namespace: str, name: str, *, image: str,
-                    image_ref: str) -> restore_flow.RestoreRequest:
+                    image_ref: str, version: str = "") -> restore_flow.RestoreRequest:
     """The one place a restore request is built from the settings (the plugin's and the CLI's)."""
     return restore_flow.RestoreRequest(
         containerd_state=settings.containerd_state, container_id=container_id, namespace=namespace, name=name,
         image=image, image_ref=image_ref, log_dir=os.path.join(settings.state_dir, "logs"),
         path=restore_flow.RestorePath(settings.restore_path), max_layer_bytes=settings.max_layer_bytes,
-        threads=settings.fill_threads, undo_dir=undo_dir(settings))
+        threads=settings.fill_threads, undo_dir=undo_dir(settings), version=version)
 
 
 def _engine(settings: Settings) -> Node:

@@ -150,13 +150,14 @@ class RekindlePlugin(ConfigureHandler, SynchronizeHandler, RunPodSandboxHandler,
         if intent is None:
             return empty
         logs.bind(artifact=intent.artifact)
-        failed = ""
+        failed = version = ""
         failed_cause: BaseException | None = None
         try:
             ctl = control.control_dir_for(self.settings.state_dir, pod.uid, ctr.name)
             if intent.role is Role.RESTORE:
                 try:
-                    manifest: Manifest | None = self._precheck_restore(pod, ctr, intent)
+                    manifest: Manifest | None
+                    manifest, version = self._precheck_restore(pod, ctr, intent)
                 except RekindleError as exc:
                     if not intent.fails_closed or isinstance(exc, Skipped):
                         raise
@@ -187,6 +188,7 @@ class RekindlePlugin(ConfigureHandler, SynchronizeHandler, RunPodSandboxHandler,
         for name in control.ENV_NAMES:
             adjust.env.add(key=name, value=control.CONTAINER_PATH)
         work = self._work(pod, ctr, intent, ctl)
+        work.version = version  # the job restores the version checked here, or none
         pending = Pending(work, manifest, failed=failed)
         if self.strategy is Strategy.ARGS_ADJUSTMENT and ctr.args:
             adjust.args.extend(init_command(work.mode, intent.restore_timeout, list(ctr.args), intent.fails_closed))
@@ -204,8 +206,10 @@ class RekindlePlugin(ConfigureHandler, SynchronizeHandler, RunPodSandboxHandler,
             log.info("%s: %s %s: control dir %s", who(pod, ctr), intent.role.value, intent.artifact, ctl.path)
         return Reply(api.CreateContainerResponse(adjust=adjust), commit)
 
-    def _precheck_restore(self, pod: api.PodSandbox, ctr: api.Container, intent: Intent) -> Manifest:
-        """Cheap checks only (reads the manifest, not the images): this runs inside the handler."""
+    def _precheck_restore(self, pod: api.PodSandbox, ctr: api.Container, intent: Intent) -> tuple[Manifest, str]:
+        """Cheap checks only (reads the manifest, not the images): this runs inside the handler.
+        Returns the manifest and the version it is of: the artifact is opened once here, and the
+        restore job opens that version, not whatever the name points to by then."""
         prev = self.status.read(pod.namespace, pod.name, ctr.name)
         # A pod that fails closed tries again in each new container: never a cold start instead.
         attempted = (Phase.COLD_START, Phase.RESTORED, Phase.RESTORING, Phase.RESTORE_EXITED)
@@ -213,7 +217,7 @@ class RekindlePlugin(ConfigureHandler, SynchronizeHandler, RunPodSandboxHandler,
             raise AlreadyAttempted(f"a restore was already attempted for this pod ({prev.phase.value}"
                                 f"{': ' + prev.reason if prev.reason else ''}); not retrying")
         with self.store.open(pod.namespace, intent.artifact, self.key) as artifact:
-            manifest = artifact.manifest
+            manifest, version = artifact.manifest, artifact.version
         skip = guards.source_container_mismatch(intent, ctr.name, manifest)
         if skip:
             raise Skipped(skip)
@@ -226,7 +230,7 @@ class RekindlePlugin(ConfigureHandler, SynchronizeHandler, RunPodSandboxHandler,
         reasons = check_compatibility(manifest, facts, image=image, image_ref=image_ref or "")
         if reasons:
             raise Incompatible("incompatible: " + "; ".join(reasons))
-        return manifest
+        return manifest, version
 
     # ------------------------------------------------------------------ post-create
     def post_create_container(self, pod: api.PodSandbox, ctr: api.Container) -> None:

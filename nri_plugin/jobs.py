@@ -76,6 +76,7 @@ class Work:
     timings: dict[str, float] = field(default_factory=dict)
     pod_id: str = ""          # the pod sandbox's id (to list the pod's other containers)
     bytes: int = 0            # the artifact's size once published or restored
+    version: str = ""         # a restore's version, as its container's create checked it ("": the current one)
     # Set by Jobs for the engine call: progress(phase, bytes_done, bytes_total).
     progress: Callable[[str, int, int], None] | None = None
 

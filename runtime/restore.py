@@ -103,6 +103,9 @@ class RestoreRequest:
     # Node-local dir of the rootfs undo journals (runtime.overlay.pending), where the next agent
     # finds them; "": in the restore's work dir (rolled back on failure, not after a kill).
     undo_dir: str = ""
+    # The version the plugin checked when the container was created (its precheck): that one is
+    # restored, or none ("": the version the name points to now).
+    version: str = ""
 
 
 Progress = Callable[[str, int, int], None]  # (phase, bytes done, bytes total)
@@ -255,7 +258,7 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
         write_owner(work)
         with contextlib.ExitStack() as held:  # the artifact (its lock) and the bulk fds
             with t.phase("open"):
-                artifact = held.enter_context(store.open(req.namespace, req.name, key))
+                artifact = held.enter_context(store.open(req.namespace, req.name, key, version=req.version or None))
             manifest = artifact.manifest
             if generations is not None:
                 generations.check(req.namespace, req.name, manifest.generation)

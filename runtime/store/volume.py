@@ -383,16 +383,28 @@ class ArtifactStore:
             raise ArtifactRejected(name, f"name points to {target!r}, not to a version of {name}")
         return target
 
-    def open(self, namespace: str, name: str, key: bytes) -> Artifact:
+    def open(self, namespace: str, name: str, key: bytes, version: str | None = None) -> Artifact:
         """Open the version ``namespace/name`` points to now; cheap (reads the manifest only).
 
         A version replaced and removed between reading the name and locking it is not an
-        error: the name is read again (a few times) and the new version opened."""
+        error: the name is read again (a few times) and the new version opened. With
+        ``version`` (an :attr:`Artifact.version` seen earlier), that version and no other:
+        ArtifactNotFound once it is gone, whatever the name points to now."""
         validate_namespace(namespace)
         validate_name(name)
         label = f"{namespace}/{name}"
         ns_fd = self._ns_fd(namespace, label)
         try:
+            if version is not None:
+                m = VERSION_RE.fullmatch(version)
+                if m is None or m.group("name") != name:
+                    raise ArtifactRejected(label, f"{version!r} is not a version of {name}")
+                try:
+                    return self._open_version(ns_fd, version, label, key, namespace, name)
+                except Vanished as vanished:
+                    if vanished.cause is not None:
+                        raise vanished.cause from None
+                    raise ArtifactNotFound(f"artifact {label}: version {version} is gone") from None
             for attempt in range(4):
                 try:
                     version = self.current_version(ns_fd, name)

@@ -194,3 +194,39 @@ def test_post_create_of_a_restore_reads_the_spec_once(make_plugin):
     plugin.post_create_container(pod, ctr)
     assert specs.updated[ctr.id]["process"]["args"][0] == "/.rekindle/bin/rekindle-init", plugin.status.list()
     assert specs.gets == 1
+
+
+def test_a_restore_opens_the_artifact_once_and_its_job_restores_the_version_checked(make_plugin):
+    """CreateContainer's precheck opens the artifact once (manifest, source container, rollback,
+    compatibility from that one open) and hands the version on: a version published after it is
+    not what the job restores."""
+    from nri_plugin.agent import restore_request
+    from runtime.manifest import CriuInfo, Manifest, NodeInfo, ProcessInfo, Source
+    from runtime.security import SecurityProfile
+    plugin = make_plugin()
+
+    def publish() -> str:
+        manifest = Manifest(name="m", namespace="default", created_at="2025-01-02T03:04:05+00:00",
+                            source=Source(pod="p", pod_uid="u", container="app", container_id="cid", image="",
+                                          image_ref=""),
+                            node=NodeInfo(hostname="n", kernel="6.18.0", arch="x86_64"), criu=CriuInfo("4.2.1"),
+                            cuda=None, security=SecurityProfile.from_oci_spec({}, label="m"),
+                            process=ProcessInfo(root_pid=2, args=("/srv",)), mounts=(), files=(), timings={})
+        with plugin.store.stage("default", "m") as staging:
+            staging.publish(manifest, plugin.key)
+        with plugin.store.open("default", "m", plugin.key) as art:
+            return art.version
+
+    first = publish()
+    opened = []
+    real_open = plugin.store.open
+    plugin.store.open = lambda *a, **kw: opened.append(a) or real_open(*a, **kw)  # type: ignore[method-assign]
+    pod, ctr = _req({"rekindle.dev/restore": "m"})
+    assert _create(plugin, pod, ctr).HasField("adjust"), plugin.status.list()
+    assert len(opened) == 1
+    work = plugin._pending[ctr.id].work
+    assert work.version == first
+    plugin.store.open = real_open  # type: ignore[method-assign]
+    assert publish() != first
+    req = restore_request(plugin.settings, ctr.id, "default", "m", image="", image_ref="", version=work.version)
+    assert req.version == first

@@ -604,3 +604,27 @@ def test_deleting_an_artifact_with_a_deep_tree_planted_in_its_version_does_not_r
             os.close(fd)
     store.delete("team-a", "qwen-7b")
     assert os.listdir(tmp_path / "team-a") == []
+
+
+def test_open_of_a_version_opens_that_one_and_no_other(tmp_path: Path) -> None:
+    store = ArtifactStore(str(tmp_path))
+    publish(store, files={"old": b"1"})
+    with store.open("team-a", "qwen-7b", KEY) as first:
+        old = first.version
+        # held (as a restore holds it): the next publish leaves this version in place
+        publish(store, files={"new": b"2"})
+        with store.open("team-a", "qwen-7b", KEY, version=old) as pinned:
+            assert pinned.version == old and [f.path for f in pinned.manifest.files] == ["old"]
+    with store.open("team-a", "qwen-7b", KEY) as now:
+        assert now.version != old
+    store_gc.sweep(store, grace=0)  # nothing holds it now: swept
+    with pytest.raises(ArtifactNotFound, match="is gone"):
+        store.open("team-a", "qwen-7b", KEY, version=old)
+
+
+@pytest.mark.parametrize("version", [".version-other-1-0123456789abcdef", "../x", ".version-qwen-7b", "qwen-7b"])
+def test_open_of_a_version_refuses_what_is_not_a_version_of_the_name(tmp_path: Path, version: str) -> None:
+    store = ArtifactStore(str(tmp_path))
+    publish(store)
+    with pytest.raises(ArtifactRejected, match="is not a version of qwen-7b"):
+        store.open("team-a", "qwen-7b", KEY, version=version)
