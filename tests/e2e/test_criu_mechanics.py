@@ -27,7 +27,7 @@ from runtime.criu import command as criu_mod
 from runtime.containers import ContainerInfo, inspect_bundle, ns_pids, process_tree, workload_root
 from runtime.layout import MountPlanEntry
 from runtime.errors import CriuError
-from runtime.pages.bulk import signal_all
+from runtime.tasks import signal_all
 from runtime.criu.executor import DumpResult, dump_workload, restore_into
 from tests.waiting import wait_for
 
