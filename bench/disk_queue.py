@@ -32,7 +32,7 @@ from pathlib import Path
 
 from bench.llm_restore import drop_caches
 from runtime.pages import bulk
-from runtime.store import readahead as prefetch
+from runtime.store import readahead
 from runtime.digests import PIECE  # the fill works piece by piece
 
 GB = 1e9
@@ -148,7 +148,7 @@ def _prepare(path: Path, size: int, smalls_dir: Path) -> list[Path]:
 SHAPES = [
     Shape("idle", 0, 0),
     Shape("prefetch", 16, 8 << 20),  # baseline: the previous prefetch
-    Shape("prefetch", prefetch.THREADS, prefetch.CHUNK),  # the prefetch now
+    Shape("prefetch", readahead.THREADS, readahead.CHUNK),  # the prefetch now
     Shape("prefetch", 8, 2 << 20),
     Shape("prefetch", 1, 8 << 20),
     Shape("fill", 16, FILL_READ),

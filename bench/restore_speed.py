@@ -50,7 +50,7 @@ from bench.gpu_restore import GB, GIB, measure_h2d, pick_image_root
 from bench.llm_restore import drop_caches
 from devtools import phases
 from runtime import control
-from runtime.store import readahead as prefetch
+from runtime.store import readahead
 from devtools.cri import Mount, Pod
 from devtools.sandbox import Runtime, Sandbox, SandboxConfig
 
@@ -211,7 +211,7 @@ class Bench:
         c: dict[str, float] = {}
         if disk:  # reading the artifact once from the disk, page cache dropped, in two shapes:
             # deep (16 threads of 8 MiB) and shallow (4 of 2 MiB, the prefetch's); the faster counts
-            for label, threads, chunk in (("deep", 16, 8 << 20), ("shallow", prefetch.THREADS, prefetch.CHUNK)):
+            for label, threads, chunk in (("deep", 16, 8 << 20), ("shallow", readahead.THREADS, readahead.CHUNK)):
                 c["drop_caches_s"] = drop_caches()
                 t = time.perf_counter()
                 c[f"disk_read_gbps_{label}"] = phases.read_gbps(files, threads, limit=size, chunk=chunk)

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from runtime import layout, names
-from runtime.store import readahead as prefetch
+from runtime.store import readahead
 from runtime.store import Artifact
 from runtime.errors import RekindleError
 from runtime.fdfs import remove_tree_path
@@ -79,7 +79,7 @@ def _over(held: list[_Pod], size: int, max_count: int, max_bytes: int) -> bool:
 
 
 class Prefetcher:
-    def __init__(self, store: ArtifactStore, key: bytes, *, max_running: int = 2, threads: int = prefetch.THREADS,
+    def __init__(self, store: ArtifactStore, key: bytes, *, max_running: int = 2, threads: int = readahead.THREADS,
                  staging_dir: str | None = None, max_staged: int = MAX_STAGED,
                  max_staged_bytes: int = MAX_STAGED_BYTES,
                  max_staged_per_namespace: int = MAX_STAGED_PER_NAMESPACE,
@@ -211,7 +211,7 @@ class Prefetcher:
                     self._stage(pod, artifact)
                 except (OSError, RekindleError) as exc:
                     log.info("staging %s/%s ahead skipped: %s", namespace, name, exc)
-                prefetch.warm(artifact, pod.cancel, self.threads)
+                readahead.warm(artifact, pod.cancel, self.threads)
         except RekindleError as exc:
             log.info("prefetch of %s/%s skipped: %s", namespace, name, exc)
         except Exception:  # noqa: BLE001 - an optimisation never takes the plugin down

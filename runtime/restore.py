@@ -59,7 +59,7 @@ from runtime.pages import mapping as bulk_map
 from runtime.pages import nodecache
 from runtime.pages import stream
 from runtime import control as control_mod
-from runtime.criu import image_files as criu_image
+from runtime.criu import image_files
 from runtime import hostfiles
 from runtime import layout
 from runtime import overlay
@@ -369,7 +369,7 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
                 raise
         # Every byte is in place and verified (streamed: every byte it reads will be): let it
         # run (but what was stopped when dumped).
-        kept = {host_pid_of(pidns, p) for p in criu_image.stopped_pids(os.path.join(private, layout.CRIU_DIR))}
+        kept = {host_pid_of(pidns, p) for p in image_files.stopped_pids(os.path.join(private, layout.CRIU_DIR))}
         tasks.signal_all([p for p in result.tree if p not in kept], signal.SIGCONT)
         if manifest.cuda is not None and cuda is not None:  # CUDA state without a driver was refused
             with t.phase("cuda_restore"):

@@ -34,7 +34,7 @@ from typing import Any
 import tomlkit
 from tomlkit.items import Table
 
-from nri_plugin.node import containerd_config as nodeconfig
+from nri_plugin.node import containerd_config
 from runtime.containerd import defaults
 from runtime.errors import ConfigError
 from nri_plugin.node.host import HostView, check_not_managed
@@ -144,7 +144,7 @@ def drop_in_text(version: int, seed: dict[str, Any], socket_path: str, config: P
             nri[key] = value
         plugins.add(defaults.NRI_PLUGIN, nri)
         doc.add("plugins", plugins)
-    text, _ = nodeconfig.enable_nri(tomlkit.dumps(doc), socket_path)
+    text, _ = containerd_config.enable_nri(tomlkit.dumps(doc), socket_path)
     return text
 
 
@@ -166,11 +166,11 @@ def apply_drop_in(config: PurePath | str = defaults.DEFAULT_CONFIG, drop_in: Pur
 
     old_main = _read(view, config)
     created = old_main is None
-    main_doc = nodeconfig._parse(old_main or "", str(config))
-    if nodeconfig._is_blank(main_doc):
-        main_doc.add("version", new_file_version or nodeconfig._installed_config_version())
-    version = nodeconfig.config_version(main_doc)
-    if version not in nodeconfig.SUPPORTED_VERSIONS:
+    main_doc = containerd_config._parse(old_main or "", str(config))
+    if containerd_config._is_blank(main_doc):
+        main_doc.add("version", new_file_version or containerd_config._installed_config_version())
+    version = containerd_config.config_version(main_doc)
+    if version not in containerd_config.SUPPORTED_VERSIONS:
         raise ConfigError(f"{config}: config version {version} is not supported"
                           + (": migrate it first with `containerd config migrate`" if version == 1 else ""))
 
@@ -190,10 +190,10 @@ def apply_drop_in(config: PurePath | str = defaults.DEFAULT_CONFIG, drop_in: Pur
     for path in order[:at]:
         text = _read(view, path)
         if text is not None:
-            seed.update(_nri_table(nodeconfig._parse(text, str(path)), str(path)) or {})
+            seed.update(_nri_table(containerd_config._parse(text, str(path)), str(path)) or {})
     for path in order[at + 1:]:
         text = _read(view, path)
-        if text is not None and _nri_table(nodeconfig._parse(text, str(path)), str(path)) is not None:
+        if text is not None and _nri_table(containerd_config._parse(text, str(path)), str(path)) is not None:
             raise ConfigError(f"{path} is imported after {drop} and has its own "
                               f"[plugins.\"{defaults.NRI_PLUGIN}\"] table, which would override Rekindle's: "
                               f"merge its NRI settings into {config} or remove them there, then run again")
@@ -210,8 +210,8 @@ def apply_drop_in(config: PurePath | str = defaults.DEFAULT_CONFIG, drop_in: Pur
             seen = view.see(path)
             mode = seen.stat().st_mode & 0o7777 if old is not None else 0o644
             if old is not None:
-                backups.append(view.host_path(nodeconfig._backup(seen)))
-            nodeconfig._write_atomic(seen, new, mode)
+                backups.append(view.host_path(containerd_config._backup(seen)))
+            containerd_config._write_atomic(seen, new, mode)
         log.info("enabled NRI with drop-in %s (socket %s)%s", drop, socket_path,
                  f"; imported from {config}" if import_added else "")
     return DropInResult(config=config, drop_in=drop, version=version, changed=bool(changes),

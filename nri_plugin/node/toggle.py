@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 from typing import Sequence
 
-from nri_plugin.node import containerd_config as nodeconfig
-from nri_plugin.node import dropin as nodedropin
+from nri_plugin.node import containerd_config
+from nri_plugin.node import dropin
 from runtime.containerd import defaults
 from runtime.errors import ConfigError
 from nri_plugin.node.host import HostView
@@ -46,7 +46,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--socket-path", default=defaults.DEFAULT_SOCKET, help="NRI socket (default: %(default)s)")
     ap.add_argument("--drop-in", nargs="?", const="", default=None, metavar="PATH",
                     help="write NRI's table to a drop-in file imported by --config instead of editing --config "
-                         f"(default PATH: <config dir>/conf.d/{nodedropin.DROP_IN_NAME})")
+                         f"(default PATH: <config dir>/conf.d/{dropin.DROP_IN_NAME})")
     ap.add_argument("--host-root", default="/",
                     help="where the node's filesystem is seen (e.g. /proc/1/root from a pod); default %(default)s")
     ap.add_argument("--dry-run", action="store_true", help="show the change, write nothing")
@@ -65,13 +65,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error("--restart works on the node itself only (without --host-root)")
     try:
         if args.drop_in is None:
-            res = nodeconfig.apply(args.config, args.socket_path, dry_run=args.dry_run, view=view)
+            res = containerd_config.apply(args.config, args.socket_path, dry_run=args.dry_run, view=view)
             out: dict[str, Any] = {"mode": "in-place", "path": str(res.path), "drop_in": None, "version": res.version,
                    "changed": res.changed, "restart_needed": res.restart_needed,
                    "backups": [str(res.backup_path)] if res.backup_path else [], "import_added": False}
             diff = res.diff
         else:
-            dres = nodedropin.apply_drop_in(args.config, args.drop_in or None, args.socket_path, dry_run=args.dry_run,
+            dres = dropin.apply_drop_in(args.config, args.drop_in or None, args.socket_path, dry_run=args.dry_run,
                                             view=view)
             out = {"mode": "drop-in", "path": str(dres.config), "drop_in": str(dres.drop_in),
                    "version": dres.version, "changed": dres.changed, "restart_needed": dres.restart_needed,

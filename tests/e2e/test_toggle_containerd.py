@@ -1,9 +1,9 @@
 """The NRI toggle on the real default configs of containerd 1.7.24 and 2.1.9, run for real.
 
-For each runtime: `containerd config default` -> private root/state/sockets -> nodeconfig.apply
+For each runtime: `containerd config default` -> private root/state/sockets -> containerd_config.apply
 -> start containerd with the result -> the NRI socket appears and the log says NRI is on.
 The 1.7 default has NRI disabled, so the same config without the toggle must not open the socket.
-The drop-in mode (nodedropin.apply_drop_in) is checked the same way, plus `containerd config
+The drop-in mode (dropin.apply_drop_in) is checked the same way, plus `containerd config
 dump`: the merged config containerd itself computes from the main file and its imports.
 """
 
@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import tomlkit
 
-from nri_plugin.node import containerd_config as nodeconfig
-from nri_plugin.node import dropin as nodedropin
+from nri_plugin.node import containerd_config
+from nri_plugin.node import dropin
 from devtools.sandbox import Runtime
 
 BOOTED = "containerd successfully booted"
@@ -88,11 +88,11 @@ def run_containerd(runtime: Runtime, cfg: Path, nri_socket: Path, wait: float = 
 def test_toggle_turns_nri_on(runtime: Runtime, workdir: Path) -> None:
     cfg = default_config(runtime, workdir)
     nri_socket = workdir / "nri.sock"
-    res = nodeconfig.apply(cfg, socket_path=str(nri_socket))
+    res = containerd_config.apply(cfg, socket_path=str(nri_socket))
     assert res.changed and res.restart_needed
     assert res.version == runtime.config_version
     assert res.backup_path is not None and res.backup_path.exists()
-    assert not nodeconfig.apply(cfg, socket_path=str(nri_socket)).changed
+    assert not containerd_config.apply(cfg, socket_path=str(nri_socket)).changed
 
     seen, log = run_containerd(runtime, cfg, nri_socket, wait=30)
     assert seen, f"NRI socket {nri_socket} never appeared; log tail:\n" + "\n".join(log.splitlines()[-30:])
@@ -124,20 +124,20 @@ def test_drop_in_turns_nri_on_and_keeps_the_operators_nri_settings(runtime: Runt
     # An operator's own NRI setting in the main config: containerd 1.7 replaces a plugin's whole
     # table with an imported one, so the drop-in must carry it.
     doc = tomlkit.parse(cfg.read_text())
-    doc["plugins"][nodeconfig.NRI_PLUGIN]["plugin_request_timeout"] = "7s"
+    doc["plugins"][containerd_config.NRI_PLUGIN]["plugin_request_timeout"] = "7s"
     cfg.write_text(tomlkit.dumps(doc))
     main_before = cfg.read_text()
     nri_socket = workdir / "nri.sock"
-    drop_in = workdir / "conf.d" / nodedropin.DROP_IN_NAME
+    drop_in = workdir / "conf.d" / dropin.DROP_IN_NAME
 
-    res = nodedropin.apply_drop_in(cfg, drop_in, socket_path=str(nri_socket))
+    res = dropin.apply_drop_in(cfg, drop_in, socket_path=str(nri_socket))
     assert res.changed and res.import_added and res.version == runtime.config_version
-    assert not nodedropin.apply_drop_in(cfg, drop_in, socket_path=str(nri_socket)).changed
+    assert not dropin.apply_drop_in(cfg, drop_in, socket_path=str(nri_socket)).changed
     # The main config gained only the import; NRI's table there still says what it said.
     assert tomllib.loads(cfg.read_text())["plugins"] == tomllib.loads(main_before)["plugins"]
 
     merged = config_dump(runtime, cfg)
-    nri = merged["plugins"][nodeconfig.NRI_PLUGIN]
+    nri = merged["plugins"][containerd_config.NRI_PLUGIN]
     assert (nri["disable"], nri["disable_connections"], nri["socket_path"]) == (False, False, str(nri_socket))
     assert nri["plugin_request_timeout"] == "7s"
     assert str(drop_in) in merged["imports"]

@@ -10,7 +10,7 @@ import pytest
 from runtime.criu import command as criu_mod
 from runtime.containers import ContainerInfo, NsRef, overlay_upperdir, parse_cgroup_paths, parse_mountinfo
 from runtime import mount_plan
-from runtime.criu import image_files as criu_image
+from runtime.criu import image_files
 from runtime.criu import log as criu_log
 from runtime.criu.command import DumpOptions, RestoreOptions
 from runtime.layout import MountPlanEntry
@@ -172,16 +172,16 @@ def test_pstree_image(tmp_path: Path) -> None:
     magic = (0x54564319).to_bytes(4, "little") + (0x50273030).to_bytes(4, "little")
     (tmp_path / "pstree.img").write_bytes(
         magic + _entry(6, 1, 1, 1, [6, 8, 300], packed=False) + _entry(7, 6, 1, 1, [7], packed=True))
-    assert criu_image.image_pids(str(tmp_path)) == {6, 7, 8, 300}
-    assert criu_image.image_is_shell_job(str(tmp_path))
+    assert image_files.image_pids(str(tmp_path)) == {6, 7, 8, 300}
+    assert image_files.image_is_shell_job(str(tmp_path))
     (tmp_path / "pstree.img").write_bytes(magic + _entry(6, 0, 6, 6, [6], packed=True))
-    assert not criu_image.image_is_shell_job(str(tmp_path))
+    assert not image_files.image_is_shell_job(str(tmp_path))
     (tmp_path / "pstree.img").write_bytes(magic + b"\x05\x00\x00\x00\xff")
     with pytest.raises(CriuError, match="pstree.img: entry of 5 bytes"):
-        criu_image.read_pstree(str(tmp_path))
+        image_files.read_pstree(str(tmp_path))
     (tmp_path / "pstree.img").write_bytes(magic + b"\x02\x00\x00\x00\x08\xff")
     with pytest.raises(CriuError, match="bad pstree_entry"):
-        criu_image.read_pstree(str(tmp_path))
+        image_files.read_pstree(str(tmp_path))
 
 
 def test_log_errors(tmp_path: Path) -> None:

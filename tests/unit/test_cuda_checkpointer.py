@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from nri_plugin import cuda_checkpoint as cuda_cli
+from nri_plugin import cuda_checkpoint
 from runtime.gpu.cuda import CudaCheckpointer, ProcessState
 from runtime.errors import CudaError, CudaStuck, CudaUnavailable
 
@@ -217,14 +217,14 @@ def test_missing_library_is_unavailable() -> None:
 def test_cli_run_toggle_and_state() -> None:
     fake = FakeDriver([42])
     with make(fake) as ck:
-        assert cuda_cli.run(cuda_cli.parse_args(["--get-state", "--pid", "42"]), ck) == "running"
-        assert cuda_cli.run(cuda_cli.parse_args(["--toggle", "--pid", "42"]), ck) is None
-        assert cuda_cli.run(cuda_cli.parse_args(["--get-state", "--pid", "42"]), ck) == "checkpointed"
-        cuda_cli.run(cuda_cli.parse_args(["--toggle", "--pid", "42", "--device-map", f"{U0}={U0}"]), ck)
+        assert cuda_checkpoint.run(cuda_checkpoint.parse_args(["--get-state", "--pid", "42"]), ck) == "running"
+        assert cuda_checkpoint.run(cuda_checkpoint.parse_args(["--toggle", "--pid", "42"]), ck) is None
+        assert cuda_checkpoint.run(cuda_checkpoint.parse_args(["--get-state", "--pid", "42"]), ck) == "checkpointed"
+        cuda_checkpoint.run(cuda_checkpoint.parse_args(["--toggle", "--pid", "42", "--device-map", f"{U0}={U0}"]), ck)
         assert fake.states[42] == 0 and fake.pairs[-1] == [(U0, U0)]
-        assert cuda_cli.run(cuda_cli.parse_args(["--get-restore-tid", "--pid", "42"]), ck) == "43"
+        assert cuda_checkpoint.run(cuda_checkpoint.parse_args(["--get-restore-tid", "--pid", "42"]), ck) == "43"
         with pytest.raises(CudaError, match="CUDA_ERROR_INVALID_VALUE"):
-            cuda_cli.run(cuda_cli.parse_args(["--action", "lock", "--pid", "9"]), ck)
+            cuda_checkpoint.run(cuda_checkpoint.parse_args(["--action", "lock", "--pid", "9"]), ck)
 
 
 def test_release_resumes_locked_and_checkpointed_processes_and_leaves_the_rest() -> None:
@@ -247,24 +247,24 @@ def test_release_resumes_locked_and_checkpointed_processes_and_leaves_the_rest()
     (["--action", "lock", "--pid", "42", "--timeout", "-1"], "whole number"),
 ])
 def test_cli_refuses_numbers_the_driver_types_cannot_hold(argv: list[str], message: str) -> None:
-    with pytest.raises(cuda_cli.UsageError, match=message):
-        cuda_cli.parse_args(argv)
+    with pytest.raises(cuda_checkpoint.UsageError, match=message):
+        cuda_checkpoint.parse_args(argv)
 
 
 def test_cli_range_edges_pass_through_unchanged(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cuda_cli, "pid_max", lambda: 4194304)
-    cmd = cuda_cli.parse_args(["--action", "lock", "--pid", "4194303", "--timeout", str(2**32 - 1)])
+    monkeypatch.setattr(cuda_checkpoint, "pid_max", lambda: 4194304)
+    cmd = cuda_checkpoint.parse_args(["--action", "lock", "--pid", "4194303", "--timeout", str(2**32 - 1)])
     assert (cmd.pid, cmd.timeout_ms) == (4194303, 2**32 - 1)
-    with pytest.raises(cuda_cli.UsageError, match="out of range"):
-        cuda_cli.parse_args(["--get-state", "--pid", "4194304"])
+    with pytest.raises(cuda_checkpoint.UsageError, match="out of range"):
+        cuda_checkpoint.parse_args(["--get-state", "--pid", "4194304"])
 
 
 def test_cli_out_of_range_pid_never_reaches_the_driver(capsys: pytest.CaptureFixture[str],
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     def no_driver() -> None:
         raise AssertionError("the driver was opened for an unusable pid")
-    monkeypatch.setattr(cuda_cli, "CudaCheckpointer", no_driver)
-    assert cuda_cli.main(["--action", "unlock", "--pid", str(2**32 + 1)]) == 1
+    monkeypatch.setattr(cuda_checkpoint, "CudaCheckpointer", no_driver)
+    assert cuda_checkpoint.main(["--action", "unlock", "--pid", str(2**32 + 1)]) == 1
     assert "out of range" in capsys.readouterr().err
 
 

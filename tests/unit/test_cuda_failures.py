@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from runtime import checkpoint
-from runtime.gpu import target as gpu_target
+from runtime.gpu import target
 from runtime.containers import process_tree
 from runtime.errors import CudaError, CudaStuck
 from tests.waiting import wait_for
@@ -57,7 +57,7 @@ class FailingCuda:
 def test_failed_cuda_restore_kills_the_restored_tree(tree: list[int]) -> None:
     cuda = FailingCuda(CudaError("cuCheckpointProcessUnlock", 401, "CUDA_ERROR_ILLEGAL_STATE", pid=tree[2]))
     with pytest.raises(CudaError, match="ILLEGAL_STATE"):
-        gpu_target.cuda_restore(cuda, tree[1:], {"GPU-a": "GPU-b"}, tree[0], (tree[0],))
+        target.cuda_restore(cuda, tree[1:], {"GPU-a": "GPU-b"}, tree[0], (tree[0],))
     assert cuda.calls == [(tree[1:], {"GPU-a": "GPU-b"})]
     wait_dead(tree)  # the children too, found from the root as the tree is now
 

@@ -6,7 +6,7 @@ import ctypes
 
 import pytest
 
-from nri_plugin import cuda_checkpoint as cuda_cli
+from nri_plugin import cuda_checkpoint
 from runtime.gpu.cuda import GpuMapError, ProcessState, build_gpu_map, gpu_pairs
 from runtime.gpu.driver import (
     CUcheckpointCheckpointArgs,
@@ -145,7 +145,7 @@ def test_proc_driver_version() -> None:
     (["--help"], "help", 0, 0, {}),
 ])
 def test_cli_parse(argv: list[str], op: str, pid: int, timeout: int, dmap: dict[str, str]) -> None:
-    cmd = cuda_cli.parse_args(argv)
+    cmd = cuda_checkpoint.parse_args(argv)
     assert (cmd.op, cmd.pid, cmd.timeout_ms, cmd.device_map) == (op, pid, timeout, dmap)
 
 
@@ -158,13 +158,13 @@ def test_cli_parse(argv: list[str], op: str, pid: int, timeout: int, dmap: dict[
     ["--action", "lock", "--pid", "3", "--timeout", "-1"], ["--bogus"],
 ])
 def test_cli_parse_rejects(argv: list[str]) -> None:
-    with pytest.raises(cuda_cli.UsageError):
-        cuda_cli.parse_args(argv)
+    with pytest.raises(cuda_checkpoint.UsageError):
+        cuda_checkpoint.parse_args(argv)
 
 
 def test_cli_help_and_usage_exit_codes(capsys: pytest.CaptureFixture[str]) -> None:
-    assert cuda_cli.main(["--help"]) == 0
+    assert cuda_checkpoint.main(["--help"]) == 0
     out = capsys.readouterr().out
     assert "--action" in out and "--get-restore-tid" in out and "--device-map" in out
-    assert cuda_cli.main(["--toggle"]) == 1
+    assert cuda_checkpoint.main(["--toggle"]) == 1
     assert "--pid is required" in capsys.readouterr().err

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from nri_plugin.node import containerd_config as nodeconfig
+from nri_plugin.node import containerd_config
 from nri_plugin.node import toggle as nritoggle
 from runtime.containerd import defaults
 from runtime.errors import ConfigError
@@ -32,7 +32,7 @@ def nri_table(text: str) -> dict:
 def test_enables_nri_in_real_configs(name: str, version: int, had_nri: bool) -> None:
     text = (DATA / name).read_text()
     assert (NRI in tomllib.loads(text).get("plugins", {})) == had_nri
-    new, changed = nodeconfig.enable_nri(text, SOCK)
+    new, changed = containerd_config.enable_nri(text, SOCK)
     assert changed
     nri = nri_table(new)
     assert nri["disable"] is False
@@ -44,8 +44,8 @@ def test_enables_nri_in_real_configs(name: str, version: int, had_nri: bool) -> 
 
 @pytest.mark.parametrize("name,version,had_nri", REAL_CONFIGS)
 def test_second_run_changes_nothing(name: str, version: int, had_nri: bool) -> None:
-    once, _ = nodeconfig.enable_nri((DATA / name).read_text(), SOCK)
-    twice, changed = nodeconfig.enable_nri(once, SOCK)
+    once, _ = containerd_config.enable_nri((DATA / name).read_text(), SOCK)
+    twice, changed = containerd_config.enable_nri(once, SOCK)
     assert not changed
     assert twice == once
 
@@ -53,7 +53,7 @@ def test_second_run_changes_nothing(name: str, version: int, had_nri: bool) -> N
 @pytest.mark.parametrize("name,version,had_nri", REAL_CONFIGS)
 def test_everything_else_is_kept(name: str, version: int, had_nri: bool) -> None:
     text = (DATA / name).read_text()
-    new, _ = nodeconfig.enable_nri(text, SOCK)
+    new, _ = containerd_config.enable_nri(text, SOCK)
     before, after = tomllib.loads(text), tomllib.loads(new)
     before["plugins"].pop(NRI, None)
     after["plugins"].pop(NRI)
@@ -78,7 +78,7 @@ oom_score = -999  # keep containerd alive
   disable = true  # off until Rekindle
   plugin_request_timeout = "3s"
 """
-    new, changed = nodeconfig.enable_nri(text, SOCK)
+    new, changed = containerd_config.enable_nri(text, SOCK)
     assert changed
     for line in ("# node config, managed by hand", "oom_score = -999  # keep containerd alive", "  # our mirror",
                  '  sandbox_image = "registry.local/pause:3.9"'):
@@ -90,7 +90,7 @@ oom_score = -999  # keep containerd alive
 
 def test_v3_without_nri_table_gets_it_explicitly() -> None:
     text = "version = 3\n\n[plugins.'io.containerd.cri.v1.runtime']\n  enable_cdi = true\n"
-    new, changed = nodeconfig.enable_nri(text, SOCK)
+    new, changed = containerd_config.enable_nri(text, SOCK)
     assert changed
     assert nri_table(new)["disable"] is False
     assert tomllib.loads(new)["plugins"]["io.containerd.cri.v1.runtime"] == {"enable_cdi": True}
@@ -98,7 +98,7 @@ def test_v3_without_nri_table_gets_it_explicitly() -> None:
 
 def test_wrong_typed_value_is_replaced() -> None:
     text = 'version = 2\n[plugins."io.containerd.nri.v1.nri"]\n  disable = 0\n  disable_connections = "false"\n'
-    new, _ = nodeconfig.enable_nri(text, SOCK)
+    new, _ = containerd_config.enable_nri(text, SOCK)
     nri = nri_table(new)
     assert nri["disable"] is False and nri["disable_connections"] is False
 
@@ -108,7 +108,7 @@ def test_wrong_typed_value_is_replaced() -> None:
     "# nothing here yet\n",
 ])
 def test_blank_file_gets_a_version(text: str) -> None:
-    new, changed = nodeconfig.enable_nri(text, SOCK, empty_version=3)
+    new, changed = containerd_config.enable_nri(text, SOCK, empty_version=3)
     assert changed
     assert tomllib.loads(new)["version"] == 3
     assert nri_table(new)["socket_path"] == SOCK
@@ -121,7 +121,7 @@ def test_blank_file_gets_a_version(text: str) -> None:
 ])
 def test_v1_is_refused(text: str) -> None:
     with pytest.raises(ConfigError, match="version 1.*migrate"):
-        nodeconfig.enable_nri(text, SOCK)
+        containerd_config.enable_nri(text, SOCK)
 
 
 @pytest.mark.parametrize("text,match", [
@@ -134,7 +134,7 @@ def test_v1_is_refused(text: str) -> None:
 ])
 def test_bad_input_gives_a_clear_error(text: str, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
-        nodeconfig.enable_nri(text, SOCK)
+        containerd_config.enable_nri(text, SOCK)
 
 
 # --- apply: file handling ---------------------------------------------------------------------
@@ -144,13 +144,13 @@ def test_apply_backs_up_and_is_idempotent(tmp_path: Path) -> None:
     original = (DATA / "containerd-1.7.24-debian.toml").read_text()
     cfg.write_text(original)
     cfg.chmod(0o600)
-    first = nodeconfig.apply(cfg, SOCK)
+    first = containerd_config.apply(cfg, SOCK)
     assert first.changed and first.restart_needed and first.version == 2
     assert first.backup_path is not None and first.backup_path.read_text() == original
     assert first.backup_path.name.startswith("config.toml.rekindle-backup-")
     assert nri_table(cfg.read_text())["socket_path"] == SOCK
     assert cfg.stat().st_mode & 0o777 == 0o600
-    second = nodeconfig.apply(cfg, SOCK)
+    second = containerd_config.apply(cfg, SOCK)
     assert not second.changed and not second.restart_needed and second.backup_path is None
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.toml", first.backup_path.name]
 
@@ -159,7 +159,7 @@ def test_apply_dry_run_writes_nothing(tmp_path: Path) -> None:
     cfg = tmp_path / "config.toml"
     cfg.write_text((DATA / "containerd-1.7.24-default.toml").read_text())
     before = cfg.read_text()
-    res = nodeconfig.apply(cfg, SOCK, dry_run=True)
+    res = containerd_config.apply(cfg, SOCK, dry_run=True)
     assert res.changed and not res.restart_needed and res.backup_path is None
     assert "-    disable = true" in res.diff and "+    disable = false" in res.diff
     assert cfg.read_text() == before
@@ -168,17 +168,17 @@ def test_apply_dry_run_writes_nothing(tmp_path: Path) -> None:
 
 def test_apply_creates_an_absent_file(tmp_path: Path) -> None:
     cfg = tmp_path / "etc/containerd/config.toml"
-    res = nodeconfig.apply(cfg, SOCK, new_file_version=2)
+    res = containerd_config.apply(cfg, SOCK, new_file_version=2)
     assert res.created and res.changed and res.backup_path is None
     assert tomllib.loads(cfg.read_text())["version"] == 2
-    assert not nodeconfig.apply(cfg, SOCK).changed
+    assert not containerd_config.apply(cfg, SOCK).changed
 
 
 def test_apply_garbage_leaves_the_file_alone(tmp_path: Path) -> None:
     cfg = tmp_path / "config.toml"
     cfg.write_text("version = 2\n[plugins\n")
     with pytest.raises(ConfigError, match=str(cfg)):
-        nodeconfig.apply(cfg, SOCK)
+        containerd_config.apply(cfg, SOCK)
     assert cfg.read_text() == "version = 2\n[plugins\n"
     assert list(tmp_path.iterdir()) == [cfg]
 

@@ -9,9 +9,9 @@ from pathlib import Path, PurePosixPath
 
 import pytest
 
-from nri_plugin.node import containerd_config as nodeconfig
-from nri_plugin.node import dropin as nodedropin
-from nri_plugin.node import toggle as nritoggle
+from nri_plugin.node import containerd_config
+from nri_plugin.node import dropin
+from nri_plugin.node import toggle
 from runtime.containerd import defaults
 from runtime.errors import ConfigError, ManagedContainerd
 from nri_plugin.node.host import HostView
@@ -60,7 +60,7 @@ def files_under(view: HostView) -> list[str]:
 def test_real_config_gets_a_drop_in_and_one_import(node: HostView, name: str, version: int) -> None:
     original = (DATA / name).read_text()
     put(node, CFG, original)
-    res = nodedropin.apply_drop_in(CFG, None, SOCK, view=node)
+    res = dropin.apply_drop_in(CFG, None, SOCK, view=node)
     assert res.changed and res.restart_needed and res.import_added and res.version == version
     assert res.drop_in == DROP
 
@@ -85,10 +85,10 @@ def test_real_config_gets_a_drop_in_and_one_import(node: HostView, name: str, ve
 @pytest.mark.parametrize("name,version", REAL_CONFIGS)
 def test_second_run_changes_nothing(node: HostView, name: str, version: int) -> None:
     put(node, CFG, (DATA / name).read_text())
-    nodedropin.apply_drop_in(CFG, None, SOCK, view=node)
+    dropin.apply_drop_in(CFG, None, SOCK, view=node)
     files = files_under(node)
     snapshot = {f: read(node, f) for f in files}
-    again = nodedropin.apply_drop_in(CFG, None, SOCK, view=node)
+    again = dropin.apply_drop_in(CFG, None, SOCK, view=node)
     assert not again.changed and not again.restart_needed and not again.import_added and again.backups == ()
     assert files_under(node) == files and {f: read(node, f) for f in files} == snapshot
 
@@ -97,7 +97,7 @@ def test_nri_settings_of_the_main_config_travel_into_the_drop_in(node: HostView)
     """containerd 1.7 replaces a plugin's whole table with an imported one: keep the operator's keys."""
     put(node, CFG, 'version = 2\n[plugins."io.containerd.nri.v1.nri"]\n  disable = true\n'
                    '  plugin_request_timeout = "3s"\n  plugin_path = "/opt/custom/nri"\n')
-    nodedropin.apply_drop_in(CFG, None, SOCK, view=node)
+    dropin.apply_drop_in(CFG, None, SOCK, view=node)
     nri = nri_of(read(node, DROP))
     assert nri["disable"] is False
     assert nri["plugin_request_timeout"] == "3s" and nri["plugin_path"] == "/opt/custom/nri"
@@ -111,7 +111,7 @@ def test_an_existing_glob_import_is_reused(node: HostView) -> None:
     put(node, CFG, main)
     put(node, "/etc/containerd/conf.d/99-nvidia.toml",
         'version = 2\n[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.nvidia]\n  runtime_type = "x"\n')
-    res = nodedropin.apply_drop_in(CFG, None, SOCK, view=node)
+    res = dropin.apply_drop_in(CFG, None, SOCK, view=node)
     assert res.changed and not res.import_added and res.backups == ()
     assert read(node, CFG) == main
     assert nri_of(read(node, DROP))["socket_path"] == SOCK
@@ -120,7 +120,7 @@ def test_an_existing_glob_import_is_reused(node: HostView) -> None:
 def test_relative_import_is_resolved_against_the_config_dir(node: HostView) -> None:
     main = 'version = 3\nimports = ["conf.d/*.toml"]\n'
     put(node, CFG, main)
-    res = nodedropin.apply_drop_in(CFG, None, SOCK, view=node)
+    res = dropin.apply_drop_in(CFG, None, SOCK, view=node)
     assert not res.import_added and read(node, CFG) == main
 
 
@@ -128,7 +128,7 @@ def test_nri_table_imported_before_is_folded_in(node: HostView) -> None:
     put(node, CFG, 'version = 2\nimports = ["/etc/containerd/conf.d/*.toml"]\n')
     put(node, "/etc/containerd/conf.d/10-site.toml",
         'version = 2\n[plugins."io.containerd.nri.v1.nri"]\n  plugin_registration_timeout = "9s"\n')
-    nodedropin.apply_drop_in(CFG, None, SOCK, view=node)
+    dropin.apply_drop_in(CFG, None, SOCK, view=node)
     assert nri_of(read(node, DROP))["plugin_registration_timeout"] == "9s"
 
 
@@ -138,7 +138,7 @@ def test_nri_table_imported_after_is_refused(node: HostView) -> None:
         'version = 2\n[plugins."io.containerd.nri.v1.nri"]\n  disable = true\n')
     before = files_under(node)
     with pytest.raises(ConfigError, match="zz-site.toml is imported after .*99-rekindle-nri.toml"):
-        nodedropin.apply_drop_in(CFG, None, SOCK, view=node)
+        dropin.apply_drop_in(CFG, None, SOCK, view=node)
     assert files_under(node) == before
 
 
@@ -146,11 +146,11 @@ def test_explicit_import_listed_after_is_refused(node: HostView) -> None:
     put(node, CFG, 'version = 2\nimports = ["/etc/containerd/conf.d/99-rekindle-nri.toml", "/etc/site.toml"]\n')
     put(node, "/etc/site.toml", 'version = 2\n[plugins."io.containerd.nri.v1.nri"]\n  disable = true\n')
     with pytest.raises(ConfigError, match="/etc/site.toml is imported after"):
-        nodedropin.apply_drop_in(CFG, None, SOCK, view=node)
+        dropin.apply_drop_in(CFG, None, SOCK, view=node)
 
 
 def test_absent_main_config_is_created_with_the_import(node: HostView) -> None:
-    res = nodedropin.apply_drop_in(CFG, None, SOCK, view=node, new_file_version=3)
+    res = dropin.apply_drop_in(CFG, None, SOCK, view=node, new_file_version=3)
     assert res.config_created and res.import_added and res.backups == ()
     assert tomllib.loads(read(node, CFG)) == {"version": 3, "imports": [str(DROP)]}
     assert tomllib.loads(read(node, DROP))["version"] == 3
@@ -158,9 +158,9 @@ def test_absent_main_config_is_created_with_the_import(node: HostView) -> None:
 
 def test_a_stale_drop_in_is_rewritten_with_a_backup(node: HostView) -> None:
     put(node, CFG, "version = 2\n")
-    nodedropin.apply_drop_in(CFG, None, "/run/old/nri.sock", view=node)
+    dropin.apply_drop_in(CFG, None, "/run/old/nri.sock", view=node)
     old = read(node, DROP)
-    res = nodedropin.apply_drop_in(CFG, None, SOCK, view=node)
+    res = dropin.apply_drop_in(CFG, None, SOCK, view=node)
     assert res.changed and not res.import_added
     (backup,) = res.backups
     assert backup.parent == DROP.parent and read(node, backup) == old
@@ -171,7 +171,7 @@ def test_a_stale_drop_in_is_rewritten_with_a_backup(node: HostView) -> None:
 def test_dry_run_writes_nothing_and_shows_both_files(node: HostView) -> None:
     put(node, CFG, (DATA / "containerd-1.7.24-debian.toml").read_text())
     before = files_under(node)
-    res = nodedropin.apply_drop_in(CFG, None, SOCK, dry_run=True, view=node)
+    res = dropin.apply_drop_in(CFG, None, SOCK, dry_run=True, view=node)
     assert res.changed and not res.restart_needed and res.backups == ()
     assert files_under(node) == before
     assert f"+++ {DROP}" in res.diff and f"+++ {CFG}" in res.diff
@@ -186,7 +186,7 @@ def test_dry_run_writes_nothing_and_shows_both_files(node: HostView) -> None:
 def test_bad_main_config_is_refused_untouched(node: HostView, text: str, match: str) -> None:
     put(node, CFG, text)
     with pytest.raises(ConfigError, match=match):
-        nodedropin.apply_drop_in(CFG, None, SOCK, view=node)
+        dropin.apply_drop_in(CFG, None, SOCK, view=node)
     assert files_under(node) == [str(CFG)] and read(node, CFG) == text
 
 
@@ -194,7 +194,7 @@ def test_node_paths_are_written_into_the_import_not_the_view(tmp_path: Path) -> 
     """Seen through /proc/1/root (here a directory), the import names the path containerd opens."""
     view = HostView(tmp_path / "proc-1-root")
     put(view, CFG, "version = 2\n")
-    nodedropin.apply_drop_in(CFG, None, SOCK, view=view)
+    dropin.apply_drop_in(CFG, None, SOCK, view=view)
     assert tomllib.loads(read(view, CFG))["imports"] == ["/etc/containerd/conf.d/99-rekindle-nri.toml"]
     assert str(tmp_path) not in read(view, CFG) + read(view, DROP)
 
@@ -212,9 +212,9 @@ def test_k3s_and_rke2_are_refused_with_advice(tmp_path: Path, dist: str, config_
     view.see(config_dir).mkdir(parents=True)
     with pytest.raises(ManagedContainerd) as exc:
         if mode == "drop-in":
-            nodedropin.apply_drop_in(CFG, None, SOCK, view=view)
+            dropin.apply_drop_in(CFG, None, SOCK, view=view)
         else:
-            nodeconfig.apply(CFG, SOCK, view=view)
+            containerd_config.apply(CFG, SOCK, view=view)
     e = exc.value
     assert (e.distribution, e.config_dir) == (dist, config_dir)
     msg = str(e)
@@ -228,7 +228,7 @@ def test_k3s_and_rke2_are_refused_with_advice(tmp_path: Path, dist: str, config_
 def test_cli_refuses_k3s_with_the_advice_on_stderr(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     root = tmp_path / "node"
     (root / "var/lib/rancher/k3s/agent/etc/containerd").mkdir(parents=True)
-    rc = nritoggle.main(["--json", "--drop-in", "--host-root", str(root), "--config", str(CFG)])
+    rc = toggle.main(["--json", "--drop-in", "--host-root", str(root), "--config", str(CFG)])
     out = capsys.readouterr()
     assert rc == 1 and out.out == ""
     assert out.err.startswith("error: this node's containerd is run by k3s")
@@ -241,7 +241,7 @@ def test_cli_json_in_drop_in_mode(tmp_path: Path, capsys: pytest.CaptureFixture[
     view = HostView(root)
     put(view, CFG, (DATA / "containerd-1.7.24-default.toml").read_text())
     argv = ["--json", "--drop-in", "--host-root", str(root), "--config", str(CFG), "--socket-path", SOCK]
-    assert nritoggle.main(argv) == 0
+    assert toggle.main(argv) == 0
     first = json.loads(capsys.readouterr().out)
     assert first["mode"] == "drop-in" and first["drop_in"] == str(DROP) and first["path"] == str(CFG)
     assert first["changed"] and first["restart_needed"] and first["import_added"]
@@ -251,7 +251,7 @@ def test_cli_json_in_drop_in_mode(tmp_path: Path, capsys: pytest.CaptureFixture[
     view.see(SOCK).parent.mkdir(parents=True)
     with socket.socket(socket.AF_UNIX) as s:
         s.bind(str(view.see(SOCK)))
-        assert nritoggle.main(argv) == 0
+        assert toggle.main(argv) == 0
     second = json.loads(capsys.readouterr().out)
     assert (second["changed"], second["restart_needed"], second["backup"], second["nri_live"]) == (
         False, False, None, True)
@@ -261,7 +261,7 @@ def test_cli_custom_drop_in_path(tmp_path: Path, capsys: pytest.CaptureFixture[s
     root = tmp_path / "node"
     view = HostView(root)
     put(view, CFG, "version = 2\n")
-    assert nritoggle.main(["--drop-in", "/etc/containerd/rekindle.toml", "--host-root", str(root),
+    assert toggle.main(["--drop-in", "/etc/containerd/rekindle.toml", "--host-root", str(root),
                            "--config", str(CFG)]) == 0
     assert "imported from /etc/containerd/config.toml" in capsys.readouterr().out
     assert tomllib.loads(read(view, CFG))["imports"] == ["/etc/containerd/rekindle.toml"]
@@ -269,13 +269,13 @@ def test_cli_custom_drop_in_path(tmp_path: Path, capsys: pytest.CaptureFixture[s
 
 def test_cli_restart_needs_the_node_itself(tmp_path: Path) -> None:
     with pytest.raises(SystemExit) as exc:
-        nritoggle.main(["--restart", "--host-root", str(tmp_path)])
+        toggle.main(["--restart", "--host-root", str(tmp_path)])
     assert exc.value.code == 2
 
 
 def test_an_unreadable_node_root_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """/proc/1/root from a pod that is not privileged or not in the host's pid namespace."""
-    rc = nritoggle.main(["--drop-in", "--host-root", str(tmp_path / "absent"), "--config", str(CFG)])
+    rc = toggle.main(["--drop-in", "--host-root", str(tmp_path / "absent"), "--config", str(CFG)])
     assert rc == 1
     assert capsys.readouterr().err.startswith(f"error: cannot read the node's files through {tmp_path / 'absent'}")
 
@@ -284,7 +284,7 @@ def test_a_blocked_drop_in_path_is_one_line_and_leaves_the_config(node: HostView
                                                                    capsys: pytest.CaptureFixture[str]) -> None:
     put(node, CFG, "version = 2\n")
     put(node, "/etc/containerd/conf.d", "a file where the drop-in dir should be\n")
-    rc = nritoggle.main(["--drop-in", "--host-root", str(node.root), "--config", str(CFG)])
+    rc = toggle.main(["--drop-in", "--host-root", str(node.root), "--config", str(CFG)])
     err = capsys.readouterr().err
     assert rc == 1 and err.startswith("error: ") and "conf.d" in err and "Traceback" not in err
     assert read(node, CFG) == "version = 2\n"  # the main config never names a file that was not written

@@ -12,7 +12,7 @@ import pytest
 from nri_plugin.prefetch import Prefetcher
 from runtime.housekeeping import rotate_logs
 from runtime.pagecache import is_cached
-from runtime.store import readahead as prefetch
+from runtime.store import readahead
 from runtime.store.readahead import warm
 from runtime.store.volume import ArtifactStore
 from tests.unit.test_store import KEY, publish
@@ -56,7 +56,7 @@ def test_warm_keeps_the_disk_queue_short(tmp_path: Path, monkeypatch: pytest.Mon
     """Never more than ``threads`` reads of at most CHUNK at once: a pod starting beside the
     prefetch reads from the same disk, behind whatever is queued."""
     store = ArtifactStore(str(tmp_path))
-    publish(store, files={"bulk/pages-1.bulk": b"p" * (9 * prefetch.CHUNK), "plan": b"x"})
+    publish(store, files={"bulk/pages-1.bulk": b"p" * (9 * readahead.CHUNK), "plan": b"x"})
     lock, now, most, sizes, offsets = threading.Lock(), [0], [0], [], []
     real = os.preadv
 
@@ -73,14 +73,14 @@ def test_warm_keeps_the_disk_queue_short(tmp_path: Path, monkeypatch: pytest.Mon
             with lock:
                 now[0] -= 1
 
-    monkeypatch.setattr(prefetch, "is_cached", lambda *_: False)  # as if the page cache were cold
-    monkeypatch.setattr(prefetch.os, "preadv", preadv)
+    monkeypatch.setattr(readahead, "is_cached", lambda *_: False)  # as if the page cache were cold
+    monkeypatch.setattr(readahead.os, "preadv", preadv)
     with store.open("team-a", "qwen-7b", KEY) as art:
         got = warm(art, threading.Event(), threads=3, budget=1 << 30)
-    assert got.bytes == 9 * prefetch.CHUNK + 1
-    assert most[0] <= 3 and max(sizes) <= prefetch.CHUNK
-    bulk = sorted(o for o, n in zip(offsets, sizes) if n == prefetch.CHUNK)
-    assert bulk == [i * prefetch.CHUNK for i in range(9)]  # each chunk once
+    assert got.bytes == 9 * readahead.CHUNK + 1
+    assert most[0] <= 3 and max(sizes) <= readahead.CHUNK
+    bulk = sorted(o for o, n in zip(offsets, sizes) if n == readahead.CHUNK)
+    assert bulk == [i * readahead.CHUNK for i in range(9)]  # each chunk once
 
 
 FILES = {"bulk/pages-1.bulk": b"p" * (3 << 20), "criu/core-1.img": b"core", "restore-plan.json": b"{}"}
