@@ -107,3 +107,15 @@ def test_doctor_reports_the_key(state):
     assert (c.ok, c.required) == (False, True) and "group/world accessible" in c.detail
     path.chmod(0o600)
     assert check_hmac_key(str(path)).ok
+
+
+@pytest.mark.parametrize("text, ok, word", [("always [madvise] never\n", False, "madvise"),
+                                            ("[always] madvise never\n", True, "always"),
+                                            ("always madvise [never]\n", False, "never")])
+def test_doctor_reports_the_nodes_huge_page_mode_and_never_requires_it(tmp_path, text, ok, word):
+    from runtime.doctor import check_thp
+    path = tmp_path / "enabled"
+    path.write_text(text)
+    c = check_thp(str(path))
+    assert (c.ok, c.required) == (ok, False) and c.detail.startswith(word)
+    assert not check_thp(str(tmp_path / "missing")).ok
