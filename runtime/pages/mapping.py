@@ -227,5 +227,29 @@ def check_mapped(host_pid_of: Mapping[int, int], spans: Sequence[Span], files: M
                 raise MapError(f"pid {pid}: {s.vaddr:#x}+{s.length:#x} is not a mapping of its cache file")
 
 
+_SCAN = 64 << 20  # address span per pagemap read: 128 KiB of entries
+
+
+def check_untouched(host_pid_of: Mapping[int, int], spans: Sequence[Span]) -> None:
+    """No page of any span is mapped in its restored process: checked once each span is
+    registered with userfaultfd while its file is still being written (a page mapped before
+    that would show the file's bytes as they were then). /proc/<pid>/pagemap: bit 63 present,
+    bit 62 swapped; in each entry's top byte, 0xC0."""
+    for s in spans:
+        fd = os.open(f"/proc/{host_pid_of[s.pid]}/pagemap", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            for vaddr in range(s.vaddr, s.vaddr + s.length, _SCAN):
+                n = min(_SCAN, s.vaddr + s.length - vaddr) // img.PAGE
+                data = os.pread(fd, n * 8, vaddr // img.PAGE * 8)
+                if len(data) != n * 8:
+                    raise MapError(f"pid {s.pid}: pagemap short at {vaddr:#x}")
+                i = next((i for i, b in enumerate(data[7::8]) if b & 0xC0), -1) if any(data[7::8]) else -1
+                if i >= 0:
+                    raise MapError(f"pid {s.pid}: page {vaddr + i * img.PAGE:#x} of a mapped range was touched "
+                                   "before it was registered")
+        finally:
+            os.close(fd)
+
+
 def ranges_of(spans: Iterable[Span]) -> list[BulkRange]:
     return [BulkRange(s.vaddr, s.length, s.offset) for s in spans]

@@ -3,8 +3,13 @@
 Only what ``runtime.pages.stream`` needs: the uffds come from ``criu restore --lazy-pages`` (opened
 with O_NONBLOCK and the non-cooperative events FORK, REMAP, REMOVE and UNMAP), so this module
 installs pages (``UFFDIO_COPY``, ``UFFDIO_ZEROPAGE``), wakes waiters (``UFFDIO_WAKE``) and
-decodes events. :func:`probe` says whether the kernel offers what streaming needs;
-:func:`open_uffd` and :func:`register` are for probing and tests (a region of our own).
+decodes events. For a range the restored process maps privately from a node-local tmpfs file
+(``runtime.pages.mapping``) it registers the range in missing and minor mode on the process's
+uffd (:func:`register`: any holder of a uffd may, the ranges are its process's) and later lets
+it go (:func:`release`: unregistered, then woken, so the process's next touch maps the file's
+page-cache pages, 2 MiB at a time on a ``huge=always`` tmpfs). :func:`probe` and
+:func:`probe_minor` say whether the kernel offers what streaming needs; :func:`open_uffd` is
+for probing and tests (a region of our own).
 Every ioctl runs through ctypes, which drops the GIL: threads install in parallel.
 The layout is the kernel's UAPI (linux/userfaultfd.h); the numbers are x86_64 and aarch64's.
 """
@@ -13,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import mmap
 import os
 import platform
 from dataclasses import dataclass
@@ -35,6 +41,7 @@ NEEDED_FEATURES = FEATURE_EVENT_FORK | FEATURE_EVENT_REMAP | FEATURE_EVENT_REMOV
 FEATURE_NAMES = {FEATURE_EVENT_FORK: "EVENT_FORK", FEATURE_EVENT_REMAP: "EVENT_REMAP",
                  FEATURE_EVENT_REMOVE: "EVENT_REMOVE", FEATURE_EVENT_UNMAP: "EVENT_UNMAP"}
 REGISTER_MODE_MISSING = 1
+REGISTER_MODE_MINOR = 4  # a fault on a page already in the page cache (shmem, hugetlbfs) is ours too
 _SYS_USERFAULTFD = {"x86_64": 323, "aarch64": 282}.get(platform.machine())
 
 
@@ -65,6 +72,7 @@ class _Zeropage(ctypes.Structure):
 
 _READ, _WRITE = 2, 1
 UFFDIO_REGISTER = _ioc(_READ | _WRITE, 0x00, ctypes.sizeof(_Register))
+UFFDIO_UNREGISTER = _ioc(_READ, 0x01, ctypes.sizeof(_Range))
 UFFDIO_WAKE = _ioc(_READ, 0x02, ctypes.sizeof(_Range))
 UFFDIO_COPY = _ioc(_READ | _WRITE, 0x03, ctypes.sizeof(_Copy))
 UFFDIO_ZEROPAGE = _ioc(_READ | _WRITE, 0x04, ctypes.sizeof(_Zeropage))
@@ -206,11 +214,63 @@ def open_uffd(features: int = 0) -> int:
     return int(fd)
 
 
-def register(fd: int, start: int, length: int) -> None:
-    """Register ``start``+``length`` of our own address space in missing mode (tests, probing)."""
-    err = _call(fd, UFFDIO_REGISTER, _Register(_Range(start, length), REGISTER_MODE_MISSING, 0))
+def register(fd: int, start: int, length: int, mode: int = REGISTER_MODE_MISSING) -> None:
+    """Register ``start``+``length`` of the uffd's address space (ours, for tests and probing;
+    or a restored process's, whose uffd CRIU handed over) in ``mode``; Gone when the process or
+    the range is gone."""
+    err = _call(fd, UFFDIO_REGISTER, _Register(_Range(start, length), mode, 0))
+    if err in (errno.ESRCH, errno.ENOMEM):
+        raise Gone()
     if err:
         raise OSError(err, f"UFFDIO_REGISTER {start:#x}+{length}: {os.strerror(err)}")
+
+
+def release(fd: int, start: int, length: int) -> None:
+    """Unregister ``start``+``length`` and wake whoever waits there: the process's faults in it
+    are the kernel's own from now on. The kernel wakes waiters as it unregisters, but a fault
+    that queues itself while the VMA is being changed can miss that wake (seen on 6.18: a
+    thread left asleep in handle_userfault on a range no longer registered); the explicit wake
+    after the unregister, which returns only once such a fault has queued, reaches it. Gone when
+    the process or the range is gone (unmapped since)."""
+    err = _call(fd, UFFDIO_UNREGISTER, _Range(start, length))
+    if err in (errno.ESRCH, errno.ENOMEM):
+        raise Gone()
+    if err:
+        raise OSError(err, f"UFFDIO_UNREGISTER {start:#x}+{length}: {os.strerror(err)}")
+    wake(fd, start, length)
+
+
+def probe_minor(directory: str) -> str | None:
+    """None when a private mapping of a file in ``directory`` (the node cache's tmpfs) can be
+    registered in missing and minor mode on a uffd opened as CRIU opens it, else why not."""
+    if _SYS_USERFAULTFD is None:
+        return f"userfaultfd: unknown syscall number on {platform.machine()}"
+    try:
+        fd = os.open(directory, os.O_RDWR | os.O_TMPFILE | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        return f"no file in {directory}: {exc}"
+    try:
+        os.ftruncate(fd, PAGE)
+        with mmap.mmap(fd, PAGE, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE) as m:
+            anchor = ctypes.c_char.from_buffer(m)
+            start = ctypes.addressof(anchor)
+            try:
+                u = open_uffd(NEEDED_FEATURES)
+            except OSError as exc:
+                return str(exc)
+            try:
+                register(u, start, PAGE, REGISTER_MODE_MISSING | REGISTER_MODE_MINOR)
+                release(u, start, PAGE)
+            except (OSError, Gone) as exc:
+                return f"a private file mapping in {directory} cannot be registered in minor mode: {exc}"
+            finally:
+                os.close(u)
+                del anchor  # the mapping can close only once nothing holds its buffer
+    except (OSError, ValueError, BufferError) as exc:
+        return f"probing minor faults in {directory}: {exc}"
+    finally:
+        os.close(fd)
+    return None
 
 
 def probe() -> str | None:
