@@ -85,14 +85,21 @@ class CacheWriter:
         self._lock = threading.Lock()
 
     def submit(self, work: CacheWork) -> bool:
-        """Queue ``work`` unless its entry exists or is queued already."""
-        if not self.cache.enabled or self.cache.has(work.manifest_id, work.mode):
-            return False
-        with self._lock:
-            if work.manifest_id in self._queued:
+        """Queue ``work`` unless its entry exists or is queued already. An entry its restore
+        began (``work.premade``: the cache holds its key for it alone) is always taken."""
+        if work.premade is None:
+            if not self.cache.enabled or self.cache.has(work.manifest_id, work.mode):
                 return False
-            self._queued.add(work.manifest_id)
-        self._pool.submit(self._write, work)
+            with self._lock:
+                if work.manifest_id in self._queued:
+                    return False
+                self._queued.add(work.manifest_id)
+        try:
+            self._pool.submit(self._write, work)
+        except RuntimeError:  # shut down
+            with self._lock:
+                self._queued.discard(work.manifest_id)
+            return False
         return True
 
     def _write(self, work: CacheWork) -> None:
@@ -102,14 +109,17 @@ class CacheWriter:
                     log.info("%s/%s changed since its restore: not cached", work.namespace, work.name)
                     return
                 artifact.yield_to_deletes()  # a cache is never why a delete is refused
-                self.cache.write(artifact, work.files, work.spans, work.mode)
+                self.cache.write(artifact, work.files, work.spans, work.mode, premade=work.premade)
         except (OSError, RekindleError) as exc:
             log.warning("%s/%s: not cached on this node: %s", work.namespace, work.name, exc)
         except Exception:  # noqa: BLE001 - a cache is an optimisation: never the plugin's end
             log.exception("%s/%s: cache write failed", work.namespace, work.name)
         finally:
-            with self._lock:
-                self._queued.discard(work.manifest_id)
+            if work.premade is not None:
+                work.premade.abandon()  # a no-op once written
+            else:
+                with self._lock:
+                    self._queued.discard(work.manifest_id)
 
     def idle(self, timeout: float) -> bool:
         """Wait until nothing is queued (tests, shutdown)."""

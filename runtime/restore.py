@@ -121,13 +121,18 @@ class CacheWork:
     files: tuple[layout.BulkFile, ...]
     spans: tuple[bulk_map.Span, ...]
     mode: bulk_map.MapMode
+    # The entry the restore began and whose map files its serve wrote (a streamed restore on a
+    # tmpfs cache): the writer finishes it, or removes it.
+    premade: nodecache.Building | None = None
 
 
 @dataclass(frozen=True)
 class CacheUse:
     """How a restore used the node cache (``cache`` in the container's ``timings.json``)."""
 
-    state: str  # "warm": mapped and filled from an entry; "cold": none yet; "off": no cache
+    # "warm": mapped and filled from an entry; "cold": none yet; "building": none yet, and this
+    # (streamed) restore made it as it ran, its ranges mapped from it; "off": no cache
+    state: str
     mapped_bytes: int = 0
     filled_bytes: int = 0
     store_bytes_read: int = 0  # of the bulk files, from the shared store
@@ -212,6 +217,34 @@ def _use_cache(cache: nodecache.NodeCache | None, entry: nodecache.Held | None, 
                    spans, [(entry.fd(s.name), bulk_map.inherit_key(s, key)) for s in spans])
 
 
+@dataclass(frozen=True)
+class _Building:
+    bulk_files: tuple[layout.BulkFile, ...]  # what is still copied: the plan's, less what is mapped
+    inherit: list[tuple[int, str]]  # the map files, for CRIU
+
+
+def _map_building(building: nodecache.Building, images: str, plan: layout.RestorePlan) -> _Building:
+    """CRIU's images rewritten to map ``building``'s ranges from its map files (empty yet)."""
+    spans = list(building.spans)
+    bulk_map.rewrite_images(images, spans, building.key, {sp.name: sp.file_size for sp in spans})
+    return _Building(bulk_map.remainder(plan.bulk, spans),
+                     [(building.ro(sp.name), bulk_map.inherit_key(sp, building.key)) for sp in spans])
+
+
+def _mapped_check(building: nodecache.Building | None, pidns: int) -> Callable[[], None] | None:
+    """Once the mapped ranges are registered (the tree still stopped): each is a mapping of
+    exactly its file, and no page of it is there yet."""
+    if building is None:
+        return None
+    spans = list(building.spans)
+
+    def check() -> None:
+        pids = {sp.pid: host_pid_of(pidns, sp.pid) for sp in spans}
+        bulk_map.check_mapped(pids, spans, {sp.name: os.fstat(building.ro(sp.name)) for sp in spans})
+        bulk_map.check_untouched(pids, spans)
+    return check
+
+
 def _open_bulk(held: contextlib.ExitStack, artifact: Artifact,
                plan: layout.RestorePlan) -> tuple[list[int], list[bytes]]:
     """fds of the bulk files and their chunk digests (verified), both from staging on: whatever
@@ -253,6 +286,8 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
     entry: nodecache.Held | None = None
     use = CacheUse("off")
     cold_work: CacheWork | None = None
+    building: nodecache.Building | None = None  # the entry this restore makes as it streams
+    inherit: list[tuple[int, str]] = []  # its map files, for CRIU
     try:
         # Who made them: if this process dies mid-restore, housekeeping removes them.
         write_owner(work)
@@ -293,28 +328,43 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
                 if cached.spans and path is RestorePath.STREAM:  # (none mapped: it streams from the entry)
                     log.info("%s: mapped from the node cache, the rest filled (nothing left to stream)", artifact.label)
                     path = RestorePath.BULK
-                if path is RestorePath.STREAM and bulk_files:
-                    why = stream.prepare(bulk_files, os.path.join(private, layout.CRIU_DIR))
+                if (path is RestorePath.STREAM and cold_work is not None and cold_work.spans and on_cold is not None
+                        and cache is not None and stream.unsupported() is None):
+                    # No entry yet: make it as this restore runs, its ranges mapped from it.
+                    building = cache.begin(artifact, plan.bulk, cold_work.spans, map_mode)
+                    if building is not None:
+                        made = _map_building(building, images, plan)
+                        bulk_files, inherit = made.bulk_files, made.inherit
+                        use = dataclasses.replace(use, state="building", entry=building.key,
+                                                  mapped_bytes=sum(sp.length for sp in building.spans))
+                if path is RestorePath.STREAM and (bulk_files or building is not None):
+                    why = stream.prepare(bulk_files, images)
+                    if why is not None and building is not None:  # its ranges can only be served
+                        raise stream.StreamError(f"the streamed restore cannot run: {why}")
                     if why is not None:
                         log.warning("%s: the bulk path instead of the streamed one: %s", artifact.label, why)
                         path = RestorePath.BULK
                 fill_bulk = bool(bulk_files) and path in (RestorePath.BULK, RestorePath.STREAM)
-                if not fill_bulk:
+                served_files = plan.bulk if building is not None else bulk_files
+                if building is not None:
+                    fds, sums = _open_bulk(held, artifact, plan)
+                elif not fill_bulk:
                     fds, sums = [], []
                 elif entry is not None:
                     fds = [entry.fd(nodecache.fill_name(b.pid)) for b in bulk_files]
                     sums = [bulk.read_sums(artifact, b, entry.open_copy) for b in bulk_files]
                 else:
                     fds, sums = _open_bulk(held, artifact, plan)
-                total = sum(b.bytes for b in bulk_files)
+                total = sum(b.bytes for b in served_files)
                 report = (lambda done: progress("fill", done, total)) if progress else None
                 stream_report = (lambda done: progress("stream", done, total)) if progress else None
-                if fill_bulk and path is RestorePath.STREAM:  # serves faults from CRIU's hand-off on
-                    first = (stream.driver_spans(os.path.join(private, layout.CRIU_DIR), manifest.cuda.pids)
-                             if manifest.cuda is not None else [])
-                    streamed = stream.Session.begin(work, target, control, artifact.label, bulk_files, fds, sums,
+                if (fill_bulk or building is not None) and path is RestorePath.STREAM:  # faults served from CRIU's hand-off on
+                    first = (stream.driver_spans(images, manifest.cuda.pids) if manifest.cuda is not None else [])
+                    mapped = ([stream.Mapped(sp, building.out(sp.name)) for sp in building.spans]
+                              if building is not None else [])
+                    streamed = stream.Session.begin(work, target, control, artifact.label, served_files, fds, sums,
                                                     threads=stream.threads(req.threads), progress=stream_report,
-                                                    first=first)
+                                                    first=first, mapped=mapped, run=stream.mapped_run())
             if generations is not None:
                 generations.record(req.namespace, req.name, manifest.generation)
 
@@ -338,7 +388,7 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
                 result = restore_into(target, os.path.join(private, layout.CRIU_DIR), list(plan.mounts),
                                       source_stdio=stdio, work_dir=work, lsm=lsm_options(security, lsm),
                                       tcp_established=plan.tcp_established, lazy_pages=streamed is not None,
-                                      inherit=cached.inherit)
+                                      inherit=cached.inherit + inherit)
             pause_for_test("criu")
             pidns = target.namespaces["pid"].inode
             host_pids: list[int] = []
@@ -348,7 +398,7 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
                     with t.phase("stream_start"):  # installs begin; the tree runs from SIGCONT on
                         bulk.check_targets(bulk_files, os.path.join(private, layout.CRIU_DIR), result.tree,
                                            lambda pid: host_pid_of(pidns, pid))
-                        streamed.start()
+                        streamed.start(check=_mapped_check(building, pidns))
                 if entry is not None and cached.spans:
                     bulk_map.check_mapped({s.pid: host_pid_of(pidns, s.pid) for s in cached.spans}, cached.spans,
                                           {s.name: entry.stat(s.name) for s in cached.spans})
@@ -379,7 +429,14 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
         served: dict[str, object] = {}
         if streamed is not None:
             with t.phase("stream"):  # until the last piece is in: then the uffds are closed
-                served = dataclasses.asdict(streamed.wait())
+                stats = streamed.wait()
+            served = dataclasses.asdict(stats)
+            if building is not None and cold_work is not None:
+                if stats.mapped_whole:  # the writer finishes the entry, or removes it
+                    cold_work = dataclasses.replace(cold_work, premade=building)
+                else:
+                    log.info("%s: the serve did not write every mapped piece: no cache entry from it",
+                             artifact.label)
         if control is not None:
             control.write_json(control_mod.TIMINGS, {"restore": dict(t), **({"stream": served} if served else {}),
                                                      "cache": dataclasses.asdict(use)})
@@ -393,7 +450,8 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
             size = sum(f.size for f in manifest.files)
             progress("complete", size, size)
         if cold_work is not None and on_cold is not None:
-            on_cold(cold_work)
+            if on_cold(cold_work) and cold_work.premade is not None:
+                building = None  # the writer's now
         return dict(t)
     except BaseException as exc:
         if not final:
@@ -408,6 +466,8 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
             streamed.abort()  # a no-op once served; else the tree is killed, the holder ends
         if entry is not None:
             entry.close()  # held until here: an entry a restore maps is not evicted meanwhile
+        if building is not None:
+            building.abandon()  # not finished: the restore failed, or nobody took it
         shutil.rmtree(private, ignore_errors=True)
 
 

@@ -21,12 +21,19 @@ entry's directory while it uses it; eviction (least recently used first, to stay
 byte and entry bounds) takes it exclusively, so an entry a restore uses is never evicted.
 The bulk bytes of a mapped range are not hashed again when used: the entry is trusted because
 only root can change it, and a change made through the file system changes its ctime.
+
+On a tmpfs, the first restore of a version that streams (``runtime.pages.stream``) makes the
+entry as it runs (:meth:`NodeCache.begin`, :class:`Building`): the restored process maps each
+range from its map file while the serve writes the file piece by piece, every chunk verified
+first; once the restore is done, the writer adds the rest (the fill files, ``files/``) and seals
+it (:meth:`NodeCache.write` with ``premade``), reading from the store only what is not mapped.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import logging
 import os
@@ -39,7 +46,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from runtime import layout, strict_json
-from runtime.pages import bulk
+from runtime.pages import bulk, uffd
 from runtime.store import Artifact
 from runtime.pages.mapping import MapMode, Span
 from runtime.digests import WORKERS, new_hash, piece_ranges
@@ -164,6 +171,41 @@ def meminfo() -> dict[str, int]:
     return out
 
 
+class Building:
+    """An entry a streamed restore makes as it runs (:meth:`NodeCache.begin`): its map files,
+    empty and of their final size, in the entry's unfinished directory (with an owner record:
+    swept once this process is provably dead). The serve writes them (:meth:`out`), CRIU maps
+    them (:meth:`ro`); then :meth:`NodeCache.write` finishes the entry, or :meth:`abandon`
+    removes it."""
+
+    def __init__(self, cache: NodeCache, key: str, tmp: str, spans: Sequence[Span]) -> None:
+        self.cache, self.key, self.tmp = cache, key, tmp
+        self.spans = tuple(spans)
+        self.outs: dict[str, int] = {}
+        self.ros: dict[str, int] = {}
+        self.done = False  # finished by the writer, or abandoned
+
+    def out(self, name: str) -> int:
+        return self.outs[name]
+
+    def ro(self, name: str) -> int:
+        return self.ros[name]
+
+    def close_fds(self) -> None:
+        for fd in (*self.outs.values(), *self.ros.values()):
+            os.close(fd)
+        self.outs.clear()
+        self.ros.clear()
+
+    def abandon(self) -> None:
+        """Remove the unfinished entry (a failed restore, a serve that did not write it all)."""
+        if self.done:
+            return
+        self.done = True
+        self.close_fds()
+        self.cache._abandon(self)
+
+
 class Held:
     """An entry open for one restore: a shared lock on its directory until :meth:`close`."""
 
@@ -223,7 +265,9 @@ class NodeCache:
     max_bytes: int
     max_entries: int = MAX_ENTRIES
     min_free: float = MIN_FREE
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # room and eviction
+    # Entries being written by this process, and the bytes they will take: each key once.
+    _writing: dict[str, int] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self.dir = os.path.join(self.root, VERSION)
@@ -362,7 +406,7 @@ class NodeCache:
 
     def _make_room(self, root: int, need: int) -> bool:
         entries = self.entries()
-        total = sum(e.bytes for e in entries)
+        total = sum(e.bytes for e in entries) + sum(self._writing.values())
         for e in sorted(entries, key=lambda e: e.last_used):  # least recently used first
             if total + need <= self.max_bytes and len(entries) < self.max_entries:
                 break
@@ -405,42 +449,135 @@ class NodeCache:
 
     # --- writing ----------------------------------------------------------------------------
 
-    def write(self, artifact: Artifact, files: Sequence[BulkFile], spans: Sequence[Span], mode: MapMode,
-              threads: int = WORKERS) -> Record | None:
-        """Write ``artifact``'s entry (its bulk ``files``, ``spans`` of them mapped later) unless
-        it exists or does not fit; None when not written. Every byte is verified first."""
+    def _reserve(self, root: int, artifact: Artifact, files: Sequence[BulkFile], key: str) -> str | None:
+        """Room for ``artifact``'s entry, and its unfinished directory made (the key reserved for
+        this process's one writer of it); None when it exists, is being written, or does not fit."""
+        with self._lock:
+            if key in self._writing or os.path.exists(os.path.join(self.dir, key, ENTRY)):
+                return None
+            others = sum(f.size for f in artifact.manifest.files if not layout.is_bulk_pages(f.path))
+            need = sum(artifact.entry(f.path).size for f in files) + others
+            if not self._fits(need):
+                return None
+            if not self._make_room(root, need):
+                log.info("%s: not cached on this node: %.1f MiB past the cache's bounds (%d bytes, %d entries)",
+                         artifact.label, need / 2**20, self.max_bytes, self.max_entries)
+                return None
+            tmp = f"{TMP}{key}-{os.getpid()}"
+            if os.path.lexists(os.path.join(self.dir, tmp)):
+                self._remove(root, tmp)
+            os.mkdir(tmp, 0o700, dir_fd=root)
+            self._writing[key] = need
+            return tmp
+
+    def _unreserve(self, key: str) -> None:
+        with self._lock:
+            self._writing.pop(key, None)
+
+    def streams_into(self) -> str | None:
+        """None when a streamed restore can make an entry as it runs (the cache is a tmpfs whose
+        private mappings take minor faults), else why not."""
         if not self.enabled:
+            return "no node cache"
+        try:
+            self.prepare()
+            if fs_magic(self.dir) != TMPFS_MAGIC:
+                return f"the node cache at {self.root} is no tmpfs"
+        except OSError as exc:
+            return f"the node cache at {self.root}: {exc}"
+        return _minor_faults(self.dir)
+
+    def begin(self, artifact: Artifact, files: Sequence[BulkFile], spans: Sequence[Span],
+              mode: MapMode) -> Building | None:
+        """The entry of ``artifact``'s version, started for a streamed restore that maps
+        ``spans`` from it as it writes them; None when it exists, is being written, does not fit,
+        or the cache cannot take minor faults (:meth:`streams_into`)."""
+        if not spans:
+            return None
+        why = self.streams_into()
+        if why is not None:
+            log.info("%s: the streamed restore does not make the cache entry as it runs: %s", artifact.label, why)
             return None
         key = entry_key(artifact.manifest_id, mode)
-        with self._lock:  # one writer per process: two restores of one version write it once
-            self.prepare()
-            root = self._open_root()
+        root = self._open_root()
+        try:
+            tmp = self._reserve(root, artifact, files, key)
+            if tmp is None:
+                return None
+            building = Building(self, key, tmp, spans)
             try:
-                if os.path.exists(os.path.join(self.dir, key, ENTRY)):
-                    return None
-                others = sum(f.size for f in artifact.manifest.files if not layout.is_bulk_pages(f.path))
-                need = sum(artifact.entry(f.path).size for f in files) + others
-                if not self._fits(need):
-                    return None
-                if not self._make_room(root, need):
-                    log.info("%s: not cached on this node: %.1f MiB past the cache's bounds (%d bytes, %d entries)",
-                             artifact.label, need / 2**20, self.max_bytes, self.max_entries)
-                    return None
-                tmp = f"{TMP}{key}-{os.getpid()}"
-                if os.path.lexists(os.path.join(self.dir, tmp)):
-                    self._remove(root, tmp)
-                os.mkdir(tmp, 0o700, dir_fd=root)
+                dir_fd = os.open(tmp, DIR_FLAGS, dir_fd=root)
                 try:
-                    rec = self._write_into(root, tmp, key, artifact, files, spans, mode, threads)
-                    os.rename(tmp, key, src_dir_fd=root, dst_dir_fd=root)
-                except BaseException:
-                    self._remove(root, tmp)
-                    raise
-                log.info("%s: cached on this node as %s: %.1f MiB, %d range(s) to map", artifact.label, key,
-                         rec.bytes / 2**20, len(spans))
-                return rec
-            finally:
+                    write_owner_at(dir_fd)
+                    for sp in spans:
+                        fd = os.open(sp.name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+                        building.outs[sp.name] = fd
+                        os.ftruncate(fd, sp.file_size)
+                        building.ros[sp.name] = os.open(sp.name, FILE_FLAGS, dir_fd=dir_fd)
+                finally:
+                    os.close(dir_fd)
+            except BaseException:
+                building.abandon()
+                raise
+            log.info("%s: making node cache entry %s as it restores (%d range(s) mapped)", artifact.label, key,
+                     len(spans))
+            return building
+        finally:
+            os.close(root)
+
+    def _abandon(self, building: Building) -> None:
+        try:
+            root = self._open_root()
+        except OSError:
+            root = -1
+        try:
+            if root >= 0:
+                self._remove(root, building.tmp)
+        finally:
+            if root >= 0:
                 os.close(root)
+            self._unreserve(building.key)
+
+    def write(self, artifact: Artifact, files: Sequence[BulkFile], spans: Sequence[Span], mode: MapMode,
+              threads: int = WORKERS, premade: Building | None = None) -> Record | None:
+        """Write ``artifact``'s entry (its bulk ``files``, ``spans`` of them mapped later) unless
+        it exists or does not fit; None when not written. Every byte is verified first.
+        ``premade``: the entry a streamed restore began and wrote the map files of (no byte of
+        a mapped range is read again): finished here, or removed."""
+        if not self.enabled:
+            if premade is not None:
+                premade.abandon()
+            return None
+        key = entry_key(artifact.manifest_id, mode)
+        self.prepare()
+        root = self._open_root()
+        try:
+            if premade is not None:
+                if premade.key != key or premade.spans != tuple(spans) or premade.done:
+                    premade.abandon()
+                    raise CacheError(f"{artifact.label}: the entry begun by its restore is not this one")
+                tmp = premade.tmp
+            else:
+                got = self._reserve(root, artifact, files, key)
+                if got is None:
+                    return None
+                tmp = got
+            try:
+                rec = self._write_into(root, tmp, key, artifact, files, spans, mode, threads, premade)
+                os.rename(tmp, key, src_dir_fd=root, dst_dir_fd=root)
+            except BaseException:
+                self._remove(root, tmp)
+                raise
+            finally:
+                if premade is not None:
+                    premade.done = True
+                    premade.close_fds()
+                self._unreserve(key)
+            log.info("%s: cached on this node as %s: %.1f MiB, %d range(s) to map%s", artifact.label, key,
+                     rec.bytes / 2**20, len(spans), " (written by its restore)" if premade is not None else "")
+            return rec
+        finally:
+            os.close(root)
 
     def _fits(self, need: int) -> bool:
         try:
@@ -472,11 +609,12 @@ class NodeCache:
         return True
 
     def _write_into(self, root: int, tmp: str, key: str, artifact: Artifact, files: Sequence[BulkFile],
-                    spans: Sequence[Span], mode: MapMode, threads: int) -> Record:
+                    spans: Sequence[Span], mode: MapMode, threads: int, premade: Building | None = None) -> Record:
         dir_fd = os.open(tmp, DIR_FLAGS, dir_fd=root)
         opened: list[int] = []
         try:
-            write_owner_at(dir_fd)
+            if premade is None:
+                write_owner_at(dir_fd)
             artifact.materialize(os.path.join(self.dir, tmp, FILES), skip=layout.is_bulk_pages)
             jobs: list[_Job] = []
             outs: dict[str, int] = {}
@@ -495,6 +633,13 @@ class NodeCache:
                 outs[fill_name(f.pid)] = fill
                 maps = []
                 for s in mine:
+                    if premade is not None:  # written by the restore's serve: checked whole, not read again
+                        m = os.open(s.name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+                        opened.append(m)
+                        _check_premade(m, s)
+                        outs[s.name] = m
+                        maps.append((s.offset, s.offset + s.length, -1, s.file_offset))
+                        continue
                     m = os.open(s.name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
                     opened.append(m)
                     os.ftruncate(m, s.file_size)
@@ -526,6 +671,12 @@ class NodeCache:
             os.close(dir_fd)
 
 
+@functools.cache
+def _minor_faults(directory: str) -> str | None:
+    # asked once per directory: the kernel does not change under a running agent
+    return uffd.probe_minor(directory)
+
+
 def fs_magic(path: str) -> int:
     """The file system type of ``path`` (statfs's f_type)."""
     import ctypes
@@ -543,25 +694,40 @@ class _Job:
     offset: int
     length: int
     fill: int
-    maps: list[tuple[int, int, int, int]]  # (lo, hi, fd, file offset of lo)
+    maps: list[tuple[int, int, int, int]]  # (lo, hi, fd, file offset of lo); fd -1: written already
     path: str
+
+
+def _check_premade(fd: int, span: Span) -> None:
+    """A map file the restore's serve wrote: its size, and no hole in its range. The serve
+    writes whole 2 MiB pieces of it, each only once verified; a piece it never wrote (the
+    process died mid-serve) is a hole, and the entry is then not made."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or st.st_size != span.file_size:
+        raise CacheError(f"{span.name}: not the file its restore wrote")
+    hole = os.lseek(fd, span.file_offset, os.SEEK_HOLE)
+    if hole < span.file_size:
+        raise CacheError(f"{span.name}: its restore did not write it all (a hole at {hole})")
 
 
 def _copy_piece(job: _Job) -> None:
     pos, end = job.offset, job.offset + job.length
     while pos < end:
         want = min(SUM_CHUNK, end - pos)
+        hi = pos + want
+        if any(lo <= pos and hi <= top and fd < 0 for lo, top, fd, _at in job.maps):
+            pos = hi  # wholly in a range its restore wrote: nothing to read, a hole in the fill file
+            continue
         data = os.pread(job.src, want, pos)
         if len(data) != want:
             raise CacheError(f"{job.path}: shrank while read (at {pos})")
         k = pos // SUM_CHUNK * DIGEST_BYTES
         if new_hash(data).digest() != job.sums[k:k + DIGEST_BYTES]:
             raise CacheError(f"{job.path}: the bytes at {pos} do not match their digest")
-        hi = pos + want
         if not any(lo <= pos and hi <= top for lo, top, _fd, _at in job.maps):  # all but what is mapped
             os.pwrite(job.fill, data, pos)
         for lo, top, fd, at in job.maps:
             a, b = max(lo, pos), min(top, hi)
-            if a < b:
+            if a < b and fd >= 0:
                 os.pwrite(fd, memoryview(data)[a - pos:b - pos], at + (a - lo))
         pos = hi

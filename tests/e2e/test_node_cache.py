@@ -19,7 +19,7 @@ import time
 import pytest
 
 from tests.e2e.test_checkpoint_restore import get, wait_status
-from tests.e2e.test_stream_restore import _tree_in
+from tests.e2e.test_stream_restore import _alive, _tree_in
 from tests.waiting import wait_for
 
 HOLDER = r"""
@@ -226,3 +226,61 @@ def test_a_delete_is_not_held_up_by_the_cache_writer(sandbox, pod, cached_plugin
         (tmp_path / "cache-write.go").touch()
     finally:
         _restart(plugin, plain)
+
+
+@pytest.fixture()
+def streaming_cache(plugin):
+    _restart(plugin, {"REKINDLE_MAP": "all", "REKINDLE_CACHE_BYTES": "1Gi", "REKINDLE_RESTORE_PATH": "stream"})
+    yield plugin
+    _restart(plugin, {})
+
+
+def _timings(plugin, pod) -> dict:
+    return json.loads((plugin.control_dir(pod.uid, "app") / "timings.json").read_text())
+
+
+def test_a_streamed_first_restore_makes_the_entry_as_it_runs_and_the_next_maps_it(sandbox, pod, streaming_cache):
+    """No entry yet, the cache a tmpfs, the streamed path: the restored process maps its range
+    from the entry's file while the serve writes it (each piece verified, then let go), and the
+    entry is finished from that file once the restore is done; the next restore maps it."""
+    plugin = streaming_cache
+    _source(sandbox, pod, plugin, "cache-stream")
+    first, c1 = _restore(sandbox, pod, plugin, "cache-stream", "1")
+    use, served = _cache_use(plugin, first), _timings(plugin, first)["stream"]
+    assert use["state"] == "building" and use["mapped_bytes"] >= 96 << 20, use
+    assert served["mapped_bytes"] == use["mapped_bytes"] and served["mapped_whole"], served
+    (p1,) = _tree_in(sandbox, c1)
+    rss, _pss = _mapped_vma(p1)  # a mapping of the entry's file, read whole by the hash
+    assert rss >= 90 << 10, rss
+    (entry,) = wait_for(lambda: _entries(plugin, "cache-stream"), 120, "the entry to be finished")
+    assert "(written by its restore)" in plugin.log()
+    assert not glob.glob(str(plugin.state_dir / "cache" / "v1" / ".tmp-*"))
+    second, _ = _restore(sandbox, pod, plugin, "cache-stream", "2")
+    use = _cache_use(plugin, second)
+    assert use["state"] == "warm" and use["store_bytes_read"] == 0, use
+    # Both read the pages of the one file: the first pod's memory is the cache's, not its own copy.
+    assert get(sandbox.cri.pod_ip(first.id), "/", 30.0).startswith("ok ")
+
+
+def test_the_plugin_killed_while_it_streams_into_a_new_entry_leaves_no_entry(sandbox, pod, streaming_cache):
+    """The agent is SIGKILLed mid-serve (faults only: the process has touched nothing of its
+    range yet): the holder kills the tree, the unfinished entry is swept when the agent is back,
+    the pod starts cold once, and the next restore makes the entry again."""
+    plugin = streaming_cache
+    _restart(plugin, {**plugin.env, "REKINDLE_STREAM_THREADS": "0"})
+    _source(sandbox, pod, plugin, "cache-stream-kill")
+    b, cid = _restore(sandbox, pod, plugin, "cache-stream-kill", "1", wait=False)
+    wait_status(plugin, "default", b.name, "app", {"restoring"}, timeout=60)
+    tmp = wait_for(lambda: glob.glob(str(plugin.state_dir / "cache" / "v1" / ".tmp-*")), 60,
+                   "the entry being made")
+    restored = wait_for(lambda: _tree_in(sandbox, cid), 60, "the restored process")
+    wait_for(lambda: "stream_start" in plugin.log() or os.path.exists(tmp[0]), 10, "the serve")
+    plugin.kill()
+    wait_for(lambda: not any(_alive(p) for p in restored), 10, "the holder to kill the restored tree")
+    _restart(plugin, {k: v for k, v in plugin.env.items() if k != "REKINDLE_STREAM_THREADS"})
+    assert not any(os.path.exists(t) for t in tmp), "the unfinished entry was not swept"
+    st = wait_status(plugin, "default", b.name, "app", {"restored", "cold-start"})
+    assert st["phase"] == "cold-start", st
+    assert _entries(plugin, "cache-stream-kill") == []
+    again, _ = _restore(sandbox, pod, plugin, "cache-stream-kill", "2")
+    assert _cache_use(plugin, again)["state"] == "building"
