@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 from runtime import checkpoint as checkpoint_flow
-from runtime import housekeeping
+from runtime import hostfiles, housekeeping
 from runtime.overlay import pending as overlay_pending
 from runtime.store import gc as store_gc
 from runtime import control
@@ -62,6 +62,7 @@ if TYPE_CHECKING:  # imported where used: the Kubernetes client only with --even
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+HOST_DIGESTS = "hostfile-digests.json"  # in the state dir: runtime.hostfiles.DigestCache.persist
 ExitCode = Callable[[str], "int | None"]  # container id -> its exit code once exited
 
 
@@ -335,6 +336,8 @@ def run_plugin(settings: Settings, max_parallel: int = 2) -> int:
     install_init(settings)
     os.makedirs(settings.store, exist_ok=True)
     status = StatusBook(settings.state_dir)
+    # The host files' digests outlive a restart: the first restore after it need not read them all.
+    hostfiles.CACHE.persist(os.path.join(settings.state_dir, HOST_DIGESTS))
     log.info("node %s: kernel %s, CRIU %s, CUDA %s", facts.hostname, facts.kernel, facts.criu_version,
              facts.cuda.driver_version if facts.cuda else "none")
     metrics, health, endpoint, kube = _reporting(settings, status, facts)

@@ -34,11 +34,18 @@ Contract:
 - Files are hashed in parallel (``runtime.digests``), and each digest is kept in a
   process-wide :class:`DigestCache` keyed by (dev, ino, size, mtime_ns, ctime_ns): the restores
   of one node hash ``libcuda.so`` once, not once each, and a file written since has a new ctime.
+  The plugin keeps that cache in its state dir too (:meth:`DigestCache.persist`), so that its
+  first restore after a restart does not read gigabytes of libraries from a cold disk again:
+  only digests of files whose ctime was at least :data:`SETTLED_NS` old when they were hashed
+  are kept there (a file's ctime can be coarse; a change inside the same tick as the hash would
+  otherwise go unseen), and no one but root can write the state dir.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
+import json
 import logging
 import os
 import posixpath
@@ -87,17 +94,76 @@ def stat_key(st: os.stat_result) -> StatKey:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
+SETTLED_NS = 2_000_000_000  # a file's ctime this much before its hash began: the digest may be kept on disk
+_PERSIST_VERSION = 1
+_MAX_PERSISTED_BYTES = 4 << 20
+
+
 class DigestCache:
     """Digests by :func:`stat_key`, for this process's life (LRU, ``max_entries``). A file
     whose stat changed while it was hashed is not kept. Callers asking for a file another thread
-    is hashing wait for that hash instead of reading the file again."""
+    is hashing wait for that hash instead of reading the file again. With :meth:`persist`, the
+    settled digests are also kept in a file (loaded at once, written by :meth:`save`)."""
 
     def __init__(self, max_entries: int = 4096) -> None:
         self._max = max_entries
         self._lock = threading.Lock()
         self._done: collections.OrderedDict[StatKey, str] = collections.OrderedDict()
         self._running: dict[StatKey, Future[str]] = {}
+        self._settled: set[StatKey] = set()  # of _done: old enough to be kept on disk
+        self._path: str | None = None
+        self._dirty = False
         self.hashed = 0  # files read and hashed (not served from the cache)
+
+    def persist(self, path: str) -> int:
+        """Keep the settled digests in ``path`` (a root-only state dir) from now on; those it
+        holds already are loaded. Returns how many were loaded (a file that is not what this
+        writes is ignored, and replaced by the next save)."""
+        loaded = 0
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                st = os.fstat(fd)
+                raw = os.read(fd, _MAX_PERSISTED_BYTES + 1) if stat.S_ISREG(st.st_mode) and st.st_uid == 0 else b""
+            finally:
+                os.close(fd)
+            doc = json.loads(raw) if raw and len(raw) <= _MAX_PERSISTED_BYTES else {}
+            if isinstance(doc, dict) and doc.get("version") == _PERSIST_VERSION:
+                with self._lock:
+                    for e in doc.get("digests", [])[:self._max]:
+                        if (isinstance(e, list) and len(e) == 6 and all(type(x) is int and x >= 0 for x in e[:5])
+                                and isinstance(e[5], str) and len(e[5]) == 64):
+                            key: StatKey = (e[0], e[1], e[2], e[3], e[4])
+                            self._done[key] = e[5]
+                            self._settled.add(key)
+                            loaded += 1
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError) as exc:
+            log.warning("host file digests at %s not loaded: %s", path, exc)
+        self._path = path
+        return loaded
+
+    def save(self) -> None:
+        """Write the settled digests (when any changed) to the :meth:`persist` file, atomically."""
+        with self._lock:
+            if self._path is None or not self._dirty:
+                return
+            rows = [[*k, d] for k, d in self._done.items() if k in self._settled]
+            self._dirty = False
+            path = self._path
+        tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
+                os.write(fd, json.dumps({"version": _PERSIST_VERSION, "digests": rows}).encode())
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except OSError as exc:
+            log.warning("host file digests not saved to %s: %s", path, exc)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
 
     def digest(self, fd: int) -> tuple[int, str]:
         """(size, digest) of the open regular file ``fd``."""
@@ -114,6 +180,7 @@ class DigestCache:
                 self._running[key] = mine
         if running is not None:
             return st.st_size, running.result()
+        began = time.time_ns()
         try:
             size, digest = hash_fd(fd)
             stable = stat_key(os.fstat(fd)) == key and size == st.st_size
@@ -127,8 +194,12 @@ class DigestCache:
             self.hashed += 1
             if stable:
                 self._done[key] = digest
+                if st.st_ctime_ns <= began - SETTLED_NS:
+                    self._settled.add(key)
+                    self._dirty = True
                 while len(self._done) > self._max:
-                    self._done.popitem(last=False)
+                    gone, _ = self._done.popitem(last=False)
+                    self._settled.discard(gone)
         mine.set_result(digest)
         return size, digest
 
@@ -252,6 +323,7 @@ def record(images_dir: str, plan: Sequence[MountPlanEntry], spec_mounts: Iterabl
         raise HostFilesError("files the tree uses from bind mounts cannot be recorded: " + "; ".join(problems))
     log.info("host files: %d from bind mounts, %s, hashed in %.3fs",
              len(out), _mib(sum(h.size for h in out)), time.monotonic() - started)
+    cache.save()
     return tuple(out)
 
 
@@ -288,4 +360,5 @@ def check(records: Sequence[HostFile] | None, spec_mounts: Iterable[Mapping[str,
                            f"(same size, digest {result[1][:16]}, want {r.digest[:16]})")
     log.info("%s: %d host files checked in %.3fs, %d differ", label or "artifact", len(records),
              time.monotonic() - started, len(reasons))
+    cache.save()
     return reasons

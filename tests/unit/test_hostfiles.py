@@ -239,3 +239,40 @@ def test_the_cache_is_bounded() -> None:
             os.close(fd)
     assert len(cache._done) == 2
     assert hostfiles.CACHE is not cache
+
+
+def test_settled_digests_outlive_the_process_and_a_changed_file_is_hashed_again(
+        host: dict[str, Any], tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import runtime.hostfiles as hf
+    saved = tmp_path / "digests.json"
+    first = DigestCache()
+    first.persist(str(saved))
+    # Files written just now are not settled: nothing is kept on disk for them.
+    recs = _recorded(host, first)
+    assert first.hashed == 2 and not saved.exists()
+    # Hashed as if two seconds later (their ctime is then old enough): kept.
+    later = DigestCache()
+    later.persist(str(saved))
+    real = hf.time.time_ns
+    monkeypatch.setattr(hf.time, "time_ns", lambda: real() + hf.SETTLED_NS + 1)
+    assert check(recs, host["spec"], cache=later) == [] and later.hashed == 2 and saved.exists()
+    monkeypatch.undo()
+    # A new process (a restarted plugin) hashes nothing it has a settled digest of...
+    again = DigestCache()
+    assert again.persist(str(saved)) == 2
+    assert check(recs, host["spec"], cache=again) == [] and again.hashed == 0
+    # ...and a file changed since (new ctime) is read again, and refused.
+    (host["lib"] / "libfoo.so").write_bytes(os.urandom(70_000))
+    fresh = DigestCache()
+    fresh.persist(str(saved))
+    reasons = check(recs, host["spec"], cache=fresh)
+    assert fresh.hashed == 1 and len(reasons) == 1 and "differs from the checkpoint's" in reasons[0], reasons
+
+
+@pytest.mark.parametrize("content", [b"{not json", b'{"version": 1, "digests": [[1, 2, 3]]}',
+                                     b'{"version": 2, "digests": []}', b'[]'],
+                         ids=["garbage", "short-row", "other-version", "not-an-object"])
+def test_a_digest_file_that_is_not_ours_is_ignored(tmp_path: Any, content: bytes) -> None:
+    saved = tmp_path / "digests.json"
+    saved.write_bytes(content)
+    assert DigestCache().persist(str(saved)) == 0
