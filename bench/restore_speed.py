@@ -21,7 +21,11 @@ userfaultfd while it and its CUDA restore run; ``restored`` comes once the last 
 its ``stream`` phase is the serve's tail after the CUDA restore). ``map:page-cache``: the
 plugin with its node cache on a ``huge=always`` tmpfs (``REKINDLE_CACHE_TMPFS=1``), one untimed
 restore writing the entry first: the runs then map the driver's host copy from it and fill the
-rest from it (``runtime.pages.mapping``). Every other path runs with the cache off.
+rest from it (``runtime.pages.mapping``). ``stream+cache:page-cache``: the streamed path with the
+node cache on such a tmpfs and no entry yet (any entry is removed first): the restore maps the
+driver's host copy from the entry's file as its serve writes it (``runtime.pages.stream``'s
+mapped ranges), and the entry it made is timed until finished (``cache_written_s``). Every other
+path runs with the cache off.
 
 Writes ``--json`` (default OUT_DIR/restore-speed.json) after every step: ``runs`` holds one object
 per restore: ``case``, ``path``, ``cache``, ``cold_start_s``, ``restore_s``, ``first_answer_s``,
@@ -152,6 +156,47 @@ def restart_plugin(plugin: Any, env: dict[str, str]) -> None:
     plugin.wait_log("synchronized:", count=plugin.log().count("synchronized:") + 1, timeout=60)
 
 
+def plugin_env(path: str, threads: str, map_all: bool = False) -> dict[str, str]:
+    """The plugin's environment for a run of ``path``: the node cache (on a ``huge=always``
+    tmpfs) only for ``map`` and ``stream+cache``; the other paths read the artifact from the
+    store every time. ``map_all``: every large range maps (a CPU workload has no CUDA driver's
+    host copy, the default's one range)."""
+    cached = path in ("map", "stream+cache")
+    restore_path = {"map": "bulk", "stream+cache": "stream"}.get(path, path)
+    threads, _, run = threads.partition("r")
+    return {"REKINDLE_RESTORE_PATH": restore_path, **({"REKINDLE_FILL_THREADS": threads} if threads else {}),
+            **({"REKINDLE_STREAM_RUN": run} if run else {}),
+            **({"REKINDLE_CACHE_TMPFS": "1"} if cached else {"REKINDLE_CACHE_BYTES": "0"}),
+            **({"REKINDLE_MAP": "all"} if cached and map_all else {})}
+
+
+def _cache_dir(plugin: Any) -> Path:
+    return Path(plugin.state_dir) / "cache" / "v1"
+
+
+def cache_entries(plugin: Any) -> list[Path]:
+    return [p.parent for p in _cache_dir(plugin).glob("*/entry.json")]
+
+
+def await_entry(plugin: Any, timeout: float = 300.0) -> float:
+    """Seconds until the node cache holds a finished entry (and nothing half-written)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if cache_entries(plugin) and not list(_cache_dir(plugin).glob(".tmp-*")):
+            break
+        time.sleep(0.1)
+    return round(time.monotonic() - t0, 2)
+
+
+def clear_cache(plugin: Any) -> None:
+    """Every entry removed (once no writer is mid-entry): the next restore finds none."""
+    t0 = time.monotonic()
+    while list(_cache_dir(plugin).glob(".tmp-*")) and time.monotonic() - t0 < 300:
+        time.sleep(0.1)
+    for entry in _cache_dir(plugin).glob("*"):
+        shutil.rmtree(entry, ignore_errors=True)
+
+
 def _get(ip: str, path: str) -> str:
     deadline = time.monotonic() + 60
     while True:
@@ -232,7 +277,7 @@ class Bench:
         the first answer, into ``rec`` (restore_s, phases, first_answer_s, identical, answer; on
         the streamed path its serve's figures). False when the plugin cold-started the pod."""
         early: concurrent.futures.Future[tuple[tuple[bool, dict[str, Any]], float]] | None = None
-        if path == "stream":  # it runs (and answers) before the last page is in: ask at once
+        if path.startswith("stream"):  # it runs (and answers) before the last page is in: ask at once
             early = concurrent.futures.ThreadPoolExecutor(1).submit(
                 lambda: (wl.answer(cri, b, plugin.control_dir(b.uid, CONTAINER)), time.monotonic() - t0))
         st = gpu_pods.wait_status(plugin, b, CONTAINER, {"restored", "cold-start"}, 600)
@@ -252,7 +297,7 @@ class Bench:
         rec["answer"] = extra
         doc = read_timings(plugin, b)
         if doc is not None:
-            if path == "stream":  # the serve's own figures: faults, the time they waited, threads
+            if path.startswith("stream"):  # the serve's own figures: faults, the time they waited, threads
                 rec["stream"] = doc.get("stream")
             rec["node_cache"] = doc.get("cache")  # warm (mapped, filled from it), cold or off
         return True
@@ -266,7 +311,7 @@ class Bench:
             rec["drop_caches_s"] = drop_caches()
         else:
             phases.read_gbps([p for p in art.rglob("*") if p.is_file()], 16, limit=1 << 62)
-        b = cri.run_pod_sandbox(f"speed-{path}-{cache}-{len(self.doc['runs'])}",
+        b = cri.run_pod_sandbox(f"speed-{path.replace('+', '-')}-{cache}-{len(self.doc['runs'])}",
                                 annotations={"rekindle.dev/restore": self.args.case})
         self.pods.append(b)
         t0 = time.monotonic()
@@ -283,7 +328,7 @@ class Bench:
         if path == "stock":  # CRIU restores the bulk pages too, and the stage copies them
             moved["criu_restore"] += moved["fill"]
             moved["stage"] += moved["fill"]
-        elif path == "stream":  # the bulk pages arrive while the tree runs (and the CUDA restore)
+        elif path.startswith("stream"):  # the bulk pages arrive while the tree runs (and the CUDA restore)
             moved["stream"] = moved.pop("fill")
         elif path == "map":  # mapped from the node cache: only the rest is filled
             moved["fill"] = int((rec.get("node_cache") or {}).get("filled_bytes", 0))
@@ -325,27 +370,22 @@ class Bench:
             current = ("", "")  # every path starts in a fresh plugin: no run finds caches warmed by another
             for spec in args.runs.split(","):
                 how, cache = spec.split(":")
-                path, _, threads = how.partition("@")  # bulk@16: the fill on 16 threads
+                path, _, threads = how.partition("@")  # bulk@16: the fill on 16 threads; @12r4: mapped runs of 4
                 if (path, threads) != current:
-                    # The node cache only for "map" (a restore from it maps the driver's host
-                    # copy): the other paths read the artifact from the store every time.
-                    restart_plugin(plugin, {"REKINDLE_RESTORE_PATH": "bulk" if path == "map" else path,
-                                            **({"REKINDLE_FILL_THREADS": threads} if threads else {}),
-                                            **({"REKINDLE_CACHE_TMPFS": "1"} if path == "map"
-                                               else {"REKINDLE_CACHE_BYTES": "0"})})
+                    restart_plugin(plugin, plugin_env(path, threads, map_all=wl.cpu))
                     current = (path, threads)
-                    if path == "map":  # one restore writes the entry; the runs then find it
+                    if path == "map" and not cache_entries(plugin):  # one restore writes the entry first
                         warm = self.restore(cri, plugin, wl, "bulk", "page-cache", art, doc["source"], ceil)
                         warm["warm_up"] = True
-                        entries = Path(plugin.state_dir) / "cache" / "v1"
-                        deadline = time.monotonic() + 300
-                        while not list(entries.glob("*/entry.json")) and time.monotonic() < deadline:
-                            time.sleep(0.2)
-                        warm["cache_written_s"] = round(time.monotonic() - deadline + 300, 2)
+                        warm["cache_written_s"] = await_entry(plugin)
+                if path == "stream+cache":
+                    clear_cache(plugin)  # each run makes the entry as it restores
                 try:
                     rec = self.restore(cri, plugin, wl, path, cache, art, doc["source"], ceil)
+                    if path == "stream+cache":
+                        rec["cache_written_s"] = await_entry(plugin)
                     if threads:
-                        rec["fill_threads"] = int(threads)
+                        rec["fill_threads"] = int(threads.partition("r")[0])
                     print(summary(rec), flush=True)
                 except Exception as exc:  # noqa: BLE001 - record it, go on with the next run
                     log.exception("run %s failed", spec)

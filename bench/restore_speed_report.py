@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 KEYS = ("case", "path", "cache", "fill_threads", "cold_start_s", "restore_s", "first_answer_s", "phases", "bytes", "sol_s",
-        "identical", "stream", "node_cache", "warm_up")
+        "identical", "stream", "node_cache", "warm_up", "cache_written_s")
 PHASES = (("inspect", "inspect (host files hashed: once per plugin process)", "#ccb974"),
           ("stage", "stage (copy + hash)", "#dd8452"), ("rootfs_apply", "rootfs", "#937860"),
           ("criu_restore", "CRIU restore", "#4c72b0"), ("fill", "bulk fill (hash + write)", "#55a868"),
@@ -41,6 +41,8 @@ def merge(inputs: list[Path]) -> dict[str, Any]:
                 rec["path"] = "bulk (cache cold)"
             elif run.get("path") == "map":
                 rec["path"] = "map (cache warm)"
+            elif run.get("path") == "stream+cache":
+                rec["path"] = "stream (cache made as it restores)"
             out["runs"].append(rec)
     return out
 
