@@ -568,7 +568,10 @@ class Sandbox:
         for ns in sorted(netns):
             if Path(ns).exists():
                 _umount(ns)
-                Path(ns).unlink(missing_ok=True)
+                try:
+                    Path(ns).unlink(missing_ok=True)
+                except OSError as exc:  # still a mount point beneath a later bind of /run/netns: harmless
+                    log.warning("leftover netns %s not removed: %s", ns, exc)
         if self._owns_bridge(meta.bridge):
             if subprocess.run(["ip", "link", "show", meta.bridge], capture_output=True).returncode == 0:
                 subprocess.run(["ip", "link", "delete", meta.bridge], capture_output=True)
