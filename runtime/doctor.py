@@ -114,6 +114,7 @@ def check_thp(path: str = THP_ENABLED) -> Check:
 
 def check_cache(path: str, max_bytes: int) -> Check:
     """The node cache (``runtime.pages.nodecache``): where, how full, on which file system."""
+    from runtime.pages import uffd
     from runtime.pages.nodecache import TMPFS_MAGIC, NodeCache, fs_magic
     if max_bytes == 0:
         return Check("node-cache", True, "off (--cache-bytes 0): every restore reads the store", required=False)
@@ -121,7 +122,13 @@ def check_cache(path: str, max_bytes: int) -> Check:
     entries = cache.entries()
     used = sum(e.bytes for e in entries)
     try:
-        kind = "tmpfs" if fs_magic(path) == TMPFS_MAGIC else "disk (mapped ranges get 4 KiB pages)"
+        if fs_magic(path) == TMPFS_MAGIC:
+            why = uffd.probe_minor(path)
+            kind = "tmpfs" + ("; a streamed first restore maps the ranges it serves from the entry it makes"
+                              if why is None else f"; a streamed first restore copies what it serves ({why})")
+        else:
+            kind = ("disk (mapped ranges get 4 KiB pages; a streamed first restore copies what it serves: "
+                    "mapping as it serves needs a tmpfs)")
     except OSError:
         kind = "not made yet"
     return Check("node-cache", True, f"{path}: {len(entries)} entries, {used / 2**20:.1f} of "
