@@ -89,8 +89,10 @@ def main() -> int:
     # measured on the H200 (67 s for ~15 GiB, bench/results/h200). Lower it to see restore lose.
     ap.add_argument("--passes", type=int, default=20, help="fill passes: start-up CPU cost (default 20)")
     ap.add_argument("--keep", action="store_true", help="leave the sandbox and pods running")
-    ap.add_argument("--restore-path", choices=("bulk", "stock", "stream"), default="bulk",
-                    help="bulk: pages filled beside CRIU on all cores (default); stock: CRIU restores every page")
+    ap.add_argument("--restore-path", choices=("bulk", "stock", "stream"), default="stream",
+                    help="stream (default): the server runs right after CRIU while its memory is served "
+                         "through userfaultfd; bulk: filled beside CRIU on all cores first; stock: CRIU "
+                         "restores every page")
     args = ap.parse_args()
     if os.geteuid() != 0:
         raise SystemExit("demo: run as root (it starts containerd)")

@@ -141,10 +141,11 @@ def _cache_flags(p: argparse.ArgumentParser) -> None:
 
 def _restore_path(p: argparse.ArgumentParser) -> None:
     p.add_argument("--restore-path", choices=("bulk", "stock", "stream"),
-                   default=os.environ.get("REKINDLE_RESTORE_PATH", "bulk"),
-                   help="bulk: large page runs filled beside CRIU on many threads; stock: CRIU "
-                        "restores every page; stream: the tree runs right after CRIU and the large "
-                        "runs are served through userfaultfd ($REKINDLE_RESTORE_PATH, else bulk)")
+                   default=os.environ.get("REKINDLE_RESTORE_PATH", "stream"),
+                   help="stream: the tree runs right after CRIU and the large page runs are served "
+                        "through userfaultfd, each piece verified first (bulk where the node cannot); "
+                        "bulk: they are filled beside CRIU on many threads first; stock: CRIU restores "
+                        "every page ($REKINDLE_RESTORE_PATH, else stream)")
 
 
 def _settings(args: argparse.Namespace) -> Settings:

@@ -41,7 +41,7 @@ class Settings:
     containerd_namespace: str = "k8s.io"
     init_binary: str = ""            # where to install the init from; default: first that exists
     restore_timeout: int = 1800     # default of the rekindle.dev/restore-timeout annotation
-    restore_path: str = "bulk"      # bulk (pages filled beside CRIU), stock (CRIU restores all) or stream
+    restore_path: str = "stream"    # stream (served while it runs), bulk (filled beside CRIU first) or stock (CRIU restores all)
     prefetch: bool = True           # read a restore's artifact ahead from RunPodSandbox on
     max_layer_bytes: int = 8 << 30  # cap on a captured writable layer (and on one applied)
     bulk_min_run: int = 4096        # page runs at least this long move beside CRIU at a checkpoint
