@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 KEYS = ("case", "path", "cache", "fill_threads", "cold_start_s", "restore_s", "first_answer_s", "phases", "bytes", "sol_s",
-        "identical", "stream", "node_cache", "warm_up", "cache_written_s")
+        "identical", "stream", "node_cache", "warm_up", "cache_written_s", "call")
 PHASES = (("inspect", "inspect (host files hashed: once per plugin process)", "#ccb974"),
           ("stage", "stage (copy + hash)", "#dd8452"), ("rootfs_apply", "rootfs", "#937860"),
           ("criu_restore", "CRIU restore", "#4c72b0"), ("fill", "bulk fill (hash + write)", "#55a868"),
@@ -48,9 +48,9 @@ def merge(inputs: list[Path]) -> dict[str, Any]:
 
 
 def markdown(doc: dict[str, Any]) -> str:
-    lines = ["| case | path | artifact | restore s | first answer s | cold start s | x cold | SOL s | x SOL | "
+    lines = ["| call | case | path | artifact | restore s | first answer s | cold start s | x cold | SOL s | x SOL | "
              "inspect | stage | CRIU | fill | CUDA | serve GB/s (threads) | identical |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in doc["runs"]:
         if r.get("restore_s") is None:
             continue
@@ -59,7 +59,7 @@ def markdown(doc: dict[str, Any]) -> str:
         serve = (f"{st['bytes_verified'] / 1e9 / st['seconds']:.2f} ({st['threads']})"
                  if st.get("seconds") else "-")
         lines.append(
-            f"| {r['case']} | {r['path']} | {r['cache']} | {r['restore_s']:.2f} | {r.get('first_answer_s') or 0:.2f} | "
+            f"| {r.get('call') or ''} | {r['case']} | {r['path']} | {r['cache']} | {r['restore_s']:.2f} | {r.get('first_answer_s') or 0:.2f} | "
             f"{r['cold_start_s']:.1f} | {r['cold_start_s'] / r['restore_s']:.1f} | {r['sol_s']:.2f} | "
             f"{r['restore_s'] / r['sol_s']:.1f} | {p.get('inspect', 0):.2f} | {p.get('stage', 0):.2f} | "
             f"{p.get('criu_restore', 0):.2f} | {p.get('fill', 0):.2f} | {p.get('cuda_restore', 0):.2f} | {serve} | "
@@ -85,13 +85,13 @@ def plot(doc: dict[str, Any], png: Path) -> None:
         ax.text(r["restore_s"] + 0.2, i, f"{r['restore_s']:.1f} s (cold {r['cold_start_s']:.0f} s)", va="center",
                 fontsize=8)
         threads = (r.get("stream") or {}).get("threads")
-        labels.append(f"{r['case']}, {r['path']}{f' ({threads} threads)' if threads else ''}, {r['cache']}")
+        call = f"call {r['call']}: " if r.get("call") else ""
+        labels.append(f"{call}{r['case']}, {r['path']}{f' ({threads} threads)' if threads else ''}, {r['cache']}")
     ax.set_yticks(range(len(runs)), labels, fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("seconds from container create to restored")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    ax.set_title("Restore through containerd + the plugin on one H200: bulk fill, then CUDA restore, "
-                 "against the streamed restore (same call)")
+    ax.set_title("Restore through containerd + the plugin on one H200: the paths compared within each call")
     fig.tight_layout()
     fig.savefig(png, dpi=110)
 
