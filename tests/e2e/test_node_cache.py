@@ -122,7 +122,9 @@ def _restart(plugin, env: dict[str, str]) -> None:
 
 @pytest.fixture()
 def cached_plugin(plugin):
-    _restart(plugin, {"REKINDLE_MAP": "all", "REKINDLE_CACHE_BYTES": "1Gi"})
+    # The bulk path: the cache writer makes the entry from the store after the first restore (a
+    # streamed first restore on this tmpfs makes it as it runs: the tests at the end).
+    _restart(plugin, {"REKINDLE_MAP": "all", "REKINDLE_CACHE_BYTES": "1Gi", "REKINDLE_RESTORE_PATH": "bulk"})
     yield plugin
     _restart(plugin, {})
 
@@ -194,7 +196,8 @@ def test_a_writer_killed_mid_entry_leaves_nothing_used_and_is_swept(sandbox, pod
 
 
 def test_the_byte_bound_evicts_the_least_recently_used_entry(sandbox, pod, plugin):
-    _restart(plugin, {"REKINDLE_MAP": "all", "REKINDLE_CACHE_BYTES": "150Mi"})  # one 96 MiB entry fits, not two
+    # one 96 MiB entry fits, not two; the writer makes them (the bulk path)
+    _restart(plugin, {"REKINDLE_MAP": "all", "REKINDLE_CACHE_BYTES": "150Mi", "REKINDLE_RESTORE_PATH": "bulk"})
     try:
         for name in ("cache-lru-a", "cache-lru-b"):
             _source(sandbox, pod, plugin, name)
@@ -284,3 +287,40 @@ def test_the_plugin_killed_while_it_streams_into_a_new_entry_leaves_no_entry(san
     assert _entries(plugin, "cache-stream-kill") == []
     again, _ = _restore(sandbox, pod, plugin, "cache-stream-kill", "2")
     assert _cache_use(plugin, again)["state"] == "building"
+
+
+def test_streamed_restores_of_one_version_at_once_share_the_entry_they_make(sandbox, pod, streaming_cache):
+    """Three pods restore one artifact at once, no entry yet: the first begins it, the others
+    join it. Each piece of the mapped range is written (and verified) once, by whichever serve
+    needs it first, and let go in all three; their processes share those pages from the start.
+    Faults only (no install thread): each serve lasts until its process has read its memory, so
+    the three overlap for sure."""
+    plugin = streaming_cache
+    _restart(plugin, {**plugin.env, "REKINDLE_STREAM_THREADS": "0", "REKINDLE_MAX_PARALLEL": "3"})
+    _source(sandbox, pod, plugin, "cache-join")
+    pods = []
+    for tag in ("1", "2", "3"):
+        b, cid = _restore(sandbox, pod, plugin, "cache-join", tag, wait=False)
+        wait_status(plugin, "default", b.name, "app", {"restoring"}, timeout=60)
+        wait_for(lambda cid=cid: _tree_in(sandbox, cid), 60, "the restored process")
+        pods.append((b, cid))
+    assert plugin.log().count("joining node cache entry") == 2
+    for b, _cid in pods:  # each reads its memory: its serve's faults, or pieces another serve wrote
+        got = wait_for(lambda b=b: get(sandbox.cri.pod_ip(b.id), "/", 30.0), 60, "an answer", ignore=(OSError,))
+        assert got.startswith("ok "), got
+    states = []
+    for b, _cid in pods:
+        st = wait_status(plugin, "default", b.name, "app", {"restored", "cold-start"}, timeout=120)
+        assert st["phase"] == "restored", st
+        states.append(_cache_use(plugin, b)["state"])
+    assert states == ["building", "joined", "joined"], states
+    # The three serves verified the range once between them (each chunk read from the store once).
+    verified = sum(_timings(plugin, b)["stream"]["bytes_verified"] for b, _cid in pods)
+    mapped = _cache_use(plugin, pods[0][0])["mapped_bytes"]
+    assert verified < 1.5 * mapped, (verified, mapped)
+    wait_for(lambda: _entries(plugin, "cache-join"), 120, "the entry to be finished")
+    assert plugin.log().count("(written by its restore)") >= 1
+    for _b, cid in pods:  # the pages are the file's, shared three ways
+        (pid,) = _tree_in(sandbox, cid)
+        rss, pss = _mapped_vma(pid)
+        assert rss >= 90 << 10 and pss <= rss * 0.5, (pid, rss, pss)
