@@ -163,9 +163,7 @@ def plugin_env(path: str, threads: str, map_all: bool = False) -> dict[str, str]
     host copy, the default's one range)."""
     cached = path in ("map", "stream+cache")
     restore_path = {"map": "bulk", "stream+cache": "stream"}.get(path, path)
-    threads, _, run = threads.partition("r")
     return {"REKINDLE_RESTORE_PATH": restore_path, **({"REKINDLE_FILL_THREADS": threads} if threads else {}),
-            **({"REKINDLE_STREAM_RUN": run} if run else {}),
             **({"REKINDLE_CACHE_TMPFS": "1"} if cached else {"REKINDLE_CACHE_BYTES": "0"}),
             **({"REKINDLE_MAP": "all"} if cached and map_all else {})}
 
@@ -370,7 +368,7 @@ class Bench:
             current = ("", "")  # every path starts in a fresh plugin: no run finds caches warmed by another
             for spec in args.runs.split(","):
                 how, cache = spec.split(":")
-                path, _, threads = how.partition("@")  # bulk@16: the fill on 16 threads; @12r4: mapped runs of 4
+                path, _, threads = how.partition("@")  # bulk@16: the fill on 16 threads
                 if (path, threads) != current:
                     restart_plugin(plugin, plugin_env(path, threads, map_all=wl.cpu))
                     current = (path, threads)
@@ -385,7 +383,7 @@ class Bench:
                     if path == "stream+cache":
                         rec["cache_written_s"] = await_entry(plugin)
                     if threads:
-                        rec["fill_threads"] = int(threads.partition("r")[0])
+                        rec["fill_threads"] = int(threads)
                     print(summary(rec), flush=True)
                 except Exception as exc:  # noqa: BLE001 - record it, go on with the next run
                     log.exception("run %s failed", spec)

@@ -131,7 +131,8 @@ class CacheUse:
     """How a restore used the node cache (``cache`` in the container's ``timings.json``)."""
 
     # "warm": mapped and filled from an entry; "cold": none yet; "building": none yet, and this
-    # (streamed) restore made it as it ran, its ranges mapped from it; "off": no cache
+    # (streamed) restore made it as it ran, its ranges mapped from it; "joined": the same, with
+    # another restore of the version that began it; "off": no cache
     state: str
     mapped_bytes: int = 0
     filled_bytes: int = 0
@@ -223,24 +224,24 @@ class _Building:
     inherit: list[tuple[int, str]]  # the map files, for CRIU
 
 
-def _map_building(building: nodecache.Building, images: str, plan: layout.RestorePlan) -> _Building:
-    """CRIU's images rewritten to map ``building``'s ranges from its map files (empty yet)."""
-    spans = list(building.spans)
-    bulk_map.rewrite_images(images, spans, building.key, {sp.name: sp.file_size for sp in spans})
+def _map_building(share: nodecache.Share, images: str, plan: layout.RestorePlan) -> _Building:
+    """CRIU's images rewritten to map the ranges of the entry being made from its map files."""
+    spans, key = list(share.building.spans), share.building.key
+    bulk_map.rewrite_images(images, spans, key, {sp.name: sp.file_size for sp in spans})
     return _Building(bulk_map.remainder(plan.bulk, spans),
-                     [(building.ro(sp.name), bulk_map.inherit_key(sp, building.key)) for sp in spans])
+                     [(share.ro(sp.name), bulk_map.inherit_key(sp, key)) for sp in spans])
 
 
-def _mapped_check(building: nodecache.Building | None, pidns: int) -> Callable[[], None] | None:
+def _mapped_check(share: nodecache.Share | None, pidns: int) -> Callable[[], None] | None:
     """Once the mapped ranges are registered (the tree still stopped): each is a mapping of
-    exactly its file, and no page of it is there yet."""
-    if building is None:
+    exactly its file, and no page of it is there yet (another restore may have written it)."""
+    if share is None:
         return None
-    spans = list(building.spans)
+    spans = list(share.building.spans)
 
     def check() -> None:
         pids = {sp.pid: host_pid_of(pidns, sp.pid) for sp in spans}
-        bulk_map.check_mapped(pids, spans, {sp.name: os.fstat(building.ro(sp.name)) for sp in spans})
+        bulk_map.check_mapped(pids, spans, {sp.name: os.fstat(share.ro(sp.name)) for sp in spans})
         bulk_map.check_untouched(pids, spans)
     return check
 
@@ -286,7 +287,8 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
     entry: nodecache.Held | None = None
     use = CacheUse("off")
     cold_work: CacheWork | None = None
-    building: nodecache.Building | None = None  # the entry this restore makes as it streams
+    share: nodecache.Share | None = None  # of the entry this restore makes as it streams
+    handed: nodecache.Building | None = None  # that entry, once this restore hands it to the writer
     inherit: list[tuple[int, str]] = []  # its map files, for CRIU
     try:
         # Who made them: if this process dies mid-restore, housekeeping removes them.
@@ -331,22 +333,25 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
                 if (path is RestorePath.STREAM and cold_work is not None and cold_work.spans and on_cold is not None
                         and cache is not None and stream.unsupported() is None):
                     # No entry yet: make it as this restore runs, its ranges mapped from it.
-                    building = cache.begin(artifact, plan.bulk, cold_work.spans, map_mode)
-                    if building is not None:
-                        made = _map_building(building, images, plan)
+                    # ...or the one another restore of this version is making now
+                    share = (cache.begin(artifact, plan.bulk, cold_work.spans, map_mode)
+                             or cache.join(artifact, cold_work.spans, map_mode))
+                    if share is not None:
+                        made = _map_building(share, images, plan)
                         bulk_files, inherit = made.bulk_files, made.inherit
-                        use = dataclasses.replace(use, state="building", entry=building.key,
-                                                  mapped_bytes=sum(sp.length for sp in building.spans))
-                if path is RestorePath.STREAM and (bulk_files or building is not None):
+                        use = dataclasses.replace(use, state="building" if share.first else "joined",
+                                                  entry=share.building.key,
+                                                  mapped_bytes=sum(sp.length for sp in share.building.spans))
+                if path is RestorePath.STREAM and (bulk_files or share is not None):
                     why = stream.prepare(bulk_files, images)
-                    if why is not None and building is not None:  # its ranges can only be served
+                    if why is not None and share is not None:  # its ranges can only be served
                         raise stream.StreamError(f"the streamed restore cannot run: {why}")
                     if why is not None:
                         log.warning("%s: the bulk path instead of the streamed one: %s", artifact.label, why)
                         path = RestorePath.BULK
                 fill_bulk = bool(bulk_files) and path in (RestorePath.BULK, RestorePath.STREAM)
-                served_files = plan.bulk if building is not None else bulk_files
-                if building is not None:
+                served_files = plan.bulk if share is not None else bulk_files
+                if share is not None:
                     fds, sums = _open_bulk(held, artifact, plan)
                 elif not fill_bulk:
                     fds, sums = [], []
@@ -358,13 +363,14 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
                 total = sum(b.bytes for b in served_files)
                 report = (lambda done: progress("fill", done, total)) if progress else None
                 stream_report = (lambda done: progress("stream", done, total)) if progress else None
-                if (fill_bulk or building is not None) and path is RestorePath.STREAM:  # faults served from CRIU's hand-off on
+                if (fill_bulk or share is not None) and path is RestorePath.STREAM:  # faults served from CRIU's hand-off on
                     first = (stream.driver_spans(images, manifest.cuda.pids) if manifest.cuda is not None else [])
-                    mapped = ([stream.Mapped(sp, building.out(sp.name)) for sp in building.spans]
-                              if building is not None else [])
+                    mapped = ([stream.Mapped(sp, share.out(sp.name)) for sp in share.building.spans]
+                              if share is not None else [])
                     streamed = stream.Session.begin(work, target, control, artifact.label, served_files, fds, sums,
                                                     threads=stream.threads(req.threads), progress=stream_report,
-                                                    first=first, mapped=mapped, run=stream.mapped_run())
+                                                    first=first, mapped=mapped,
+                                                    book=share.building.book if share is not None else None)
             if generations is not None:
                 generations.record(req.namespace, req.name, manifest.generation)
 
@@ -398,7 +404,7 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
                     with t.phase("stream_start"):  # installs begin; the tree runs from SIGCONT on
                         bulk.check_targets(bulk_files, os.path.join(private, layout.CRIU_DIR), result.tree,
                                            lambda pid: host_pid_of(pidns, pid))
-                        streamed.start(check=_mapped_check(building, pidns))
+                        streamed.start(check=_mapped_check(share, pidns))
                 if entry is not None and cached.spans:
                     bulk_map.check_mapped({s.pid: host_pid_of(pidns, s.pid) for s in cached.spans}, cached.spans,
                                           {s.name: entry.stat(s.name) for s in cached.spans})
@@ -431,12 +437,15 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
             with t.phase("stream"):  # until the last piece is in: then the uffds are closed
                 stats = streamed.wait()
             served = dataclasses.asdict(stats)
-            if building is not None and cold_work is not None:
-                if stats.mapped_whole:  # the writer finishes the entry, or removes it
-                    cold_work = dataclasses.replace(cold_work, premade=building)
-                else:
-                    log.info("%s: the serve did not write every mapped piece: no cache entry from it",
+            if share is not None:
+                if share.leave(stats.mapped_whole):  # the first done with it whole: the writer finishes it
+                    handed = share.building
+                elif not stats.mapped_whole:
+                    log.info("%s: not every mapped piece was written: no cache entry from this restore",
                              artifact.label)
+                share = None
+                cold_work = (dataclasses.replace(cold_work, premade=handed)
+                             if cold_work is not None and handed is not None else None)
         if control is not None:
             control.write_json(control_mod.TIMINGS, {"restore": dict(t), **({"stream": served} if served else {}),
                                                      "cache": dataclasses.asdict(use)})
@@ -451,7 +460,7 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
             progress("complete", size, size)
         if cold_work is not None and on_cold is not None:
             if on_cold(cold_work) and cold_work.premade is not None:
-                building = None  # the writer's now
+                handed = None  # the writer's now
         return dict(t)
     except BaseException as exc:
         if not final:
@@ -466,8 +475,10 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
             streamed.abort()  # a no-op once served; else the tree is killed, the holder ends
         if entry is not None:
             entry.close()  # held until here: an entry a restore maps is not evicted meanwhile
-        if building is not None:
-            building.abandon()  # not finished: the restore failed, or nobody took it
+        if share is not None:
+            share.leave(False)  # the restore failed: the last to leave removes an entry nobody finished
+        if handed is not None:
+            handed.abandon()  # handed over, but the writer did not take it
         shutil.rmtree(private, ignore_errors=True)
 
 

@@ -49,6 +49,7 @@ from runtime import layout, strict_json
 from runtime.pages import bulk, uffd
 from runtime.store import Artifact
 from runtime.pages.mapping import MapMode, Span
+from runtime.pages.stream import MappedBook
 from runtime.digests import WORKERS, new_hash, piece_ranges
 from runtime.errors import Reason, RekindleError
 from runtime.fdfs import remove_tree, safe_parts
@@ -172,24 +173,54 @@ def meminfo() -> dict[str, int]:
 
 
 class Building:
-    """An entry a streamed restore makes as it runs (:meth:`NodeCache.begin`): its map files,
+    """An entry streamed restores make as they run (:meth:`NodeCache.begin`): its map files,
     empty and of their final size, in the entry's unfinished directory (with an owner record:
-    swept once this process is provably dead). The serve writes them (:meth:`out`), CRIU maps
-    them (:meth:`ro`); then :meth:`NodeCache.write` finishes the entry, or :meth:`abandon`
-    removes it."""
+    swept once this process is provably dead), and the book of their pieces (which are written,
+    verified). Each restore of the version in this process while it is made takes a
+    :class:`Share` (the first by :meth:`NodeCache.begin`, later ones by :meth:`NodeCache.join`):
+    its serve writes the pieces no other serve wrote first and lets each go in its own tree, so
+    pods restored together share the pages from the first one on. The first restore done with
+    every piece written hands the entry to the writer (:meth:`NodeCache.write` finishes it); when
+    the last one leaves without, it is removed."""
 
     def __init__(self, cache: NodeCache, key: str, tmp: str, spans: Sequence[Span]) -> None:
         self.cache, self.key, self.tmp = cache, key, tmp
         self.spans = tuple(spans)
-        self.outs: dict[str, int] = {}
-        self.ros: dict[str, int] = {}
+        self.book = MappedBook(self.spans)
+        self.outs: dict[str, int] = {}  # the map files, read-write (each share has its own dups)
+        self.ros: dict[str, int] = {}  # and read-only (what CRIU is handed)
+        self.users = 0
+        self.taken = False  # handed to the writer by one of its restores
         self.done = False  # finished by the writer, or abandoned
+        self._lock = threading.Lock()
 
-    def out(self, name: str) -> int:
-        return self.outs[name]
+    def share(self, first: bool = False) -> Share | None:
+        """A restore's share (its own fds), None once it was handed over or abandoned."""
+        with self._lock:
+            if self.done or self.taken:
+                return None
+            self.users += 1
+        share = Share(self, first)
+        try:
+            for name, fd in self.outs.items():
+                share.outs[name] = os.dup(fd)
+            for name, fd in self.ros.items():
+                share.ros[name] = os.dup(fd)
+        except OSError:
+            share.leave(False)
+            raise
+        return share
 
-    def ro(self, name: str) -> int:
-        return self.ros[name]
+    def _left(self, whole: bool) -> bool:
+        with self._lock:
+            self.users -= 1
+            take = whole and not self.taken and not self.done
+            if take:
+                self.taken = True
+            drop = self.users == 0 and not self.taken and not self.done
+        if drop:
+            self.abandon()
+        return take
 
     def close_fds(self) -> None:
         for fd in (*self.outs.values(), *self.ros.values()):
@@ -198,12 +229,43 @@ class Building:
         self.ros.clear()
 
     def abandon(self) -> None:
-        """Remove the unfinished entry (a failed restore, a serve that did not write it all)."""
-        if self.done:
-            return
-        self.done = True
+        """Remove the unfinished entry (no restore of it got every piece written, or the one
+        that did could not hand it over). Its restores keep what they map."""
+        with self._lock:
+            if self.done:
+                return
+            self.done = True
         self.close_fds()
         self.cache._abandon(self)
+
+
+class Share:
+    """One restore's part in a :class:`Building`: its own fds of the map files (the serve
+    writes through :meth:`out`, CRIU maps :meth:`ro`), and :meth:`leave` when it is done."""
+
+    def __init__(self, building: Building, first: bool) -> None:
+        self.building, self.first = building, first
+        self.outs: dict[str, int] = {}
+        self.ros: dict[str, int] = {}
+        self._left = False
+
+    def out(self, name: str) -> int:
+        return self.outs[name]
+
+    def ro(self, name: str) -> int:
+        return self.ros[name]
+
+    def leave(self, whole: bool) -> bool:
+        """This restore is done (``whole``: it ended with every piece written); True when it is
+        the one that hands the entry to the writer."""
+        if self._left:
+            return False
+        self._left = True
+        for fd in (*self.outs.values(), *self.ros.values()):
+            os.close(fd)
+        self.outs.clear()
+        self.ros.clear()
+        return self.building._left(whole)
 
 
 class Held:
@@ -268,6 +330,7 @@ class NodeCache:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # room and eviction
     # Entries being written by this process, and the bytes they will take: each key once.
     _writing: dict[str, int] = field(default_factory=dict, repr=False)
+    _building: dict[str, Building] = field(default_factory=dict, repr=False)  # made by streamed restores
 
     def __post_init__(self) -> None:
         self.dir = os.path.join(self.root, VERSION)
@@ -470,10 +533,6 @@ class NodeCache:
             self._writing[key] = need
             return tmp
 
-    def _unreserve(self, key: str) -> None:
-        with self._lock:
-            self._writing.pop(key, None)
-
     def streams_into(self) -> str | None:
         """None when a streamed restore can make an entry as it runs (the cache is a tmpfs whose
         private mappings take minor faults), else why not."""
@@ -487,11 +546,24 @@ class NodeCache:
             return f"the node cache at {self.root}: {exc}"
         return _minor_faults(self.dir)
 
+    def join(self, artifact: Artifact, spans: Sequence[Span], mode: MapMode) -> Share | None:
+        """A share of the entry of ``artifact``'s version that other streamed restores of this
+        process are making now, mapping the same ``spans``; None when none is."""
+        with self._lock:
+            building = self._building.get(entry_key(artifact.manifest_id, mode))
+        if building is None or building.spans != tuple(spans):
+            return None
+        share = building.share()
+        if share is not None:
+            log.info("%s: joining node cache entry %s, made by another restore as it runs", artifact.label,
+                     building.key)
+        return share
+
     def begin(self, artifact: Artifact, files: Sequence[BulkFile], spans: Sequence[Span],
-              mode: MapMode) -> Building | None:
+              mode: MapMode) -> Share | None:
         """The entry of ``artifact``'s version, started for a streamed restore that maps
-        ``spans`` from it as it writes them; None when it exists, is being written, does not fit,
-        or the cache cannot take minor faults (:meth:`streams_into`)."""
+        ``spans`` from it as it writes them (its first share); None when it exists, is being
+        written, does not fit, or the cache cannot take minor faults (:meth:`streams_into`)."""
         if not spans:
             return None
         why = self.streams_into()
@@ -519,9 +591,14 @@ class NodeCache:
             except BaseException:
                 building.abandon()
                 raise
+            with self._lock:
+                self._building[key] = building
             log.info("%s: making node cache entry %s as it restores (%d range(s) mapped)", artifact.label, key,
                      len(spans))
-            return building
+            share = building.share(first=True)
+            if share is None:  # (nothing else can have it yet)
+                building.abandon()
+            return share
         finally:
             os.close(root)
 
@@ -538,6 +615,11 @@ class NodeCache:
                 os.close(root)
             self._unreserve(building.key)
 
+    def _unreserve(self, key: str) -> None:
+        with self._lock:
+            self._writing.pop(key, None)
+            self._building.pop(key, None)
+
     def write(self, artifact: Artifact, files: Sequence[BulkFile], spans: Sequence[Span], mode: MapMode,
               threads: int = WORKERS, premade: Building | None = None) -> Record | None:
         """Write ``artifact``'s entry (its bulk ``files``, ``spans`` of them mapped later) unless
@@ -553,9 +635,9 @@ class NodeCache:
         root = self._open_root()
         try:
             if premade is not None:
-                if premade.key != key or premade.spans != tuple(spans) or premade.done:
+                if premade.key != key or premade.spans != tuple(spans) or premade.done or not premade.book.whole():
                     premade.abandon()
-                    raise CacheError(f"{artifact.label}: the entry begun by its restore is not this one")
+                    raise CacheError(f"{artifact.label}: the entry begun by its restore is not this one, or not whole")
                 tmp = premade.tmp
             else:
                 got = self._reserve(root, artifact, files, key)
@@ -570,7 +652,8 @@ class NodeCache:
                 raise
             finally:
                 if premade is not None:
-                    premade.done = True
+                    with premade._lock:
+                        premade.done = True
                     premade.close_fds()
                 self._unreserve(key)
             log.info("%s: cached on this node as %s: %.1f MiB, %d range(s) to map%s", artifact.label, key,

@@ -39,7 +39,9 @@ each is read from the bulk file whole chunk by chunk, every chunk checked agains
 written into the file, and then let go (``uffd.release``: unregistered, its waiters woken).
 The process's next touch maps the file's pages as any private file mapping does, 2 MiB at a time
 on a ``huge=always`` tmpfs, with nothing copied into the process: the CUDA driver's copy reads
-huge pages, and the file becomes the node cache's entry once the restore is done.
+huge pages, and the file becomes the node cache's entry once the restore is done. Restores of
+one version at once share the files and one :class:`MappedBook`: a piece is written once, by
+whichever serve needs it first, and each serve lets it go in its own tree.
 
 Digests: each 1 MiB chunk of a bulk file has its BLAKE3 digest in ``bulk/pages-<pid>.sums``
 (written at checkpoint, signed through the manifest: ``runtime.pages.bulk.read_sums``), as the bulk
@@ -50,7 +52,6 @@ from __future__ import annotations
 
 import bisect
 import collections
-import contextlib
 import functools
 import ctypes
 import logging
@@ -340,6 +341,32 @@ class _SharedMap:
             self.addr = 0
 
 
+class MappedBook:
+    """Which pieces of the mapped ranges' files are in their files, verified there: shared by
+    every streamed restore of one version in this process that maps those files
+    (``runtime.pages.nodecache.Building``). Whoever comes first writes a piece (under its lock
+    here); every restore lets it go in its own tree. A piece is a 2 MiB-aligned window of its
+    file: its index is its offset // 2 MiB."""
+
+    def __init__(self, spans: Sequence[Span]) -> None:
+        self._locks = {s.name: [threading.Lock() for _ in range(-(-s.file_size // PIECE))] for s in spans}
+        self._written: set[tuple[str, int]] = set()
+        self._total = sum(len(locks) for locks in self._locks.values())
+
+    def lock(self, name: str, index: int) -> threading.Lock:
+        return self._locks[name][index]
+
+    def written(self, name: str, index: int) -> bool:
+        return (name, index) in self._written
+
+    def mark(self, name: str, index: int) -> None:
+        self._written.add((name, index))
+
+    def whole(self) -> bool:
+        """Every piece of every file written."""
+        return len(self._written) == self._total
+
+
 @dataclass(frozen=True)
 class Mapped:
     """A bulk range the tree maps privately from ``out``, a node-local tmpfs file the serve
@@ -420,7 +447,6 @@ class StreamStats:
     mapped_whole: bool = True  # every piece of every mapped file written (none skipped: a task gone)
     # of install_s: letting mapped pieces go (their bytes are read straight into their files: read_s)
     release_s: float = 0.0
-    run: int = 1  # mapped pieces an install thread writes before it lets them go at once
 
 
 @dataclass
@@ -453,15 +479,13 @@ class Server:
                  threads: int = WORKERS, holder: Holder | None = None,
                  progress: Callable[[int], None] | None = None,
                  first: Sequence[tuple[int, int, int]] = (), mapped: Sequence[Mapped] = (),
-                 run: int = 1) -> None:
+                 book: MappedBook | None = None) -> None:
         """``first``: (pid, start, end) address spans whose pieces are installed before the rest
         (the CUDA driver's host copy, which its restore reads while the pieces arrive).
         ``mapped``: ranges of ``files`` the tree maps from files the serve writes (each a whole
-        range of its process's bulk file): let go, not copied; they go first of all. ``run``: how
-        many consecutive mapped pieces an install thread writes before it lets them go together
-        (each let-go changes the process's VMAs under its mmap lock)."""
+        range of its process's bulk file): let go, not copied; they go first of all. ``book``: the
+        state of their files' pieces, when other restores write them too (else this serve's own)."""
         self.label, self.kill, self.holder, self.progress = label, kill, holder, progress
-        self.run = max(1, run)
         self.threads = max(0, threads)
         self.fds = [os.dup(fd) for fd in fds]  # the caller's may close before the serve ends
         self.sums = list(sums)
@@ -496,7 +520,7 @@ class Server:
             for off in range(0, m.span.file_size, PIECE):
                 lo, hi = max(off, m.span.file_offset), min(off + PIECE, m.span.file_size)
                 self.pieces.append(_Piece(len(self.pieces), len(self.files) + len(self.mapped) - 1, lo, hi - lo, b""))
-        self.written: set[int] = set()  # mapped pieces in their file already
+        self.book = book if book is not None else MappedBook([m.span for m, _src in self.mapped])
         self.order, self.first_pieces = self._order(first)  # of the installs
         self.targets: list[_Target] = []
         self.table = threading.Lock()  # targets, their ranges and pending sets
@@ -617,8 +641,8 @@ class Server:
                             round(time.monotonic() - self._t0, 3), self.threads,
                             round(c.fault_wait, 3), round(c.fault_wait_max, 4),
                             round(c.read, 3), round(c.hash, 3), round(c.install, 3), self.first_pieces, c.retries,
-                            c.mapped, all(p.id in self.written for p in self.pieces if self._is_mapped(p)),
-                            round(c.release, 3), self.run)
+                            c.mapped, self.book.whole(),
+                            round(c.release, 3))
         log.info("stream: %.1f MiB verified, %.1f MiB installed, %d faults (%d pieces first by fault, "
                  "waited %.2fs in all, %.3fs at most), %d forks, %d threads, %.2fs (%.2f GB/s; thread-seconds: "
                  "read %.2f, hash %.2f, install %.2f; %d retries; %.1f MiB mapped)",
@@ -769,7 +793,7 @@ class Server:
             t0 = time.perf_counter()
             ce = min(c + SUM_CHUNK, hi)
             a, b = max(c, at), min(ce, end)  # this piece's part of the chunk; the rest is a neighbour's
-            parts = [view for view in (scratch[:a - c], here[a - at:b - at], scratch[SUM_CHUNK:SUM_CHUNK + ce - b])]
+            parts = (scratch[:a - c], here[a - at:b - at], scratch[SUM_CHUNK:SUM_CHUNK + ce - b])
             pos = c
             for view in parts:
                 _read_into(fd, view, pos)
@@ -791,19 +815,12 @@ class Server:
         if self.progress is not None:
             self.progress(verified)
 
-    def _release_into(self, t: _Target, pieces: Sequence[_Piece]) -> None:
-        """Let mapped ``pieces`` go in ``t``: wherever their bytes are mapped there now, adjacent
-        ones at once."""
+    def _release_into(self, t: _Target, p: _Piece) -> None:
+        """Let mapped piece ``p`` go in ``t``: wherever its bytes are mapped there now."""
         t0 = time.perf_counter()
         with self.table:
-            found = sorted(seg for p in pieces for seg in t.spans(p.file, p.offset, p.offset + p.length))
+            segs = t.spans(p.file, p.offset, p.offset + p.length)
             moves = t.moves
-        segs: list[tuple[int, int, int]] = []
-        for dst, off, n in found:
-            if segs and segs[-1][0] + segs[-1][2] == dst:
-                segs[-1] = (segs[-1][0], segs[-1][1], segs[-1][2] + n)
-            else:
-                segs.append((dst, off, n))
         released = 0
         for dst, _off, n in segs:
             if self._stop.is_set():
@@ -814,47 +831,14 @@ class Server:
             except uffd.Gone:
                 pass  # unmapped since, or the process exited
         with self.table:
-            for p in pieces:
-                if t.moves == moves:
-                    t.pending.discard(p.id)
-                else:  # moved while we let it go: again, where it is now
-                    self._again.append(p.id)
+            if t.moves == moves:
+                t.pending.discard(p.id)
+            else:  # moved while we let it go: again, where it is now
+                self._again.append(p.id)
         with self.counters.lock:
             self.counters.mapped += released
             self.counters.install += time.perf_counter() - t0
             self.counters.release += time.perf_counter() - t0
-
-    def _write_and_release(self, pids: Sequence[int], needing: dict[int, list[_Target]]) -> None:
-        """Mapped pieces ``pids`` (their locks held) into their files, then let go in each target
-        that needs them."""
-        for pid in pids:
-            if pid not in self.written:
-                try:
-                    self._write_mapped(self.pieces[pid])
-                except (StreamError, OSError) as exc:
-                    self._fail(str(exc))
-                    return
-                self.written.add(pid)
-        by_target: dict[int, tuple[_Target, list[_Piece]]] = {}
-        for pid in pids:
-            for t in needing[pid]:
-                by_target.setdefault(id(t), (t, []))[1].append(self.pieces[pid])
-        for t, pieces in by_target.values():
-            self._release_into(t, pieces)
-
-    def _install_run(self, pids: Sequence[int]) -> None:
-        """Consecutive mapped pieces ``pids``, written and then let go together (their locks
-        taken in order: a fault takes one lock, so no two threads wait on each other)."""
-        with contextlib.ExitStack() as held:
-            for pid in pids:
-                held.enter_context(self.locks[pid])
-            if self._stop.is_set():
-                return
-            with self.table:
-                needing = {pid: [t for t in self.targets if t.alive and pid in t.pending] for pid in pids}
-            todo = [pid for pid in pids if needing[pid]]
-            if todo:
-                self._write_and_release(todo, needing)
 
     def _install(self, pid: int, by_fault: bool) -> None:
         """Install piece ``pid`` wherever it is still pending (once: its lock)."""
@@ -866,11 +850,21 @@ class Server:
                 needing = [t for t in self.targets if t.alive and pid in t.pending]
             if not needing:
                 return
-            if self._is_mapped(p):
+            if self._is_mapped(p):  # into its file (once, by whichever restore comes first), then let go
+                name, index = self.mapped[p.file - len(self.files)][0].span.name, p.offset // PIECE
+                with self.book.lock(name, index):
+                    if not self.book.written(name, index):
+                        try:
+                            self._write_mapped(p)
+                        except (StreamError, OSError) as exc:
+                            self._fail(str(exc))
+                            return
+                        self.book.mark(name, index)
                 if by_fault:
                     with self.counters.lock:
                         self.counters.by_fault += 1
-                self._write_and_release([pid], {pid: needing})
+                for t in needing:
+                    self._release_into(t, p)
                 return
             try:
                 addr = self._read_verified(p)
@@ -934,19 +928,10 @@ class Server:
 
     def _install_pieces(self) -> None:
         while not self._stop.is_set():
-            run: list[int] = []
             with self.table:
                 if self._next < len(self.order):
                     pid = self.order[self._next]
                     self._next += 1
-                    # a run of the next mapped pieces of the same file, in address order
-                    while (self._is_mapped(self.pieces[pid]) and len(run) + 1 < self.run
-                           and self._next < len(self.order)):
-                        nxt = self.order[self._next]
-                        if nxt != (run[-1] if run else pid) + 1 or self.pieces[nxt].file != self.pieces[pid].file:
-                            break
-                        run.append(nxt)
-                        self._next += 1
                 elif self._again:  # a child forked, or a range moved, mid-serve: what it lacks
                     pid = self._again.popleft()
                 elif any(t.pending for t in self.targets if t.alive):
@@ -959,10 +944,7 @@ class Server:
                 self._stop.wait(0.01)
                 continue
             try:
-                if run:
-                    self._install_run([pid, *run])
-                else:
-                    self._install(pid, by_fault=False)
+                self._install(pid, by_fault=False)
             finally:
                 with self.table:
                     self._busy -= 1
@@ -1154,14 +1136,6 @@ def unsupported(criu: str = CRIU) -> str | None:
 # --- one streamed restore, as runtime.restore drives it -------------------------------------------
 
 THREADS_ENV = "REKINDLE_STREAM_THREADS"
-RUN_ENV = "REKINDLE_STREAM_RUN"
-DEFAULT_RUN = 1
-
-
-def mapped_run() -> int:
-    """Mapped pieces let go at once: ``$REKINDLE_STREAM_RUN`` (1-64) when set, else :data:`DEFAULT_RUN`."""
-    raw = os.environ.get(RUN_ENV, "")
-    return int(raw) if raw.isdigit() and 1 <= int(raw) <= 64 else DEFAULT_RUN
 
 
 # Measured on 16 cores beside the driver's CUDA restore (bench/results/h200): 8 and 12 threads
@@ -1227,7 +1201,7 @@ class Session:
               files: Sequence[BulkFile], fds: Sequence[int], sums: Sequence[bytes],
               threads: int, progress: Callable[[int], None] | None = None,
               first: Sequence[tuple[int, int, int]] = (), mapped: Sequence[Mapped] = (),
-              run: int = 1) -> Session:
+              book: MappedBook | None = None) -> Session:
         from runtime.pages.holder import kill_namespace, now_ticks
         pidns, init_pid = target.namespaces["pid"].inode, target.init_pid
         holder = Holder(pidns, init_pid, str(control.path) if control is not None else None,
@@ -1241,7 +1215,7 @@ class Session:
             # whatever the tree forked since is in its pid namespace: kill all of it, but the init
             server = Server(label, files, fds, sums, lambda: kill_namespace(pidns, init_pid, now_ticks()),
                             threads=threads, holder=holder, progress=progress, first=first, mapped=mapped,
-                            run=run)
+                            book=book)
         except BaseException:
             listener.close()
             holder.close()
