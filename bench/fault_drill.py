@@ -4,7 +4,9 @@ real plugin process.
 Usage (root): ``python -m bench.fault_drill [--only faults|load] [--out-dir bench/results/cpu]``
 
 Faults: for each phase of a checkpoint (inspect, criu_dump, rootfs_capture, shm_capture, split,
-publish) and of a restore (open/inspect, stage, rootfs_apply, criu_restore, fill), and for each
+publish) and of a restore (open/inspect, stage, rootfs_apply, criu_restore, and the serve while
+the tree runs, stream_start/stream, on the streamed path, the default; the fill with
+``--restore-path bulk``), and for each
 fault (the plugin killed with SIGKILL, then restarted; the sandbox's containerd restarted in
 place; the store's tmpfs filled to the last byte), one cell (bench/drill/cells.py): the fault is
 landed while the phase runs, then the drill checks that the pod runs (restored, or cold started
@@ -34,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.drill import report
-from bench.drill.cells import CHECKPOINT_PHASES, RESTORE_ROWS, checkpoint_cell, restore_cell
+from bench.drill.cells import CHECKPOINT_PHASES, checkpoint_cell, restore_cell, restore_rows
 from bench.drill.faults import Fault
 from bench.drill.load import load_figure
 from bench.drill.rig import Rig, Workload, dump_json, fields
@@ -67,10 +69,10 @@ def run_faults(rig: Rig, args: argparse.Namespace, doc: dict[str, Any], save: An
               f"[{cell.seconds:.0f} s]", flush=True)
         save()
 
-    for phase in _pick(CHECKPOINT_PHASES, args.checkpoint_phases):
+    for phase in [] if args.checkpoint_phases == "none" else _pick(CHECKPOINT_PHASES, args.checkpoint_phases):
         for fault in faults:
             record(checkpoint_cell(rig, wl, phase, fault))
-    rows = _pick(RESTORE_ROWS, args.restore_phases)
+    rows = _pick(restore_rows(rig.restore_path), args.restore_phases)
     if rows:
         src = rig.start_pod("drill-base-src", wl, {"rekindle.dev/checkpoint": BASE})
         st = rig.wait_status(src, {Phase.PUBLISHED, Phase.CHECKPOINT_FAILED}, 300)
@@ -99,7 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--blob-mib", type=int, default=256, help="file in the writable layer")
     ap.add_argument("--shm-mib", type=int, default=48, help="file in /dev/shm (its tmpfs holds 64 MiB)")
     ap.add_argument("--store-mib", type=int, default=None, help="the store's tmpfs (default: two artifacts)")
-    ap.add_argument("--checkpoint-phases", default=None, help="comma list (default: all)")
+    ap.add_argument("--restore-path", choices=("stream", "bulk"), default="stream",
+                    help="the plugin's restore path: its rows (the serve, or the fill) are drilled")
+    ap.add_argument("--checkpoint-phases", default=None, help="comma list (default: all; none: no checkpoint cell)")
     ap.add_argument("--restore-phases", default=None, help="comma list (default: all)")
     ap.add_argument("--faults", default=None, help="comma list of kill,containerd,disk-full (default: all)")
     ap.add_argument("--load-pods", type=int, default=100)
@@ -118,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
         "host": {"kernel": platform.release(), "cpus": os.cpu_count(),
                  "criu": subprocess.run(["/usr/local/sbin/criu", "--version"], capture_output=True,
                                         text=True).stdout.split("\n")[0].strip()},
-        "config": {"warmup_mib": args.warmup_mib, "blob_mib": args.blob_mib, "shm_mib": args.shm_mib,
+        "config": {"restore_path": args.restore_path, "warmup_mib": args.warmup_mib, "blob_mib": args.blob_mib,
+                   "shm_mib": args.shm_mib,
                    "store_mib": store_mib, "load_pods": args.load_pods, "load_warmup_mib": args.load_warmup_mib},
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
@@ -128,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
 
     lock = hold_e2e_lock()
     t0 = time.monotonic()
-    rig = Rig(args.work, store_mib)
+    rig = Rig(args.work, store_mib, args.restore_path)
     try:
         rig.up()
         if args.only in (None, "faults"):

@@ -27,9 +27,19 @@ from runtime.store import gc as store_gc
 from runtime.status import Phase
 
 CHECKPOINT_PHASES = ("inspect", "criu_dump", "rootfs_capture", "shm_capture", "split", "publish")
-RESTORE_PHASES = ("open", "inspect", "stage", "rootfs_apply", "criu_restore", "fill")
-# Rows of the restore table: open and inspect are one row (together they take milliseconds).
-RESTORE_ROWS = ("open/inspect", "stage", "rootfs_apply", "criu_restore", "fill")
+# A restore's phases on each path (--restore-path): the bulk path fills the stopped tree, the
+# streamed one (the default) lets it run and serves its memory (stream_start, then the serve).
+RESTORE_PHASES = {"bulk": ("open", "inspect", "stage", "rootfs_apply", "criu_restore", "fill"),
+                  "stream": ("open", "inspect", "stage", "rootfs_apply", "criu_restore", "stream_start", "stream")}
+# Rows of the restore table: open and inspect are one row (together they take milliseconds), and
+# so are the serve's start and the serve.
+SERVE = "stream_start/stream"
+RESTORE_ROWS = ("open/inspect", "stage", "rootfs_apply", "criu_restore", "fill", SERVE)
+
+
+def restore_rows(path: str) -> tuple[str, ...]:
+    """The rows a restore on ``path`` has (``fill`` on the bulk path, the serve on the streamed one)."""
+    return tuple(r for r in RESTORE_ROWS if r != ("fill" if path == "stream" else SERVE))
 SETTLE_TIMEOUT = 240.0
 
 
@@ -117,6 +127,8 @@ RESTORE_TRIGGERS: dict[str, Trigger] = {
     "criu_restore": lambda rig, run, marker: observe.criu_op("restore", marker) or _ended(rig, "rootfs_apply"),
     # Not "the tree is stopped": CRIU leaves it stopped before criu_restore ends (confinement).
     "fill": lambda rig, run, marker: _ended(rig, "criu_restore"),
+    # The serve starts as CRIU returns; the tree runs from stream_start on, its memory arriving.
+    SERVE: lambda rig, run, marker: _ended(rig, "criu_restore"),
 }
 
 
@@ -191,7 +203,8 @@ def promised_checkpoint(fault: Fault) -> set[Phase]:
 
 
 def promised_restore(fault: Fault, row: str) -> set[Phase]:
-    if fault is Fault.CONTAINERD or (fault is Fault.DISK_FULL and row == "fill"):  # the fill writes nothing
+    # the fill and the serve write nothing to the store or the node's work disk
+    if fault is Fault.CONTAINERD or (fault is Fault.DISK_FULL and row in ("fill", SERVE)):
         return {Phase.RESTORED}
     if fault is Fault.KILL:
         return {Phase.COLD_START}
@@ -328,7 +341,7 @@ def restore_cell(rig: Rig, wl: Workload, base: str, ref: dict[str, str], row: st
         else:
             inj = inject(fault, rig, marker, dst.pidns)
         cell.injected = {"after_s": round(inj.seconds, 3), **inj.seen}
-        cell.landed = landed(RESTORE_PHASES, rig.tail.phases(inj.at))
+        cell.landed = landed(RESTORE_PHASES[rig.restore_path], rig.tail.phases(inj.at))
         st = rig.wait_status(dst, {Phase.RESTORED, Phase.COLD_START}, SETTLE_TIMEOUT)
         # A restore job still running in a live plugin ends with one of these lines; wait for it,
         # so that nothing it does afterwards can escape the checks.

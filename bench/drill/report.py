@@ -37,6 +37,8 @@ def fault_tables(cells: list[dict[str, Any]]) -> str:
         out.append(f"| {flow} phase | " + " | ".join(f.title for f in Fault) + " |")
         out.append("|---" * (len(Fault) + 1) + "|")
         for row in rows:
+            if not any(r == row for r, _f in mine):  # the other restore path's row
+                continue
             cols = [_cell_text(mine[(row, f.value)]) if (row, f.value) in mine else "not run" for f in Fault]
             out.append(f"| {row} | " + " | ".join(cols) + " |")
         out.append("")

@@ -106,13 +106,15 @@ def same_start(body: str, ref: dict[str, str]) -> bool:
 
 
 class Rig:
-    def __init__(self, work: Path, store_mib: int) -> None:
+    def __init__(self, work: Path, store_mib: int, restore_path: str = "stream") -> None:
         self.work = work
+        self.restore_path = restore_path
         self.sandbox = Sandbox(SandboxConfig(runtime=Runtime.V1_7))
         self.started_sandbox = False
         self.cri: CRIClient | None = None
         handle = _Handle(self.sandbox)
         self.plugin = PluginProcess(handle, work / "plugin")
+        self.plugin.env = {"REKINDLE_RESTORE_PATH": restore_path}
         self.disk = StoreDisk(self.plugin.store, store_mib)
         # The node-local work dir: a checkpoint's private dump, a restore's private copies.
         self.node_disk = StoreDisk(self.plugin.state_dir / "logs", store_mib, label="node")
