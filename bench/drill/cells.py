@@ -127,8 +127,8 @@ RESTORE_TRIGGERS: dict[str, Trigger] = {
     "criu_restore": lambda rig, run, marker: observe.criu_op("restore", marker) or _ended(rig, "rootfs_apply"),
     # Not "the tree is stopped": CRIU leaves it stopped before criu_restore ends (confinement).
     "fill": lambda rig, run, marker: _ended(rig, "criu_restore"),
-    # The serve starts as CRIU returns; the tree runs from stream_start on, its memory arriving.
-    SERVE: lambda rig, run, marker: _ended(rig, "criu_restore"),
+    # Once the serve is under way: the tree runs from the end of stream_start on, its memory arriving.
+    SERVE: lambda rig, run, marker: _ended(rig, "stream_start"),
 }
 
 
