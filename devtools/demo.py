@@ -78,8 +78,11 @@ def _phase_table(store: Path, timings: dict[str, float]) -> str:
     threads = os.cpu_count() or 1
     read = phases.read_gbps(files, threads)  # page cache: the restore just read it
     copy = min(read, phases.copy_gbps(threads))
-    ceilings = {"stage": read, "rootfs_apply": read, "criu_restore": copy, "fill": copy}
-    return phases.format_rows(phases.rows(timings, phases.phase_bytes(art), ceilings))
+    ceilings = {"stage": read, "rootfs_apply": read, "criu_restore": copy, "fill": copy, "stream": copy}
+    moved = phases.phase_bytes(art)
+    if "stream" in timings:  # the bulk pages arrived while the server ran
+        moved["stream"] = moved.pop("fill")
+    return phases.format_rows(phases.rows(timings, moved, ceilings))
 
 
 def main() -> int:
