@@ -192,10 +192,14 @@ class Building:
         self.users = 0
         self.taken = False  # handed to the writer by one of its restores
         self.done = False  # finished by the writer, or abandoned
+        self.ready = threading.Event()  # its files are made (or it was abandoned)
         self._lock = threading.Lock()
 
-    def share(self, first: bool = False) -> Share | None:
-        """A restore's share (its own fds), None once it was handed over or abandoned."""
+    def share(self, first: bool = False, wait: float = 30.0) -> Share | None:
+        """A restore's share (its own fds), once its files are made; None once it was handed
+        over or abandoned (or its files took longer than ``wait``)."""
+        if not first and not self.ready.wait(wait):
+            return None
         with self._lock:
             if self.done or self.taken:
                 return None
@@ -235,6 +239,7 @@ class Building:
             if self.done:
                 return
             self.done = True
+        self.ready.set()  # whoever waits to join it gets nothing
         self.close_fds()
         self.cache._abandon(self)
 
@@ -512,9 +517,12 @@ class NodeCache:
 
     # --- writing ----------------------------------------------------------------------------
 
-    def _reserve(self, root: int, artifact: Artifact, files: Sequence[BulkFile], key: str) -> str | None:
+    def _reserve(self, root: int, artifact: Artifact, files: Sequence[BulkFile], key: str,
+                 spans: Sequence[Span] | None = None) -> tuple[str, Building | None] | None:
         """Room for ``artifact``'s entry, and its unfinished directory made (the key reserved for
-        this process's one writer of it); None when it exists, is being written, or does not fit."""
+        this process's one writer of it); None when it exists, is being written, or does not fit.
+        With ``spans``: the :class:`Building` its streamed restores make, registered at once (a
+        restore that comes a moment later joins it, once its files are there)."""
         with self._lock:
             if key in self._writing or os.path.exists(os.path.join(self.dir, key, ENTRY)):
                 return None
@@ -531,7 +539,10 @@ class NodeCache:
                 self._remove(root, tmp)
             os.mkdir(tmp, 0o700, dir_fd=root)
             self._writing[key] = need
-            return tmp
+            building = None
+            if spans is not None:
+                building = self._building[key] = Building(self, key, tmp, spans)
+            return tmp, building
 
     def streams_into(self) -> str | None:
         """None when a streamed restore can make an entry as it runs (the cache is a tmpfs whose
@@ -573,10 +584,13 @@ class NodeCache:
         key = entry_key(artifact.manifest_id, mode)
         root = self._open_root()
         try:
-            tmp = self._reserve(root, artifact, files, key)
-            if tmp is None:
+            got = self._reserve(root, artifact, files, key, spans)
+            if got is None:
                 return None
-            building = Building(self, key, tmp, spans)
+            tmp, made = got
+            if made is None:
+                return None
+            building = made
             try:
                 dir_fd = os.open(tmp, DIR_FLAGS, dir_fd=root)
                 try:
@@ -591,11 +605,10 @@ class NodeCache:
             except BaseException:
                 building.abandon()
                 raise
-            with self._lock:
-                self._building[key] = building
             log.info("%s: making node cache entry %s as it restores (%d range(s) mapped)", artifact.label, key,
                      len(spans))
             share = building.share(first=True)
+            building.ready.set()
             if share is None:  # (nothing else can have it yet)
                 building.abandon()
             return share
@@ -643,7 +656,7 @@ class NodeCache:
                 got = self._reserve(root, artifact, files, key)
                 if got is None:
                     return None
-                tmp = got
+                tmp = got[0]
             try:
                 rec = self._write_into(root, tmp, key, artifact, files, spans, mode, threads, premade)
                 os.rename(tmp, key, src_dir_fd=root, dst_dir_fd=root)
