@@ -56,8 +56,9 @@ def plot(table: list[dict[str, Any]], png: Path) -> None:
     for ax, key in ((a, "first_answer_s"), (b, "peak_pss_gib")):
         for i, r in enumerate(table):
             ax.text(r[key], i, f" {r[key]:.1f}", va="center", fontsize=7)
-    fig.suptitle("Pods restored at once from one artifact on one H200 (7.6 B LLM worker): off = today's path, "
-                 "warm = mapped from the node cache", fontsize=9)
+    fig.suptitle("Pods restored at once from one artifact on one H200 (the workload in each label): off = no node "
+                 "cache, warm = mapped from its entry, cold = no entry yet (streamed restores make it and share it)",
+                 fontsize=9)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
 
