@@ -32,7 +32,7 @@ tree is resumed right after CRIU, and the bulk ranges arrive while it runs:
 Mapped ranges (the first restore of a version on a node whose cache is a tmpfs:
 ``runtime.pages.nodecache.Building``): CRIU maps such a range ``MAP_PRIVATE`` from a file of the
 cache entry being made (``runtime.pages.mapping``), empty yet, and the server registers it in
-missing and minor mode on the task's uffd before the tree runs (:meth:`Server.start`), so every
+missing and minor mode on the task's uffd before the tree runs (:meth:`Server.register_mapped`), so every
 touch of it is the server's, whether its page is in the file yet or not. Its pieces are 2 MiB
 of the file, which are 2 MiB of address space (the file holds the range at ``vaddr % 2 MiB``):
 each is read from the bulk file whole chunk by chunk, every chunk checked against its digest,
