@@ -224,6 +224,15 @@ class _Building:
     inherit: list[tuple[int, str]]  # the map files, for CRIU
 
 
+def _share_entry(cache: nodecache.NodeCache | None, artifact: Artifact, plan: layout.RestorePlan, cold: CacheWork,
+                 mode: bulk_map.MapMode) -> nodecache.Share | None:
+    """No entry of this version yet, and the restore streams: a share of the entry it makes as it
+    runs, or of the one another restore of the version is making now (None: it streams by copy)."""
+    if cache is None or not cold.spans or stream.unsupported() is not None:
+        return None
+    return cache.begin(artifact, plan.bulk, cold.spans, mode) or cache.join(artifact, cold.spans, mode)
+
+
 def _map_building(share: nodecache.Share, images: str, plan: layout.RestorePlan) -> _Building:
     """CRIU's images rewritten to map the ranges of the entry being made from its map files."""
     spans, key = list(share.building.spans), share.building.key
@@ -330,12 +339,8 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
                 if cached.spans and path is RestorePath.STREAM:  # (none mapped: it streams from the entry)
                     log.info("%s: mapped from the node cache, the rest filled (nothing left to stream)", artifact.label)
                     path = RestorePath.BULK
-                if (path is RestorePath.STREAM and cold_work is not None and cold_work.spans and on_cold is not None
-                        and cache is not None and stream.unsupported() is None):
-                    # No entry yet: make it as this restore runs, its ranges mapped from it.
-                    # ...or the one another restore of this version is making now
-                    share = (cache.begin(artifact, plan.bulk, cold_work.spans, map_mode)
-                             or cache.join(artifact, cold_work.spans, map_mode))
+                if path is RestorePath.STREAM and cold_work is not None and on_cold is not None:
+                    share = _share_entry(cache, artifact, plan, cold_work, map_mode)
                     if share is not None:
                         made = _map_building(share, images, plan)
                         bulk_files, inherit = made.bulk_files, made.inherit
