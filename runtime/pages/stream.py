@@ -758,14 +758,18 @@ class Server:
             if digest.digest() != p.digests[k:k + DIGEST_BYTES]:
                 raise StreamIntegrityError(f"chunk at {p.offset + start} of {self.files[p.file].path} does not match its digest")
             reading, hashing = reading + (t1 - t0), hashing + (time.perf_counter() - t1)
+        self._verified(p.length, reading, hashing)
+        return addr
+
+    def _verified(self, length: int, reading: float, hashing: float) -> None:
+        """``length`` more bytes verified (read and hashed in those thread-seconds): counted, reported."""
         with self.counters.lock:
-            self.counters.verified += p.length
+            self.counters.verified += length
             self.counters.read += reading
             self.counters.hash += hashing
             verified = self.counters.verified
         if self.progress is not None:
             self.progress(verified)
-        return addr
 
     def _write_mapped(self, p: _Piece) -> None:
         """Mapped piece ``p`` into its file, verified there: its bytes read from its bulk file
@@ -807,13 +811,7 @@ class Server:
                 raise StreamIntegrityError(f"chunk at {c} of {self.files[src].path} does not match its digest")
             reading, hashing = reading + (t1 - t0), hashing + (time.perf_counter() - t1)
         here.release()
-        with self.counters.lock:
-            self.counters.verified += p.length
-            self.counters.read += reading
-            self.counters.hash += hashing
-            verified = self.counters.verified
-        if self.progress is not None:
-            self.progress(verified)
+        self._verified(p.length, reading, hashing)
 
     def _release_into(self, t: _Target, p: _Piece) -> None:
         """Let mapped piece ``p`` go in ``t``: wherever its bytes are mapped there now."""
