@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import os
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import blake3
 
@@ -21,6 +22,22 @@ _CHUNK = 1 << 20
 PIECE = 64 << 20
 _PIECE_TAG = b"rekindle-pieces-v2\n"
 WORKERS = min(16, os.cpu_count() or 1)
+
+
+@dataclass(frozen=True)
+class Hashed:
+    """A file hashed while it was written (runtime.pages.tailhash): stands for a hash of the very
+    inode at the very size and modification time only (its maker holds the inode open until it
+    is used, so the number is not reused meanwhile)."""
+    dev: int
+    ino: int
+    size: int
+    mtime_ns: int
+    sums: bytes   # the digest of each layout.SUM_CHUNK, in order (a bulk file's .sums)
+    digest: str   # the file's digest, as hash_fd gives it
+
+    def matches(self, st: os.stat_result) -> bool:
+        return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) == (self.dev, self.ino, self.size, self.mtime_ns)
 
 
 def combine_pieces(size: int, pieces: list[bytes]) -> str:

@@ -53,7 +53,7 @@ from runtime.layout import (BULK_DIR, CRIU_DIR, DIGEST_BYTES, SUM_CHUNK, BulkFil
                             bulk_pagemap, bulk_sums)
 from runtime.store import Artifact
 from runtime import digests
-from runtime.digests import WORKERS, new_hash, piece_ranges
+from runtime.digests import WORKERS, Hashed, new_hash, piece_ranges
 from runtime.pagecache import is_cached
 
 log = logging.getLogger(__name__)
@@ -252,9 +252,13 @@ def write_sums(bulk_path: str, sums_path: str) -> None:
                                  range(0, size, SUM_CHUNK)))
     finally:
         os.close(fd)
+    _write_sums_file(sums_path, b"".join(sums))
+
+
+def _write_sums_file(sums_path: str, data: bytes) -> None:
     tmp = sums_path + ".tmp"
     with open(tmp, "wb") as f:
-        f.write(b"".join(sums))
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, sums_path)
@@ -303,13 +307,17 @@ def _inherited(procs: Sequence[img.PstreeEntry], vmas_of: Mapping[int, list[Any]
 
 
 def split(artifact_dir: str, huge: Mapping[int, Sequence[tuple[int, int]]] | None = None,
-          min_run: int = MIN_RUN) -> tuple[tuple[BulkFile, ...], SplitStats]:
+          min_run: int = MIN_RUN, hashed: Mapping[str, Hashed] | None = None,
+          ) -> tuple[tuple[BulkFile, ...], SplitStats]:
     """Move the bulk page runs of the dump in ``artifact_dir/criu`` to ``artifact_dir/bulk``.
 
     ``huge`` maps each CUDA process (pid as the image numbers it) to the address ranges whose
     VMAs get MADV_HUGEPAGE (the driver's staging copy, seen appear at the CUDA checkpoint; when
-    none was seen, the process's largest bulk run, if at least 1 GiB). Returns the bulk files."""
+    none was seen, the process's largest bulk run, if at least 1 GiB). ``hashed``: what
+    :mod:`runtime.pages.tailhash` hashed of the pages images, by path, while CRIU wrote them
+    (used for the very file only). Returns the bulk files."""
     t0 = time.monotonic()
+    hashed = hashed or {}
     images = os.path.join(artifact_dir, CRIU_DIR)
     files, moved_total, kept_total = [], 0, 0
     procs = [e for e in img.read_pstree(images)
@@ -333,10 +341,14 @@ def split(artifact_dir: str, huge: Mapping[int, Sequence[tuple[int, int]]] | Non
             continue
         os.makedirs(os.path.join(artifact_dir, BULK_DIR), mode=0o700, exist_ok=True)
         dest = os.path.join(artifact_dir, bulk_file(pid))
+        ahead = hashed.get(pagemap.pages_path)
         os.rename(pagemap.pages_path, dest)
         shutil.copyfile(pagemap.path, os.path.join(artifact_dir, bulk_pagemap(pid)))
         kept_total += _copy_kept(pagemap, dest, moved)
-        write_sums(dest, os.path.join(artifact_dir, bulk_sums(pid)))
+        if ahead is not None and ahead.matches(os.stat(dest)):
+            _write_sums_file(os.path.join(artifact_dir, bulk_sums(pid)), ahead.sums)
+        else:
+            write_sums(dest, os.path.join(artifact_dir, bulk_sums(pid)))
         img.write_pagemap(pagemap, [e for i, e in enumerate(pagemap.entries) if i not in moved])
         if huge is not None and pid in huge:  # a CUDA process
             _mark_huge(images, pid, huge[pid], ranges)

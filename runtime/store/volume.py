@@ -52,11 +52,12 @@ import stat
 import tempfile
 import time
 from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
 from types import TracebackType
 
 from runtime import layout, names
 from runtime.store.artifact import Artifact, Vanished
-from runtime.digests import hash_fd
+from runtime.digests import Hashed, hash_fd
 from runtime.fdfs import (DIR_FLAGS, FILE_FLAGS, exclusive, ofd_lock, open_regular, read_capped, remove_tree,
                           rename_noreplace, same_inode, walk_files_path, why, write_file)
 from runtime.errors import ArtifactNotFound, ArtifactRejected, RekindleError, StoreError
@@ -153,8 +154,10 @@ class Staging:
             os.close(ns_fd)
         self.entry = None
 
-    def publish(self, manifest: Manifest, key: bytes) -> Manifest:
-        """Record every file in the manifest, sign it, and switch the name to this version."""
+    def publish(self, manifest: Manifest, key: bytes, known: Iterable[Hashed] = ()) -> Manifest:
+        """Record every file in the manifest, sign it, and switch the name to this version.
+        ``known``: digests made of private files while they were written (runtime.pages.tailhash);
+        a file moved in that is the very inode, at the very size, is not read again."""
         if (manifest.namespace, manifest.name) != (self.namespace, self.name):
             raise StoreError(f"manifest names {manifest.namespace}/{manifest.name}, staging is "
                              f"for {self.namespace}/{self.name}")
@@ -171,7 +174,7 @@ class Staging:
             try:
                 self.entry, self._entry_stat = entry, os.fstat(st_fd)
                 write_owner_at(st_fd)
-                files = _transfer(self.path, st_fd, label)
+                files = _transfer(self.path, st_fd, label, {(k.dev, k.ino): k for k in known})
                 generation = max(time.time_ns() // 1000, generation_of(previous) + 1)
                 manifest = dataclasses.replace(manifest, files=tuple(files), generation=generation)
                 data = manifest.to_json()
@@ -253,11 +256,14 @@ def _check_private(root: str) -> None:
         raise StoreError(f"private staging root {root} is not a directory only its owner can write")
 
 
-def _transfer(src_root: str, dst_fd: int, label: str) -> list[FileEntry]:
+def _transfer(src_root: str, dst_fd: int, label: str,
+              known: Mapping[tuple[int, int], Hashed] | None = None) -> list[FileEntry]:
     """Move or copy the private tree ``src_root`` into the store dir ``dst_fd``; the files' entries.
 
     Every file is hashed from its private bytes: moved in with a no-replace rename when the store
-    is on the same file system, else copied while hashed into a file created exclusively."""
+    is on the same file system (a ``known`` digest of that very inode and size stands for the
+    hash), else copied while hashed into a file created exclusively."""
+    known = known or {}
     files: list[FileEntry] = []
     dirs: dict[str, int] = {"": os.dup(dst_fd)}
     dst_dev = os.fstat(dst_fd).st_dev
@@ -274,7 +280,11 @@ def _transfer(src_root: str, dst_fd: int, label: str) -> list[FileEntry]:
                 if not stat.S_ISREG(st.st_mode):
                     raise StoreError(f"staging entry {rel} is not a regular file")
                 if st.st_dev == dst_dev and _move(src_dir, base, pfd):
-                    size, digest = hash_fd(fd)
+                    ahead = known.get((st.st_dev, st.st_ino))
+                    if ahead is not None and ahead.matches(st):
+                        size, digest = ahead.size, ahead.digest
+                    else:
+                        size, digest = hash_fd(fd)
                     os.fsync(fd)
                 else:
                     out = os.open(base, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,

@@ -573,10 +573,10 @@ def test_publish_never_writes_through_a_name_planted_in_the_store(tmp_path: Path
     victim.write_text("victim\n")
     real = store_mod._transfer
 
-    def planted(src_root: str, dst_fd: int, label: str):  # type: ignore[no-untyped-def]
+    def planted(src_root: str, dst_fd: int, label: str, known=None):  # type: ignore[no-untyped-def]
         os.mkdir("criu", dir_fd=dst_fd)
         os.symlink(victim, "criu/core-1.img", dir_fd=dst_fd)
-        return real(src_root, dst_fd, label)
+        return real(src_root, dst_fd, label, known)
 
     monkeypatch.setattr(store_mod, "_transfer", planted)
     monkeypatch.setattr(store_mod, "_move", lambda *a: False)
