@@ -39,6 +39,7 @@ from runtime.pages import NodeCache
 from runtime.probe import probe as run_probe
 from runtime.rollback import GenerationBook
 from runtime.status import StatusBook
+from runtime.thp import ThpSwitch
 from runtime.store import ArtifactStore
 
 from . import guards
@@ -118,6 +119,8 @@ class NodeEngine:
         self.cache: NodeCache | None = None  # the node cache, and its writer (run_plugin)
         self.cache_writer: CacheWriter | None = None
         self.exit_code: ExitCode | None = None      # set by _engine when containerd answers
+        # THP switched to always around CUDA checkpoints, where asked (runtime.thp)
+        self.thp = ThpSwitch(settings.thp_record) if settings.checkpoint_thp == "always" else None
 
     def _source_rules(self, work: Work) -> None:
         """Right before a checkpoint: the rules of ``guards`` that only now have an answer."""
@@ -141,7 +144,7 @@ class NodeEngine:
             exit_after=work.intent.after_checkpoint is AfterCheckpoint.EXIT,
             max_layer_bytes=min(work.intent.max_layer_bytes, self.settings.max_layer_bytes))
         return checkpoint_flow.checkpoint(req, self.store, self.key, control=work.control, cuda=self.cuda,
-                                          progress=work.progress)
+                                          progress=work.progress, thp=self.thp)
 
     def restore(self, work: Work) -> dict[str, float]:
         req = restore_request(self.settings, work.container_id, work.namespace, work.artifact, image=work.image,
@@ -336,6 +339,10 @@ def run_plugin(settings: Settings, max_parallel: int = 2) -> int:
     install_init(settings)
     os.makedirs(settings.store, exist_ok=True)
     status = StatusBook(settings.state_dir)
+    try:  # a THP mode a killed checkpoint left switched goes back first, whatever the setting now
+        ThpSwitch(settings.thp_record).recover()
+    except OSError as exc:
+        log.error("transparent huge pages: cannot put the recorded mode back: %s", exc)
     # The host files' digests outlive a restart: the first restore after it need not read them all.
     hostfiles.CACHE.persist(os.path.join(settings.state_dir, HOST_DIGESTS))
     log.info("node %s: kernel %s, CRIU %s, CUDA %s", facts.hostname, facts.kernel, facts.criu_version,
@@ -447,7 +454,7 @@ def checkpoint_once(settings: Settings, container_id: str, namespace: str, name:
     node = _engine(settings)
     req = checkpoint_request(settings, container_id, namespace, name, exit_after=exit_after)
     return checkpoint_flow.checkpoint(req, node.store, node.key, control=_control_of(settings, container_id),
-                                      cuda=node.engine.cuda, progress=progress)
+                                      cuda=node.engine.cuda, progress=progress, thp=node.engine.thp)
 
 
 def restore_once(settings: Settings, container_id: str, namespace: str, name: str,

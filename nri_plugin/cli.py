@@ -101,6 +101,14 @@ def _paths(p: argparse.ArgumentParser) -> None:
     p.add_argument("--containerd-socket", default=d.containerd_socket, help="containerd socket (default: %(default)s)")
 
 
+def _thp_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint-thp", choices=("keep", "always"),
+                   default=os.environ.get("REKINDLE_CHECKPOINT_THP", "keep"),
+                   help="the node's transparent huge page mode during a CUDA checkpoint: keep it, or "
+                        "always (node-wide for those seconds: the driver's host copy then comes in huge "
+                        "pages, and the checkpoint is faster) ($REKINDLE_CHECKPOINT_THP, else keep)")
+
+
 FORMATS = ("text", "json", "yaml")
 
 
@@ -239,6 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="what a restore from the node cache maps instead of copying: driver (the CUDA "
                         "driver's host copy), all (every large private anonymous range: it then reads the "
                         "cached bytes back after MADV_DONTNEED, not zeros) or none ($REKINDLE_MAP, else driver)")
+    _thp_flag(p)
     p.add_argument("--capture-timeout", type=_positive, default=600,
                    help="seconds a checkpoint may spend capturing the writable layer (default: %(default)s)")
     p.add_argument("--no-prefetch", dest="prefetch", action="store_false",
@@ -261,6 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--namespace", required=True, help="Kubernetes namespace the artifact belongs to")
     p.add_argument("--name", required=True, help="artifact name")
     p.add_argument("--exit", action="store_true", help="stop the source workload afterwards")
+    _thp_flag(p)
     _output(p)
     p.set_defaults(func=cmd_checkpoint)
 

@@ -53,6 +53,7 @@ class Settings:
     cache_tmpfs: bool = False       # mount a huge=always tmpfs there (in the plugin's mount namespace)
     map_ranges: str = "driver"      # what a restore from the cache maps: driver, all or none (runtime.pages.mapping)
     capture_timeout: int = 600      # seconds a checkpoint may spend capturing the writable layer
+    checkpoint_thp: str = "keep"    # keep, or always: the node's THP mode during a CUDA checkpoint (runtime.thp)
     probes_per_pod: int = 1         # ready-probes of one pod at once (its checkpoint sources)
     probes_per_node: int = 16       # ready-probes of the whole node at once
     metrics_port: int = 9464        # /metrics, /readyz, /healthz; 0: no HTTP endpoint at all
@@ -65,6 +66,11 @@ class Settings:
     @property
     def key_path(self) -> Path:
         return Path(self.hmac_key_file or os.path.join(self.state_dir, "hmac.key"))
+
+    @property
+    def thp_record(self) -> str:
+        """The THP mode found before a CUDA checkpoint switched it (runtime.thp)."""
+        return os.path.join(self.state_dir, "thp-mode-found")
 
     @property
     def bin_dir(self) -> Path:
@@ -92,6 +98,8 @@ class Settings:
             problems.append(f"--restore-timeout must be 1..86400 seconds, got {self.restore_timeout}")
         if not 0 <= self.cuda_parallel <= 64:
             problems.append(f"--cuda-parallel must be 0..64 (0: as --max-parallel), got {self.cuda_parallel}")
+        if self.checkpoint_thp not in ("keep", "always"):
+            problems.append(f"--checkpoint-thp must be keep or always, got {self.checkpoint_thp!r}")
         if self.map_ranges not in ("driver", "all", "none"):
             problems.append(f"--map-ranges must be driver, all or none, got {self.map_ranges!r}")
         if self.cache_bytes < -1 or not 1 <= self.cache_entries <= 1024:

@@ -6,13 +6,16 @@ Steps, each timed (the timings go into the manifest and the container's status):
      the source untouched) what the restore could not bring back (``runtime.checkpointable``: live
      NCCL communicators on transports the driver cannot restore, io_uring, fds CRIU cannot dump);
   3. cuda_checkpoint: lock all, checkpoint all (device memory -> host); a process without CUDA
-     is skipped; the driver's new host staging mappings are noted (huge pages on restore);
+     is skipped; the driver's new host staging mappings are noted (huge pages on restore); with
+     ``thp``, the node's THP mode is ``always`` meanwhile (runtime.thp);
   4. criu_dump: CRIU dumps the tree and leaves it stopped (netns and mounts external); TCP
      connections are kept when all are loopback ones inside the tree (``runtime.tcpmode``), else
-     closed, and the restore plan records which;
+     closed, and the restore plan records which; its pages images are hashed while it writes
+     them (``runtime.pages.tailhash``), so the split and the publish read none of them again;
   5. rootfs_capture / shm_capture: the writable layer and /dev/shm, while the tree is still
      stopped, so files and memory are one instant;
-  6. resume: SIGCONT, then CUDA restore + unlock (unless the source is to exit);
+  6. resume: SIGCONT, then CUDA restore + unlock (unless the source is to exit), on a thread of
+     its own beside step 7 (``source_stopped``: from the CUDA lock, or the dump, to here);
   7. host_files: digests of the files the tree uses from bind mounts (runtime.hostfiles);
      split: the large private anonymous page runs move beside CRIU's images (runtime.pages.bulk);
   8. publish: manifest (identity, node, CRIU, CUDA, security fingerprint, digests), signed,
@@ -35,6 +38,7 @@ import datetime
 import logging
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -56,8 +60,11 @@ from runtime.owner import write_owner
 from runtime.manifest import CriuInfo, CudaInfo, Manifest, MountInfo, NodeInfo, ProcessInfo, Source
 from runtime.procfs import anon_mappings
 from runtime.criu import DumpResult, dump_workload
+from runtime.digests import Hashed
+from runtime.pages.tailhash import TailHasher
 from runtime.security import SecurityProfile
 from runtime.store import ArtifactStore
+from runtime.thp import ThpSwitch
 from runtime.timings import Timings
 
 log = logging.getLogger(__name__)
@@ -97,7 +104,8 @@ Progress = Callable[[str, int, int], None]  # (phase, bytes done, bytes total)
 
 def checkpoint(req: CheckpointRequest, store: ArtifactStore, key: bytes, *,
                control: control_mod.ControlDir | None = None, cuda: Checkpointer | None = None,
-               progress: Progress | None = None) -> dict[str, float]:
+               progress: Progress | None = None, thp: ThpSwitch | None = None) -> dict[str, float]:
+    """``thp``: the node's THP mode is ``always`` during the CUDA checkpoint (runtime.thp)."""
     if req.image and not req.image_ref:
         raise ImageUnknown(f"checkpoint {req.namespace}/{req.name}: the id of image {req.image} is unknown "
                            "(containerd did not say); an artifact without it could never be restored")
@@ -118,6 +126,7 @@ def checkpoint(req: CheckpointRequest, store: ArtifactStore, key: bytes, *,
     write_owner(work_dir)  # the sweep removes the private staging of a checkpoint that died
 
     cuda_host: list[int] = []
+    stopped_at: float | None = None  # the source's GPU work or whole tree stopped from then on
     cuda_info: CudaInfo | None = None
     huge: dict[int, list[tuple[int, int]]] = {}
     if cuda is not None:
@@ -131,7 +140,7 @@ def checkpoint(req: CheckpointRequest, store: ArtifactStore, key: bytes, *,
         raise CheckpointRefused(report.reasons())
     # CRIU dumps and the capture writes into a private node-local dir: the store is written
     # only by the publish, through directory fds (runtime.store.volume.Staging).
-    with store.stage(req.namespace, req.name, private_root=work_dir) as staging:
+    with store.stage(req.namespace, req.name, private_root=work_dir) as staging, contextlib.ExitStack() as held_open:
         images = os.path.join(staging.path, layout.CRIU_DIR)
         if cuda is not None and cuda_host:
             gpus = source_gpus(cuda, info.spec)
@@ -141,7 +150,9 @@ def checkpoint(req: CheckpointRequest, store: ArtifactStore, key: bytes, *,
                 log.warning("CUDA processes %s were left locked or checkpointed (an earlier agent died "
                             "mid-checkpoint); resumed them first", stale)
             before = {h: anon_mappings(h) for h in cuda_host}
-            with t.phase("cuda_checkpoint"), _ends_source_on(CudaStuck, root.host):
+            stopped_at = time.monotonic()
+            with t.phase("cuda_checkpoint"), _ends_source_on(CudaStuck, root.host), \
+                    (thp.always() if thp is not None else contextlib.nullcontext()):
                 cuda_host = cuda.checkpoint_all(cuda_host, lock_timeout_ms=CUDA_LOCK_TIMEOUT_MS)
             ns_of = {h: ns_pids(h)[-1] for h in cuda_host}
             if cuda_host:
@@ -155,44 +166,59 @@ def checkpoint(req: CheckpointRequest, store: ArtifactStore, key: bytes, *,
         # Processes the workload itself keeps stopped stay stopped after the dump (runtime.frozen).
         held = tasks.stopped(tree)
         frozen.record(req.log_dir, req.container_id, [p for p in tree if p not in held])
+        resume = _SourceResume(cuda, cuda_host, root.host) \
+            if cuda is not None and cuda_host and not req.exit_after else None
+        stopped_at = stopped_at or time.monotonic()
+        released_at = 0.0
+        hashed: dict[str, Hashed] = {}
         try:
-            with t.phase("criu_dump"):
-                tcp = tcpmode.plan(_tree(root.host))
-                log.info("checkpoint %s/%s: TCP connections %s: %s", req.namespace, req.name,
-                         "kept" if tcp.established else "closed", tcp.reason)
-                dump = dump_workload(info, images, leave_running=True, leave_stopped=True, work_dir=work_dir,
-                                     tcp_established=tcp.established)
-                if tcp.established:
-                    _check_tcp_kept(dump)
-            # One instant: the files and /dev/shm are read while the tree is still stopped.
-            deadline = time.monotonic() + req.capture_timeout  # the tree waits, stopped
-            with t.phase("rootfs_capture"):
-                overlay.capture(info.upperdir, os.path.join(staging.path, layout.ROOTFS_TAR),
-                                os.path.join(staging.path, layout.ROOTFS_DELETIONS),
-                                exclude=capture_excludes(info), max_bytes=req.max_layer_bytes,
-                                deadline=deadline)
-            if dump.shm_source:
-                with t.phase("shm_capture"):
-                    overlay.capture(dump.shm_source, os.path.join(staging.path, layout.SHM_TAR),
-                                    os.path.join(staging.path, layout.SHM_DELETIONS), exclude=(),
-                                    max_bytes=req.max_layer_bytes, deadline=deadline)
+            try:
+                with t.phase("criu_dump"):
+                    tcp = tcpmode.plan(_tree(root.host))
+                    log.info("checkpoint %s/%s: TCP connections %s: %s", req.namespace, req.name,
+                             "kept" if tcp.established else "closed", tcp.reason)
+                    os.makedirs(images, mode=0o700, exist_ok=True)
+                    # CRIU's pages hashed while it writes them; their files held until published
+                    ahead = held_open.enter_context(TailHasher(images))
+                    dump = dump_workload(info, images, leave_running=True, leave_stopped=True,
+                                         work_dir=work_dir, tcp_established=tcp.established)
+                    hashed = ahead.finish()
+                    if tcp.established:
+                        _check_tcp_kept(dump)
+                # One instant: the files and /dev/shm are read while the tree is still stopped.
+                deadline = time.monotonic() + req.capture_timeout  # the tree waits, stopped
+                with t.phase("rootfs_capture"):
+                    overlay.capture(info.upperdir, os.path.join(staging.path, layout.ROOTFS_TAR),
+                                    os.path.join(staging.path, layout.ROOTFS_DELETIONS),
+                                    exclude=capture_excludes(info), max_bytes=req.max_layer_bytes,
+                                    deadline=deadline)
+                if dump.shm_source:
+                    with t.phase("shm_capture"):
+                        overlay.capture(dump.shm_source, os.path.join(staging.path, layout.SHM_TAR),
+                                        os.path.join(staging.path, layout.SHM_DELETIONS), exclude=(),
+                                        max_bytes=req.max_layer_bytes, deadline=deadline)
+            finally:
+                # CRIU leaves kept connections in repair mode when it leaves the tree stopped.
+                unrepaired = tcpmode.repair_off(tcp.holders) if tcp.established else []
+                tasks.signal_all([p for p in _tree(root.host) if p not in held], signal.SIGCONT)  # what CRIU left stopped
+                frozen.clear(req.log_dir, req.container_id)
+                released_at = time.monotonic()
+                if resume is not None:
+                    resume.start()  # the driver copies back while the artifact is finished
+            if unrepaired:
+                raise CriuError("dump", "TCP connections of the source were left in repair mode: "
+                                + "; ".join(unrepaired), dump.log_path)
+            with t.phase("host_files"):
+                host_files = hostfiles.record(images, dump.mount_plan, info.spec_mounts, view_of=info.init_pid)
+            files: tuple[layout.BulkFile, ...] = ()
+            if req.split:
+                with t.phase("split"):
+                    files, _stats = bulk.split(staging.path, huge, min_run=req.bulk_min_run, hashed=hashed)
         finally:
-            # CRIU leaves kept connections in repair mode when it leaves the tree stopped.
-            unrepaired = tcpmode.repair_off(tcp.holders) if tcp.established else []
-            tasks.signal_all([p for p in _tree(root.host) if p not in held], signal.SIGCONT)  # what CRIU left stopped
-            frozen.clear(req.log_dir, req.container_id)
-            if cuda is not None and cuda_host and not req.exit_after:
-                with t.phase("cuda_resume_source"), _ends_source_on(RekindleError, root.host):
-                    cuda.restore_all(cuda_host)
-        if unrepaired:
-            raise CriuError("dump", "TCP connections of the source were left in repair mode: "
-                            + "; ".join(unrepaired), dump.log_path)
-        with t.phase("host_files"):  # after the resume: the source does not wait on it
-            host_files = hostfiles.record(images, dump.mount_plan, info.spec_mounts, view_of=info.init_pid)
-        files: tuple[layout.BulkFile, ...] = ()
-        if req.split:
-            with t.phase("split"):
-                files, _stats = bulk.split(staging.path, huge, min_run=req.bulk_min_run)
+            # Nothing is published, and no failure is raised, before the source runs again.
+            if resume is not None:
+                resume.join(t)
+        t["source_stopped"] = round((resume.done_at if resume is not None else released_at) - stopped_at, 3)
         plan = layout.RestorePlan(
             stdio=tuple(dump.stdio), shell_job=dump.shell_job,
             mounts=tuple(dump.mount_plan), shm=bool(dump.shm_source), bulk=files,
@@ -216,7 +242,7 @@ def checkpoint(req: CheckpointRequest, store: ArtifactStore, key: bytes, *,
             timings=dict(t),
         )
         with t.phase("publish"):
-            published = staging.publish(manifest, key)
+            published = staging.publish(manifest, key, known=hashed.values())
 
     if control is not None:
         control.write_json(control_mod.TIMINGS, {"checkpoint": dict(t)})
@@ -231,6 +257,40 @@ def checkpoint(req: CheckpointRequest, store: ArtifactStore, key: bytes, *,
         size = sum(f.size for f in published.files)
         progress("complete", size, size)
     return dict(t)
+
+
+class _SourceResume:
+    """The source's CUDA restore and unlock on a thread of its own, while the artifact is finished
+    (host files, split); ``join`` records its time and raises what it raised, the tree already
+    ended (``_ends_source_on``)."""
+
+    def __init__(self, cuda: Checkpointer, pids: list[int], root_host: int) -> None:
+        self._cuda, self._pids, self._root = cuda, pids, root_host
+        self._thread = threading.Thread(target=self._run, name="rekindle-resume-source", daemon=True)
+        self._error: BaseException | None = None
+        self.started_at = self.done_at = 0.0
+
+    def start(self) -> None:
+        self.started_at = time.monotonic()
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            with _ends_source_on(RekindleError, self._root):
+                self._cuda.restore_all(self._pids)
+        except BaseException as exc:  # noqa: BLE001 - handed to join
+            self._error = exc
+        finally:
+            self.done_at = time.monotonic()
+
+    def join(self, t: Timings) -> None:
+        if not self.started_at:
+            return  # the dump's clean-up failed before it: as before, nothing was resumed
+        self._thread.join()
+        t["cuda_resume_source"] = round(self.done_at - self.started_at, 3)
+        log.info("phase cuda_resume_source: %.3fs (beside the split)", t["cuda_resume_source"])
+        if self._error is not None:
+            raise self._error
 
 
 @contextlib.contextmanager

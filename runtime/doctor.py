@@ -24,6 +24,7 @@ from typing import Any, Protocol
 from runtime.criu import CRIU, MIN_VERSION, parse_version, version_tuple
 from runtime.errors import ConfigError, KeyMissing
 from runtime.store import read_key
+from runtime.thp import read_mode
 from runtime.containerd.defaults import DEFAULT_SOCKET, NRI_PLUGIN
 
 
@@ -98,17 +99,17 @@ THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
 def check_thp(path: str = THP_ENABLED) -> Check:
     """The node's transparent huge page mode. Under ``madvise`` the CUDA driver's host copy of a
     checkpointed process gets no huge pages; under ``always`` it does, and the checkpoint (and a
-    restore from it) is faster. A node setting, never changed by the plugin: it holds for every
-    process of the node (docs/install.md, "Transparent huge pages")."""
+    restore from it) is faster. Either the node's setting (it holds for every process of the
+    node), or the plugin's ``--checkpoint-thp always``, which switches it for the seconds of each
+    CUDA checkpoint only (runtime.thp; docs/install.md, "Transparent huge pages")."""
     try:
-        with open(path) as f:
-            modes = f.read().split()
-    except OSError as exc:
+        mode = read_mode(path)
+    except (OSError, ValueError) as exc:
         return Check("thp", False, f"{path}: {exc}", required=False)
-    mode = next((m.strip("[]") for m in modes if m.startswith("[")), "unknown")
     if mode == "always":
         return Check("thp", True, "always: the CUDA driver's host copies get huge pages", required=False)
-    return Check("thp", False, f"{mode}: the CUDA driver's host copy at a checkpoint gets no huge pages; `always` "
+    return Check("thp", False, f"{mode}: the CUDA driver's host copy at a checkpoint gets no huge pages unless the "
+                 "plugin runs with --checkpoint-thp always (switched for each CUDA checkpoint only); `always` "
                  "took a 16.8 GiB CUDA checkpoint from 7.6-8.9 s to 5.0-5.7 s (docs/install.md)", required=False)
 
 

@@ -141,6 +141,7 @@ def test_plugin_command_is_the_cli_contract(default_render):
         "--max-layer-bytes", "8Gi",
         "--bulk-min-run", "4Ki",
         "--capture-timeout", "600",
+        "--checkpoint-thp", "keep",
         "--max-probes-per-pod", "1",
         "--max-probes", "16",
         "--cache-bytes", "auto",
