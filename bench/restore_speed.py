@@ -245,7 +245,34 @@ class Bench:
         rec["checkpoint_phase"], rec["checkpoint"] = st["phase"], st["timings"]
         if st["phase"] != "published":
             raise AssertionError(f"checkpoint failed: {st.get('reason')}")
+        if self.args.recheckpoint:
+            rec["checkpoints"] = [self.recheckpoint(plugin, cid, i, thp)
+                                  for i, thp in enumerate(self.args.recheckpoint.split(","))]
+            self.save()
         self.stop(cri, a)  # frees the GPU and the source's host memory before the measurements
+        return rec
+
+    def recheckpoint(self, plugin: Any, cid: str, i: int, thp: str) -> dict[str, Any]:
+        """The running source checkpointed once more through the CLI with ``--checkpoint-thp
+        thp`` (same code, same source, same run: the THP modes side by side); the artifact is
+        deleted after, the disk holds one more at most."""
+        name = f"{self.args.case}-again-{i}"
+        paths = ["--state-dir", str(plugin.state_dir), "--store", str(plugin.store),
+                 "--containerd-state", str(plugin.sandbox.state_dir),
+                 "--containerd-socket", str(plugin.sandbox.containerd_socket)]
+        t0 = time.monotonic()
+        r = subprocess.run([sys.executable, "-m", "nri_plugin", "checkpoint", *paths, "--container-id", cid,
+                            "--namespace", "default", "--name", name, "--checkpoint-thp", thp, "-o", "json"],
+                           cwd=REPO, capture_output=True, text=True, timeout=600)
+        rec: dict[str, Any] = {"thp": thp, "seconds": round(time.monotonic() - t0, 3)}
+        if r.returncode:
+            rec["error"] = r.stderr[-2000:]
+        else:
+            rec["timings"] = json.loads(r.stdout)["timings"]
+        (self.args.out_dir / f"checkpoint-again-{i}.log").write_text(r.stderr[-200_000:])
+        subprocess.run([sys.executable, "-m", "nri_plugin", "artifacts", "delete", *paths[:4], "--namespace",
+                        "default", name], cwd=REPO, capture_output=True, timeout=120)
+        print(f"checkpoint again ({thp}): {rec.get('timings') or rec.get('error')}", flush=True)
         return rec
 
     def ceilings(self, art: Path, disk: bool) -> dict[str, float]:
@@ -451,6 +478,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out-dir", type=Path, default=Path("speed-out"))
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--cold-timeout", type=float, default=400.0)
+    ap.add_argument("--recheckpoint", default="",
+                    help="THP modes (keep,always) to checkpoint the running source with once more each")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     args.out_dir.mkdir(parents=True, exist_ok=True)

@@ -6,7 +6,8 @@
 #    the sandbox up);
 # 2. with TESTS=1, tests/gpu (CUDA checkpoint API and the containerd end-to-end cases);
 # 3. with DISK_QUEUE=1, bench/disk_queue.py (how the restore's read shapes share the disk);
-# 4. each case of $CASES (default synthetic-16gib; "" none) with $RUNS (bench/restore_speed.py --runs);
+# 4. each case of $CASES (default synthetic-16gib; "" none) with $RUNS (bench/restore_speed.py --runs),
+#    and with RECHECKPOINT=always,keep the running source checkpointed once more in each THP mode;
 # 5. with SCALE=N, bench/scale_out.py: N pods restored at once from one artifact, case $SCALE_CASE
 #    (default llm-7b), rounds $SCALE_ROUNDS (its --rounds), within $SCALE_TIMEOUT (default 500) s.
 # What lands in $OUT (few files: a call brings back eight at most): restore-speed-<case>.json,
@@ -42,7 +43,7 @@ if [ "${DISK_QUEUE:-0}" = 1 ]; then
 fi
 for case in ${CASES-synthetic-16gib}; do  # CASES="" runs none
   timeout "${CASE_TIMEOUT:-540}" python3 -m bench.restore_speed --case "$case" \
-    ${RUNS:+--runs "$RUNS"} --out-dir "$scratch/$case" --json "$out/restore-speed-$case.json" \
+    ${RUNS:+--runs "$RUNS"} ${RECHECKPOINT:+--recheckpoint "$RECHECKPOINT"} --out-dir "$scratch/$case" --json "$out/restore-speed-$case.json" \
     > "$scratch/speed-$case.log" 2>&1 || rc=1
   grep -vE "^[0-9-]+ [0-9:,]+ " "$scratch/speed-$case.log" | tail -40
   echo "$case done at $(( $(date +%s) - t0 ))s"
