@@ -179,7 +179,7 @@ def checkpoint(req: CheckpointRequest, store: ArtifactStore, key: bytes, *,
                              "kept" if tcp.established else "closed", tcp.reason)
                     os.makedirs(images, mode=0o700, exist_ok=True)
                     # CRIU's pages hashed while it writes them; their files held until published
-                    ahead = held_open.enter_context(TailHasher(images))
+                    ahead = held_open.enter_context(TailHasher(images, write_back=_same_fs(work_dir, store.root)))
                     dump = dump_workload(info, images, leave_running=True, leave_stopped=True,
                                          work_dir=work_dir, tcp_established=tcp.established)
                     hashed = ahead.finish()
@@ -303,6 +303,14 @@ def _ends_source_on(kind: type[BaseException], root_host: int) -> Iterator[None]
         log.error("the source's CUDA state cannot be brought back (%s); ending the workload %d", exc, root_host)
         tasks.kill_all(_tree(root_host))
         raise
+
+
+def _same_fs(a: str, b: str) -> bool:
+    """Whether the publish will move files from ``a`` into ``b`` (else it copies them)."""
+    try:
+        return os.stat(a).st_dev == os.stat(b).st_dev
+    except OSError:
+        return False
 
 
 def _check_tcp_kept(dump: DumpResult) -> None:

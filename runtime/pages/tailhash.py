@@ -5,7 +5,8 @@
 file that lies below its size (CRIU only appends) is hashed at once, both ways the artifact needs
 it: the digest of each SUM_CHUNK (a bulk file's ``.sums``) and the piece's digest (the file's
 manifest digest, :mod:`runtime.digests`). After the dump, the split and the publish take these
-instead of reading every byte twice more.
+instead of reading every byte twice more. Where the publish will move the files into the store
+(same file system) and fsync them there, each hashed piece's write-back starts at once.
 
 Only files in the checkpoint's private staging dir are followed: nobody but CRIU and this process
 writes there. A result is used only for the very inode it was made from, at the very size;
@@ -14,6 +15,7 @@ anything else is hashed again the usual way.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import threading
@@ -30,8 +32,20 @@ WORKERS = 4  # CRIU writes 1-2 GB/s; four threads hash both ways faster than tha
 POLL_S = 0.05
 
 
-def _piece(fd: int, offset: int, length: int) -> tuple[bytes, bytes]:
-    """(the piece's digest, its chunks' digests) of ``length`` bytes at ``offset``."""
+_libc = ctypes.CDLL(None, use_errno=True)
+_sync_file_range = _libc.sync_file_range
+_sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+SYNC_FILE_RANGE_WRITE = 2  # start writing back the dirty pages of the range; wait for nothing
+
+
+def _write_back(fd: int, offset: int, length: int) -> None:
+    if _sync_file_range(fd, offset, length, SYNC_FILE_RANGE_WRITE) != 0:
+        log.debug("tail hash: sync_file_range: %s", os.strerror(ctypes.get_errno()))
+
+
+def _piece(fd: int, offset: int, length: int, write_back: bool = False) -> tuple[bytes, bytes]:
+    """(the piece's digest, its chunks' digests) of ``length`` bytes at ``offset``; with
+    ``write_back``, the piece's write-back to disk is started once it is hashed."""
     piece, sums, done = new_hash(), [], 0
     while done < length:
         want = min(SUM_CHUNK, length - done)
@@ -41,6 +55,8 @@ def _piece(fd: int, offset: int, length: int) -> tuple[bytes, bytes]:
         sums.append(new_hash(data).digest())  # both update calls drop the GIL
         piece.update(data)
         done += want
+    if write_back:
+        _write_back(fd, offset, length)
     return piece.digest(), b"".join(sums)
 
 
@@ -61,8 +77,12 @@ class TailHasher:
     keep it open until the results are used (an inode number is not reused meanwhile). Any error only costs the head start: the
     file is then missing from the result."""
 
-    def __init__(self, images_dir: str, workers: int = WORKERS, poll_s: float = POLL_S) -> None:
+    def __init__(self, images_dir: str, workers: int = WORKERS, poll_s: float = POLL_S,
+                 write_back: bool = False) -> None:
         self.images_dir = images_dir
+        # The files will be moved into the store and fsync'ed there: their write-back starts
+        # while CRIU still writes, and the publish's fsync finds little left to write.
+        self.write_back = write_back
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rekindle-tailhash")
         self._files: dict[str, _Followed] = {}
         self._stop = threading.Event()
@@ -105,7 +125,7 @@ class TailHasher:
             end = size if final else size - size % PIECE  # while CRIU writes: whole pieces only
             while f.end < end:
                 length = min(PIECE, end - f.end)
-                f.pieces.append(self._pool.submit(_piece, f.fd, f.end, length))
+                f.pieces.append(self._pool.submit(_piece, f.fd, f.end, length, self.write_back))
                 f.end += length
                 if not final:
                     self.ahead_bytes += length

@@ -36,12 +36,14 @@ def _append_slowly(path: Path, data: bytes, step: int, started: threading.Event)
             time.sleep(0.01)
 
 
-@pytest.mark.parametrize("size", [2 * PIECE + 3 * SUM_CHUNK + 4096, 3 * PIECE, 4096, 0])
-def test_a_file_written_while_followed_hashes_as_the_finished_file(tmp_path: Path, size: int) -> None:
+@pytest.mark.parametrize("size,write_back", [(2 * PIECE + 3 * SUM_CHUNK + 4096, False), (3 * PIECE, True),
+                                             (4096, False), (0, True)])
+def test_a_file_written_while_followed_hashes_as_the_finished_file(tmp_path: Path, size: int,
+                                                                   write_back: bool) -> None:
     data = os.urandom(size)
     path = tmp_path / "pages-7.img"
     started = threading.Event()
-    with TailHasher(str(tmp_path), poll_s=0.005) as th:
+    with TailHasher(str(tmp_path), poll_s=0.005, write_back=write_back) as th:
         writer = threading.Thread(target=_append_slowly, args=(path, data, 8 * SUM_CHUNK + 512, started))
         writer.start()
         started.wait(10)
