@@ -245,9 +245,9 @@ class Bench:
         rec["checkpoint_phase"], rec["checkpoint"] = st["phase"], st["timings"]
         if st["phase"] != "published":
             raise AssertionError(f"checkpoint failed: {st.get('reason')}")
-        if self.args.recheckpoint:
-            rec["checkpoints"] = [self.recheckpoint(plugin, cid, i, thp)
-                                  for i, thp in enumerate(self.args.recheckpoint.split(","))]
+        again = getattr(self.args, "recheckpoint", "")  # bench.scale_out shares this, without it
+        if again:
+            rec["checkpoints"] = [self.recheckpoint(plugin, cid, i, thp) for i, thp in enumerate(again.split(","))]
             self.save()
         self.stop(cri, a)  # frees the GPU and the source's host memory before the measurements
         return rec
