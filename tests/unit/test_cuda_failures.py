@@ -76,3 +76,35 @@ def test_source_runs_on_after_a_rollback_that_worked(tree: list[int]) -> None:
             raise CudaError("cuCheckpointProcessLock", 909, "CUDA_ERROR_TIMEOUT", pid=tree[1])
     time.sleep(0.2)
     assert all(alive(p) for p in tree)
+
+
+def test_a_source_resume_that_fails_beside_the_split_ends_the_tree_and_is_raised_at_join(tree: list[int]) -> None:
+    cuda = FailingCuda(CudaError("cuCheckpointProcessRestore", 999, "CUDA_ERROR_UNKNOWN", pid=tree[1]))
+    resume = checkpoint._SourceResume(cuda, tree[1:], tree[0])  # type: ignore[arg-type]
+    resume.start()
+    t = checkpoint.Timings()
+    with pytest.raises(CudaError, match="UNKNOWN"):
+        resume.join(t)  # the checkpoint raises here, before anything is published
+    assert cuda.calls == [(tree[1:], None)] and "cuda_resume_source" in t
+    wait_dead(tree)
+
+
+class SlowCuda:
+    def __init__(self) -> None:
+        self.done = False
+
+    def restore_all(self, pids: list[int], gpu_map: object = None) -> None:
+        time.sleep(0.3)
+        self.done = True
+
+
+def test_a_source_resume_runs_beside_the_caller_and_join_waits_for_it(tree: list[int]) -> None:
+    cuda = SlowCuda()
+    resume = checkpoint._SourceResume(cuda, tree[1:], tree[0])  # type: ignore[arg-type]
+    resume.join(checkpoint.Timings())  # never started (the dump's clean-up failed first): nothing to wait on
+    resume.start()
+    assert not cuda.done  # the caller goes on (host files, split) meanwhile
+    t = checkpoint.Timings()
+    resume.join(t)
+    assert cuda.done and t["cuda_resume_source"] >= 0.3
+    assert all(alive(p) for p in tree)
