@@ -198,13 +198,15 @@ def checkpoint(req: CheckpointRequest, store: ArtifactStore, key: bytes, *,
                                         os.path.join(staging.path, layout.SHM_DELETIONS), exclude=(),
                                         max_bytes=req.max_layer_bytes, deadline=deadline)
             finally:
-                # CRIU leaves kept connections in repair mode when it leaves the tree stopped.
-                unrepaired = tcpmode.repair_off(tcp.holders) if tcp.established else []
-                tasks.signal_all([p for p in _tree(root.host) if p not in held], signal.SIGCONT)  # what CRIU left stopped
-                frozen.clear(req.log_dir, req.container_id)
-                released_at = time.monotonic()
-                if resume is not None:
-                    resume.start()  # the driver copies back while the artifact is finished
+                try:
+                    # CRIU leaves kept connections in repair mode when it leaves the tree stopped.
+                    unrepaired = tcpmode.repair_off(tcp.holders) if tcp.established else []
+                    tasks.signal_all([p for p in _tree(root.host) if p not in held], signal.SIGCONT)  # what CRIU left stopped
+                    frozen.clear(req.log_dir, req.container_id)
+                finally:  # whatever failed above, the source's CUDA state comes back
+                    released_at = time.monotonic()
+                    if resume is not None:
+                        resume.start()  # the driver copies back while the artifact is finished
             if unrepaired:
                 raise CriuError("dump", "TCP connections of the source were left in repair mode: "
                                 + "; ".join(unrepaired), dump.log_path)
@@ -272,7 +274,10 @@ class _SourceResume:
 
     def start(self) -> None:
         self.started_at = time.monotonic()
-        self._thread.start()
+        try:
+            self._thread.start()
+        except RuntimeError:  # no thread to be had: resumed here and now instead
+            self._run()
 
     def _run(self) -> None:
         try:
@@ -285,8 +290,9 @@ class _SourceResume:
 
     def join(self, t: Timings) -> None:
         if not self.started_at:
-            return  # the dump's clean-up failed before it: as before, nothing was resumed
-        self._thread.join()
+            return  # never started: nothing to wait for
+        if self._thread.ident is not None:
+            self._thread.join()
         t["cuda_resume_source"] = round(self.done_at - self.started_at, 3)
         log.info("phase cuda_resume_source: %.3fs (beside the split)", t["cuda_resume_source"])
         if self._error is not None:

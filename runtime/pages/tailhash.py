@@ -9,8 +9,8 @@ instead of reading every byte twice more. Where the publish will move the files 
 (same file system) and fsync them there, each hashed piece's write-back starts at once.
 
 Only files in the checkpoint's private staging dir are followed: nobody but CRIU and this process
-writes there. A result is used only for the very inode it was made from, at the very size;
-anything else is hashed again the usual way.
+writes there. A result is used only for the very inode it was made from, at the very size and
+modification time; anything else is hashed again the usual way.
 """
 
 from __future__ import annotations

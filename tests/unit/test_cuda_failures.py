@@ -101,10 +101,28 @@ class SlowCuda:
 def test_a_source_resume_runs_beside_the_caller_and_join_waits_for_it(tree: list[int]) -> None:
     cuda = SlowCuda()
     resume = checkpoint._SourceResume(cuda, tree[1:], tree[0])  # type: ignore[arg-type]
-    resume.join(checkpoint.Timings())  # never started (the dump's clean-up failed first): nothing to wait on
+    resume.join(checkpoint.Timings())  # never started: nothing to wait on
     resume.start()
     assert not cuda.done  # the caller goes on (host files, split) meanwhile
     t = checkpoint.Timings()
     resume.join(t)
     assert cuda.done and t["cuda_resume_source"] >= 0.3
     assert all(alive(p) for p in tree)
+
+
+class _NoThread:
+    ident = None
+
+    def start(self) -> None:
+        raise RuntimeError("can't start new thread")
+
+
+def test_a_source_resume_with_no_thread_to_be_had_runs_at_once(tree: list[int]) -> None:
+    cuda = SlowCuda()
+    resume = checkpoint._SourceResume(cuda, tree[1:], tree[0])  # type: ignore[arg-type]
+    resume._thread = _NoThread()  # type: ignore[assignment]
+    resume.start()
+    assert cuda.done  # resumed before start returned: the source is never left checkpointed
+    t = checkpoint.Timings()
+    resume.join(t)
+    assert t["cuda_resume_source"] >= 0.3
