@@ -41,6 +41,12 @@ set -- "${e2e_args[@]}"  # the original arguments are rebuilt below for pass 1
 [ -n "$mark" ] && pass1=("$@" -m "$mark") || pass1=("$@")
 [ -n "$mark" ] && later=("$@" -m "e2e and ($mark)") || later=("$@" -m e2e)
 
+# A run writes several GiB of artifacts at a time (pytest keeps a failed test's): say so up front
+# when the disk is short, rather than as a CRIU "No space left on device" deep in a test.
+free_kib=$(df -Pk "${TMPDIR:-/tmp}" | awk 'NR==2 {print $4}')
+[ "${free_kib:-0}" -ge $((10 * 1024 * 1024)) ] ||
+    echo "test.sh: warning: only $((${free_kib:-0} / 1024 / 1024)) GiB free under ${TMPDIR:-/tmp}; the e2e tests need about 10" >&2
+
 worst=0 summary=()
 for i in "${!runtimes[@]}"; do
     rt=${runtimes[$i]}

@@ -222,6 +222,7 @@ def plugin(sandbox: SandboxHandle, tmp_path_factory: pytest.TempPathFactory,
     p.start()
     yield p
     p.stop()
+    p.drop_store()
 
 
 @pytest.hookimpl(wrapper=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -85,6 +86,11 @@ class PluginProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(5)
+
+    def drop_store(self) -> None:
+        """Remove the store's artifacts (gigabytes over a run; the disk of a CI machine is not
+        endless). The plugin's log and state dir stay for a failure's post-mortem."""
+        shutil.rmtree(self.store, ignore_errors=True)
 
     def control_dir(self, pod_uid: str, container: str) -> Path:
         return self.state_dir / "control" / pod_uid / container
