@@ -223,15 +223,18 @@ def inspect(pids: Iterable[int], cuda_pids: Iterable[int] = (), proc: str = proc
     """Every finding in the tree ``pids`` (host pids, as ``proc`` numbers them)."""
     cuda = set(cuda_pids)
     nvidia_majors = {NVIDIA_MAJOR, *procfs.char_majors("nvidia", proc)}
-    unix_by_ns: dict[str, unixdiag.UnixTable] = {}
-    findings: list[Finding] = []
+    seen = []
+    inodes_by_ns: dict[str, tuple[int, set[int]]] = {}  # a pid of the namespace, its tree's socket inodes
     for pid in dict.fromkeys(pids):
         fds = procfs.fds(pid, proc)
+        ns = procfs.netns_key(pid, proc)
+        inodes_by_ns.setdefault(ns, (pid, set()))[1].update(procfs.socket_inodes(list(fds)))
+        seen.append((pid, fds, ns))
+    unix_by_ns = {ns: unixdiag.unix_sockets(pid, proc, inodes) for ns, (pid, inodes) in inodes_by_ns.items()}
+    findings: list[Finding] = []
+    for pid, fds, ns in seen:
         mapped = procfs.maps(pid, proc)
         name = procfs.comm(pid, proc)
         findings += _fd_findings(pid, name, fds, mapped, pid in cuda, nvidia_majors)
-        ns = procfs.netns_key(pid, proc)
-        if ns not in unix_by_ns:
-            unix_by_ns[ns] = unixdiag.unix_sockets(pid, proc)
         findings += _nccl_findings(pid, name, fds, mapped, unix_by_ns[ns], procfs.environ(pid, proc))
     return Report(tuple(findings))

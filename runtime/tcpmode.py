@@ -74,17 +74,37 @@ def describe(s: procfs.TcpSocket) -> str:
     return f"{end(s.local)} -> {end(s.remote)} {STATE_NAMES.get(s.state, s.state)}"
 
 
+REREADS = 2  # more reads of a namespace's tables while a socket of the tree is in none of them
+
+
+def _tcp_table(pid: int, inodes: set[int], proc: str) -> dict[int, procfs.TcpSocket]:
+    """The TCP sockets of ``pid``'s namespace. The kernel hands net/tcp out a page per read and
+    resumes each read by position, so sockets coming and going elsewhere in the namespace (a
+    tenant's churn) can make it skip a live one: while one of ``inodes`` (the tree's sockets) is
+    missing, the tables are read again and the reads merged (a unix or UDP socket of the tree is
+    missing from every read; that costs the rereads and nothing else)."""
+    table = procfs.tcp_sockets(pid, proc)
+    for _ in range(REREADS):
+        if inodes <= table.keys():
+            break
+        table = {**procfs.tcp_sockets(pid, proc), **table}
+    return table
+
+
 def _connected(pids: Iterable[int], proc: str) -> dict[int, tuple[procfs.TcpSocket, int, int]]:
     """inode -> (socket, pid, fd) for every connected TCP socket the processes hold."""
-    tables: dict[str, dict[int, procfs.TcpSocket]] = {}
-    found: dict[int, tuple[procfs.TcpSocket, int, int]] = {}
+    held: dict[int, tuple[list[procfs.Fd], str]] = {}
+    by_ns: dict[str, tuple[int, set[int]]] = {}  # a pid of the namespace, the tree's socket inodes there
     for pid in dict.fromkeys(pids):
         entries = procfs.fds(pid, proc)
-        if not procfs.socket_inodes(entries):
-            continue
-        ns = procfs.netns_key(pid, proc)
-        if ns not in tables:
-            tables[ns] = procfs.tcp_sockets(pid, proc)
+        inodes = procfs.socket_inodes(entries)
+        if inodes:
+            ns = procfs.netns_key(pid, proc)
+            held[pid] = (entries, ns)
+            by_ns.setdefault(ns, (pid, set()))[1].update(inodes)
+    tables = {ns: _tcp_table(pid, inodes, proc) for ns, (pid, inodes) in by_ns.items()}
+    found: dict[int, tuple[procfs.TcpSocket, int, int]] = {}
+    for pid, (entries, ns) in held.items():
         for e in entries:
             inode = next(iter(procfs.socket_inodes([e])), None)
             sock = tables[ns].get(inode) if inode is not None else None

@@ -9,7 +9,9 @@ Contract:
   (``UNIX_DIAG_NAME``): one message per socket, the name as raw bytes, so no name can stand in
   for another socket. A process in another network namespace is asked from a short-lived thread
   that joins that namespace (``setns`` moves only the calling thread); the rest of the agent
-  stays where it is.
+  stays where it is. The caller names its own socket inodes: one the dump did not list (a dump
+  resumes by position, so sockets closed elsewhere in the namespace meanwhile can make it skip a
+  live one) is asked for by inode.
 - Where netlink cannot answer (a stand-in procfs tree in tests, no permission to join the
   namespace), ``net/unix`` is parsed instead. The kernel prints a name there as it is, newlines
   included, so a socket named ``"x\\n<a line>"`` adds a line of its choosing. What counts is the
@@ -23,12 +25,14 @@ Contract:
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
 import os
 import re
 import socket
 import struct
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from runtime import procfs
@@ -95,10 +99,30 @@ def parse_net_unix(text: str) -> UnixTable:
     return UnixTable(sockets, unsure, "net/unix")
 
 
-def _dump(sock: socket.socket) -> dict[int, procfs.UnixSocket]:
-    req = UNIX_DIAG_REQ.pack(socket.AF_UNIX, 0, 0, 0xFFFFFFFF, 0, UDIAG_SHOW_NAME, 0xFFFFFFFF, 0xFFFFFFFF)
-    sock.send(NLMSG_HDR.pack(NLMSG_HDR.size + len(req), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST | NLM_F_DUMP, 1, 0)
-              + req)
+def _ask(sock: socket.socket, inode: int, seq: int) -> None:
+    """One request: every unix socket of the namespace (``inode`` 0, a dump) or exactly one."""
+    req = UNIX_DIAG_REQ.pack(socket.AF_UNIX, 0, 0, 0xFFFFFFFF, inode, UDIAG_SHOW_NAME, 0xFFFFFFFF, 0xFFFFFFFF)
+    flags = NLM_F_REQUEST | (NLM_F_DUMP if inode == 0 else 0)
+    sock.send(NLMSG_HDR.pack(NLMSG_HDR.size + len(req), SOCK_DIAG_BY_FAMILY, flags, seq, 0) + req)
+
+
+def _dump(sock: socket.socket, wanted: Iterable[int] = ()) -> dict[int, procfs.UnixSocket]:
+    """The dump, then each of ``wanted`` it did not list asked for by inode: the kernel resumes a
+    dump by position in its hash chains, so a socket closed elsewhere in the namespace between two
+    parts of the answer can make it skip one that lives (a tenant could churn sockets to hide
+    one). An inode it does not know is no unix socket of this namespace (or is gone)."""
+    _ask(sock, 0, 1)
+    out = _read(sock, dump=True)
+    for seq, inode in enumerate(sorted(set(wanted) - out.keys()), start=2):
+        if 0 < inode <= 0xFFFFFFFF:
+            _ask(sock, inode, seq)
+            out.update(_read(sock, dump=False))
+    return out
+
+
+def _read(sock: socket.socket, *, dump: bool) -> dict[int, procfs.UnixSocket]:
+    """The sockets of one answer: a dump's, up to NLMSG_DONE; an exact request's one message
+    (ENOENT: there is none)."""
     out: dict[int, procfs.UnixSocket] = {}
     while True:
         data = sock.recv(1 << 20)
@@ -115,6 +139,8 @@ def _dump(sock: socket.socket) -> dict[int, procfs.UnixSocket]:
                 return out
             if kind == NLMSG_ERROR:
                 (err,) = struct.unpack_from("=i", body)
+                if not dump and err in (0, -errno.ENOENT):
+                    return out
                 raise OSError(-err, f"sock_diag: {os.strerror(-err)}")
             if kind != SOCK_DIAG_BY_FAMILY or len(body) < UNIX_DIAG_MSG.size:
                 continue
@@ -129,15 +155,17 @@ def _dump(sock: socket.socket) -> dict[int, procfs.UnixSocket]:
                     name = body[at + RTATTR.size:at + alen]
                 at += (alen + 3) & ~3
             out[inode] = procfs.UnixSocket(inode, display_name(name))
+            if not dump:
+                return out
 
 
-def _dump_here() -> dict[int, procfs.UnixSocket]:
+def _dump_here(wanted: Iterable[int] = ()) -> dict[int, procfs.UnixSocket]:
     with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, NETLINK_SOCK_DIAG) as sock:
         sock.settimeout(NETNS_JOIN_TIMEOUT)
-        return _dump(sock)
+        return _dump(sock, wanted)
 
 
-def _dump_in(ns_path: str) -> dict[int, procfs.UnixSocket]:
+def _dump_in(ns_path: str, wanted: Iterable[int] = ()) -> dict[int, procfs.UnixSocket]:
     """The dump from inside the network namespace at ``ns_path``, on a thread of its own."""
     result: list[dict[int, procfs.UnixSocket]] = []
     error: list[BaseException] = []
@@ -152,7 +180,7 @@ def _dump_in(ns_path: str) -> dict[int, procfs.UnixSocket]:
                     raise OSError(err, f"setns {ns_path}: {os.strerror(err)}")
             finally:
                 os.close(fd)
-            result.append(_dump_here())  # this thread ends here, still in that namespace
+            result.append(_dump_here(wanted))  # this thread ends here, still in that namespace
         except BaseException as exc:  # noqa: BLE001 - handed to the caller
             error.append(exc)
 
@@ -164,20 +192,22 @@ def _dump_in(ns_path: str) -> dict[int, procfs.UnixSocket]:
     raise error[0] if error else OSError(f"sock_diag in {ns_path}: no answer")
 
 
-def _netlink(pid: int) -> dict[int, procfs.UnixSocket]:
+def _netlink(pid: int, wanted: Iterable[int]) -> dict[int, procfs.UnixSocket]:
     ns = f"{PROC}/{pid}/ns/net"
     theirs = os.stat(ns)
     ours = os.stat(f"{PROC}/thread-self/ns/net")
     if (theirs.st_dev, theirs.st_ino) == (ours.st_dev, ours.st_ino):
-        return _dump_here()
-    return _dump_in(ns)
+        return _dump_here(wanted)
+    return _dump_in(ns, wanted)
 
 
-def unix_sockets(pid: int, proc: str = PROC) -> UnixTable:
-    """The unix sockets of ``pid``'s network namespace (see the module's contract)."""
+def unix_sockets(pid: int, proc: str = PROC, inodes: Iterable[int] = ()) -> UnixTable:
+    """The unix sockets of ``pid``'s network namespace (see the module's contract); ``inodes``:
+    the caller's own socket inodes (from fd links), each of which the table then holds if it is
+    a unix socket of that namespace, however the namespace's sockets come and go meanwhile."""
     if os.path.realpath(proc) == PROC:
         try:
-            return UnixTable(_netlink(pid))
+            return UnixTable(_netlink(pid, list(inodes)))
         except OSError as exc:  # fall back to the text, read with care
             log.debug("sock_diag for pid %d: %s; reading net/unix", pid, exc)
     try:

@@ -7,14 +7,28 @@ line per inode is fooled once a forged line comes after the real one, so the nam
 until one does. Leaves ``keep``: the sockets to hold open, or empty when no order fooled it.
 """
 
-FORGE_PROXY_SOCKET = r"""
+FORGE_HELPERS = r"""
+def names_of(ino, path="/proc/self/net/unix"):
+    # The table comes a page per read, each resumed by position: sockets coming and going
+    # elsewhere in the namespace meanwhile shift it (a line read twice, or not at all). So it is
+    # read until two reads agree on this inode's lines.
+    before = None
+    for _ in range(200):
+        now = []
+        for line in open(path).read().splitlines()[1:]:
+            f = line.split(None, 7)
+            if len(f) >= 7 and f[6] == str(ino):
+                now.append(f[7] if len(f) > 7 else "")
+        if now == before:
+            break
+        before = now
+    return now
 def last_name(ino):
-    name = None
-    for line in open("/proc/self/net/unix").read().splitlines()[1:]:
-        f = line.split(None, 7)
-        if len(f) >= 7 and f[6] == str(ino):
-            name = f[7] if len(f) > 7 else ""
-    return name
+    names = names_of(ino)
+    return names[-1] if names else None
+"""
+
+FORGE_PROXY_SOCKET = FORGE_HELPERS + r"""
 keep = []
 for attempt in range(64):
     sk = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

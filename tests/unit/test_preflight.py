@@ -4,6 +4,7 @@ processes (io_uring, NCCL's default set-up as NCCL lays it out, supported and un
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.nccl_forge import FORGE_PROXY_SOCKET
+from tests.nccl_forge import FORGE_HELPERS, FORGE_PROXY_SOCKET
 from runtime import procfs, unixdiag
 from runtime import checkpointable as preflight
 from runtime.checkpointable import Kind, NcclTransport
@@ -334,14 +335,13 @@ ready()
 """
 
 
-def _last_line_wins(pid: int) -> dict[int, str]:
-    """/proc/net/unix read line by line, the last line of an inode kept (procfs.unix_sockets did)."""
-    out = {}
-    for line in Path(f"/proc/{pid}/net/unix").read_text().splitlines()[1:]:
-        fields = line.split(None, 7)
-        if len(fields) >= 7 and fields[6].isdigit():
-            out[int(fields[6])] = fields[7].strip() if len(fields) > 7 else ""
-    return out
+def _last_line_of(pid: int, ino: int) -> str | None:
+    """The name on the last line of /proc/net/unix for ``ino`` (what the line-by-line reading
+    before believed), read as the forging child reads it."""
+    scope: dict[str, object] = {"os": os, "socket": socket}
+    exec(FORGE_HELPERS, scope)
+    names = scope["names_of"](ino, f"/proc/{pid}/net/unix")  # type: ignore[operator]
+    return names[-1] if names else None
 
 
 def _ino_of_nccl_socket(pid: int) -> int:
@@ -355,7 +355,7 @@ def test_real_forged_net_unix_line_does_not_hide_the_proxy_socket(child) -> None
     """Trust boundary (c): the proxy socket's real line, then a forged one for the same inode."""
     pid = child(FORGED)
     ino = _ino_of_nccl_socket(pid)
-    assert _last_line_wins(pid)[ino] == "@harmless"  # what the line-by-line reading before believed
+    assert _last_line_of(pid, ino) == "@harmless"  # what the line-by-line reading before believed
     (f,) = preflight.inspect([pid]).blocking
     assert f.kind is Kind.NCCL_COMMUNICATOR and f"socket @/tmp/nccl-socket-0-{pid:x}" in f.evidence, f
 
@@ -365,7 +365,7 @@ def test_real_forged_net_unix_line_is_caught_without_netlink(child, monkeypatch:
     pid = child(FORGED)
     ino = _ino_of_nccl_socket(pid)
 
-    def no_netlink(pid: int) -> dict[int, procfs.UnixSocket]:
+    def no_netlink(pid: int, wanted: object) -> dict[int, procfs.UnixSocket]:
         raise PermissionError("no sock_diag here")
 
     monkeypatch.setattr(unixdiag, "_netlink", no_netlink)
@@ -373,6 +373,32 @@ def test_real_forged_net_unix_line_is_caught_without_netlink(child, monkeypatch:
     assert table.source == "net/unix" and table.is_unsure(ino)
     (f,) = preflight.inspect([pid]).blocking
     assert f.kind is Kind.NCCL_COMMUNICATOR and f"socket:[{ino}]" in f.evidence and "newline" in f.evidence, f
+
+
+def test_a_socket_the_dump_skips_is_asked_for_by_inode(child, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dump resumes by position in the kernel's hash chains: sockets closed elsewhere in the
+    namespace between two parts of it can make it skip a live one (seen here under a busy test
+    run). The dump is made to skip the proxy socket; the caller's own inodes are then asked for
+    one by one, so the preflight still finds it, and an inode that is no unix socket (a TCP
+    socket's) just is not in the table."""
+    pid = child(FORGED)
+    ino = _ino_of_nccl_socket(pid)
+    real = unixdiag._read
+
+    def skipping(sock, *, dump):  # type: ignore[no-untyped-def]
+        got = real(sock, dump=dump)
+        if dump:
+            got.pop(ino, None)
+        return got
+
+    monkeypatch.setattr(unixdiag, "_read", skipping)
+    assert unixdiag.unix_sockets(pid).get(ino) is None  # what a skipping dump alone leaves
+    with socket.socket() as tcp:
+        tcp_ino = os.fstat(tcp.fileno()).st_ino
+        table = unixdiag.unix_sockets(pid, inodes=[ino, tcp_ino])
+    assert table.get(ino).path.startswith("@/tmp/nccl-socket-0-") and table.get(tcp_ino) is None
+    (f,) = preflight.inspect([pid]).blocking
+    assert f.kind is Kind.NCCL_COMMUNICATOR and f"socket @/tmp/nccl-socket-0-{pid:x}" in f.evidence, f
 
 
 def test_net_unix_text_reports_every_ambiguity() -> None:

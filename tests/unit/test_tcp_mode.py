@@ -145,6 +145,29 @@ def test_real_loopback_connection_between_two_processes_is_kept(pair, listen: st
     assert not tcpmode.plan([server]).established
 
 
+def test_a_connection_a_read_of_net_tcp_skips_is_found_again(pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    """net/tcp comes a page per read, each resumed by position: churn elsewhere in the namespace
+    can make one read skip a live socket. Here the first read skips the client's; the plan still
+    holds both ends (without the reread it would call the server's end one with its peer outside
+    the tree)."""
+    server, client = pair("127.0.0.1")
+    client_inos = procfs.socket_inodes(procfs.fds(client))
+    real, reads = procfs.tcp_sockets, []
+
+    def skipping(pid: int, proc: str = procfs.PROC) -> dict[int, procfs.TcpSocket]:
+        table = real(pid, proc)
+        reads.append(pid)
+        return {i: s for i, s in table.items() if i not in client_inos} if len(reads) == 1 else table
+
+    monkeypatch.setattr(procfs, "tcp_sockets", skipping)
+    plan = tcpmode.plan([server, client])
+    assert plan.established and len(plan.connections) == 2, plan
+    assert len(reads) == 2
+    monkeypatch.setattr(tcpmode, "REREADS", 0)
+    reads.clear()
+    assert not tcpmode.plan([server, client]).established  # what one skipping read alone decides
+
+
 def test_repair_off_lets_a_kept_connection_carry_data_again(pair) -> None:
     """What CRIU's dump with --leave-stopped leaves behind (repair mode on both ends), undone."""
     server, client = pair("127.0.0.1")
