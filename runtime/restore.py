@@ -336,7 +336,8 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
                 path = req.path
                 cached = _use_cache(cache, entry, req, artifact, plan, images, map_mode)
                 entry, use, cold_work, bulk_files = cached.entry, cached.use, cached.cold, cached.bulk_files
-                if cached.spans and path is RestorePath.STREAM:  # (none mapped: it streams from the entry)
+                if cached.spans and path is RestorePath.STREAM and not stream.warm_rest():
+                    # (none mapped: it streams from the entry; see stream.warm_rest for the rest)
                     log.info("%s: mapped from the node cache, the rest filled (nothing left to stream)", artifact.label)
                     path = RestorePath.BULK
                 if path is RestorePath.STREAM and cold_work is not None and on_cold is not None:
@@ -356,20 +357,23 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
                         path = RestorePath.BULK
                 fill_bulk = bool(bulk_files) and path in (RestorePath.BULK, RestorePath.STREAM)
                 served_files = plan.bulk if share is not None else bulk_files
+                sealed = False  # the fds are a node cache entry's sealed fill files
                 if share is not None:
                     fds, sums = _open_bulk(held, artifact, plan)
                 elif not fill_bulk:
                     fds, sums = [], []
-                elif entry is not None:
-                    fds = [entry.fd(nodecache.fill_name(b.pid)) for b in bulk_files]
-                    sums = [bulk.read_sums(artifact, b, entry.open_copy) for b in bulk_files]
+                elif entry is not None:  # its identity checked: the fill copies it unhashed (bulk.fill)
+                    fds, sealed = [entry.fd(nodecache.fill_name(b.pid)) for b in bulk_files], True
+                    sums = ([bulk.read_sums(artifact, b, entry.open_copy) for b in bulk_files]
+                            if path is RestorePath.STREAM else [])
                 else:
                     fds, sums = _open_bulk(held, artifact, plan)
                 total = sum(b.bytes for b in served_files)
                 report = (lambda done: progress("fill", done, total)) if progress else None
                 stream_report = (lambda done: progress("stream", done, total)) if progress else None
                 if (fill_bulk or share is not None) and path is RestorePath.STREAM:  # faults served from CRIU's hand-off on
-                    first = (stream.driver_spans(images, manifest.cuda.pids) if manifest.cuda is not None else [])
+                    first = (stream.driver_spans(images, manifest.cuda.pids)  # mapped ones are no piece's
+                             if manifest.cuda is not None and not cached.spans else [])
                     mapped = ([stream.Mapped(sp, share.out(sp.name)) for sp in share.building.spans]
                               if share is not None else [])
                     streamed = stream.Session.begin(work, target, control, artifact.label, served_files, fds, sums,
@@ -417,7 +421,8 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
                     with t.phase("fill"):
                         bulk.fill(artifact, bulk_files, fds, lambda pid: host_pid_of(pidns, pid),
                                   sums=sums, images=os.path.join(private, layout.CRIU_DIR), tree=result.tree,
-                                  threads=bulk.fill_threads(req.threads), progress=report)
+                                  threads=bulk.fill_threads(req.threads), progress=report,
+                                  sealed=sealed)
                 if manifest.cuda is not None:
                     host_pids = [host_pid_of(pidns, p) for p in manifest.cuda.pids]
                     gpu_map = build_gpu_map([g.uuid for g in manifest.cuda.gpus],

@@ -25,8 +25,10 @@ driver holds its whole device memory as one private anonymous mapping. So:
   piece not in the page cache is first asked of the disk whole (``POSIX_FADV_WILLNEED``): the
   threads share one open file, whose readahead state their interleaved 1 MiB reads keep
   resetting; the advice keeps large requests queued however the threads interleave
-  (``bench.disk_queue`` measures both). The caller resumes the process only when :func:`fill`
-  returned; on any error it kills the stopped tree, which then never ran.
+  (``bench.disk_queue`` measures both). From a node cache entry (sealed, verified when it was
+  written) the bytes are copied straight from a read-only mapping of its file, not hashed again.
+  The caller resumes the process only when :func:`fill` returned; on any error it kills the
+  stopped tree, which then never ran.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ from runtime.store import Artifact
 from runtime import digests
 from runtime.digests import WORKERS, Hashed, new_hash, piece_ranges
 from runtime.pagecache import is_cached
+from runtime.pages.filemap import FileMap
 
 log = logging.getLogger(__name__)
 
@@ -523,9 +526,10 @@ class _Piece:
 
 
 class _Filler:
-    def __init__(self, fds: list[int], pids: list[int], files: Sequence[BulkFile], sums: list[bytes],
-                 progress: Callable[[int], None] | None) -> None:
+    def __init__(self, fds: list[int], pids: list[int], files: Sequence[BulkFile], sums: list[bytes] | None,
+                 progress: Callable[[int], None] | None, mapped: list[int]) -> None:
         self.fds, self.pids, self.files, self.sums = fds, pids, files, sums
+        self.mapped = mapped  # with no sums: each file's address in a read-only mapping of it
         # (file offset, vaddr, length) of each range, by file, sorted by offset
         self.segments = [sorted((r.offset, r.vaddr, r.length) for r in f.ranges) for f in files]
         self.progress = progress
@@ -543,11 +547,37 @@ class _Filler:
 
     def piece(self, p: _Piece) -> None:
         with _FILLING:
-            self._piece(p)
+            if self.sums is None:
+                self._sealed_piece(p)
+            else:
+                self._piece(p, self.sums[p.file])
 
-    def _piece(self, p: _Piece) -> None:
+    def _sealed_piece(self, p: _Piece) -> None:
+        """Copy the piece's ranges straight from the sealed file's mapping (no chunk of it that
+        holds no range is touched: the entry has holes there)."""
+        pid, segs, base = self.pids[p.file], self.segments[p.file], self.mapped[p.file]
+        end, written = p.offset + p.length, 0
+        i = max(bisect.bisect_right(segs, (p.offset, 1 << 65, 0)) - 1, 0)
+        while i < len(segs) and segs[i][0] < end:
+            off, vaddr, length = segs[i]
+            lo, hi = max(off, p.offset), min(off + length, end)
+            if lo < hi:
+                write_remote(pid, base + lo, vaddr + (lo - off), hi - lo)
+                written += hi - lo
+            i += 1
+        self._count(written, written)
+
+    def _count(self, read: int, written: int) -> None:
+        with self.lock:
+            self.read += read
+            self.written += written
+            done = self.read
+        if self.progress is not None:
+            self.progress(done)
+
+    def _piece(self, p: _Piece, sums: bytes) -> None:
         _m, view, addr = self._buffer()
-        fd, pid, segs, sums = self.fds[p.file], self.pids[p.file], self.segments[p.file], self.sums[p.file]
+        fd, pid, segs = self.fds[p.file], self.pids[p.file], self.segments[p.file]
         pos, end, written, read = p.offset, p.offset + p.length, 0, 0
         if not is_cached(fd, pos, p.length):
             try:
@@ -584,47 +614,69 @@ class _Filler:
                     written += hi - lo
                 i += 1
             pos += want
-        with self.lock:
-            self.read += read
-            self.written += written
-            done = self.read
-        if self.progress is not None:
-            self.progress(done)
+        self._count(read, written)
 
 
 def fill(artifact: Artifact, files: Sequence[BulkFile], fds: Sequence[int], pid_of: Callable[[int], int], *,
          sums: Sequence[bytes], images: str, tree: Iterable[int], threads: int = WORKERS,
-         progress: Callable[[int], None] | None = None) -> FillStats:
+         progress: Callable[[int], None] | None = None, sealed: bool = False) -> FillStats:
     """Write every bulk file (``fds[i]`` is ``files[i]``, opened by the caller through
     ``artifact``; ``sums[i]`` its :func:`read_sums`) into its stopped process; FillError unless
     every range belongs to the restored tree (:func:`check_targets`: ``images`` is CRIU's
     verified image directory, ``tree`` the host pids CRIU restored) and every chunk matched its
-    signed digest before it was written; nothing is written over a page the process has."""
+    signed digest before it was written; nothing is written over a page the process has.
+
+    ``sealed``: the fds are a node cache entry's fill files, checked against their sealed
+    identity (``runtime.pages.nodecache.Held.fd``); every byte of them was verified when the
+    entry was written and only root can change them, the trust its mapped ranges have. They are
+    then copied straight from a read-only mapping of the file, not read and hashed again: one
+    copy instead of two and no hash (``bench.entry_fill`` measures both); ``sums`` is unused."""
     t0 = time.monotonic()
     try:
         if digests.PIECE % SUM_CHUNK:
             raise FillError(f"fill pieces of {digests.PIECE} bytes do not hold whole {SUM_CHUNK}-byte chunks")
         pids = check_targets(files, images, tree, pid_of)
         pieces: list[_Piece] = []
-        for i, (f, fd, chunks) in enumerate(zip(files, fds, sums, strict=True)):
+        sizes = []
+        for i, (f, fd) in enumerate(zip(files, fds, strict=True)):
             size = os.fstat(fd).st_size
             if size != artifact.entry(f.path).size:
                 raise FillError(f"{artifact.label}: {f.path} is {size} bytes, the manifest says "
                                 f"{artifact.entry(f.path).size}")
             if any(r.offset + r.length > size for r in f.ranges):
                 raise FillError(f"{artifact.label}: {f.path}: a range lies past the end of the file")
-            if len(chunks) != -(-size // SUM_CHUNK) * DIGEST_BYTES:
-                raise FillError(f"{artifact.label}: {f.path}: {len(chunks)} bytes of chunk digests for {size} bytes")
+            if not sealed and len(sums[i]) != -(-size // SUM_CHUNK) * DIGEST_BYTES:
+                raise FillError(f"{artifact.label}: {f.path}: {len(sums[i])} bytes of chunk digests for {size} bytes")
             pieces.extend(_Piece(i, off, length) for off, length in piece_ranges(size) if length)
+            sizes.append(size)
         for pid, f in zip(pids, files):
             assert_untouched(pid, f.ranges)
-        filler = _Filler(list(fds), pids, files, list(sums), progress)
-        with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="rekindle-fill") as pool:
-            list(pool.map(filler.piece, pieces))
+        stats = write_pieces(list(fds), pids, files, pieces, threads=threads, progress=progress,
+                             sums=None if sealed else list(sums), sizes=sizes)
     except OSError as exc:
         raise FillError(f"{artifact.label}: bulk fill failed: {exc}") from exc
-    stats = FillStats(filler.read, filler.written, time.monotonic() - t0, threads)
-    log.info("bulk fill: %.1f MiB read and verified, %.1f MiB written, %d threads, %.2fs (%.2f GB/s)",
-             stats.bytes_read / 2**20, stats.bytes_written / 2**20, threads, stats.seconds,
-             stats.bytes_read / 1e9 / max(stats.seconds, 1e-9))
+    stats = dataclasses.replace(stats, seconds=time.monotonic() - t0)
+    log.info("bulk fill: %.1f MiB read%s, %.1f MiB written, %d threads, %.2fs (%.2f GB/s)",
+             stats.bytes_read / 2**20, " from a sealed cache entry" if sealed else " and verified",
+             stats.bytes_written / 2**20, threads, stats.seconds, stats.bytes_read / 1e9 / max(stats.seconds, 1e-9))
     return stats
+
+
+def write_pieces(fds: list[int], pids: list[int], files: Sequence[BulkFile], pieces: Sequence[_Piece], *,
+                 threads: int, progress: Callable[[int], None] | None, sums: list[bytes] | None,
+                 sizes: Sequence[int]) -> FillStats:
+    """The fill's copying, on ``threads`` threads: each piece's ranges from ``fds`` into
+    ``pids``, every chunk checked against ``sums`` first; with no ``sums`` (a sealed entry),
+    copied from a read-only mapping of each file. The checks on the targets are the caller's."""
+    t0 = time.monotonic()
+    maps: list[FileMap] = []
+    try:
+        if sums is None:
+            maps = [FileMap(fd, size, writable=False) for fd, size in zip(fds, sizes)]
+        filler = _Filler(fds, pids, files, sums, progress, [m.addr for m in maps])
+        with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="rekindle-fill") as pool:
+            list(pool.map(filler.piece, pieces))
+    finally:
+        for m in maps:
+            m.close()
+    return FillStats(filler.read, filler.written, time.monotonic() - t0, threads)

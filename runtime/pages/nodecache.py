@@ -19,8 +19,10 @@ more (changed, replaced, truncated) is dropped, never used, and so is a partial 
 ``entry.json``; swept once its writer is provably dead). A restore holds a shared lock on the
 entry's directory while it uses it; eviction (least recently used first, to stay under the
 byte and entry bounds) takes it exclusively, so an entry a restore uses is never evicted.
-The bulk bytes of a mapped range are not hashed again when used: the entry is trusted because
-only root can change it, and a change made through the file system changes its ctime.
+The bulk bytes of the entry are not hashed again when used (a mapped range is mapped, the rest
+is copied from a read-only mapping of its fill file: ``runtime.pages.bulk.fill``'s ``sealed``):
+the entry is trusted because only root can change it, and a change made through the file system
+changes its ctime.
 
 On a tmpfs, the first restore of a version that streams (``runtime.pages.stream``) makes the
 entry as it runs (:meth:`NodeCache.begin`, :class:`Building`): the restored process maps each

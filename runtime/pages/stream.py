@@ -68,7 +68,8 @@ from dataclasses import dataclass, field
 
 from runtime.criu import image_files as img
 from runtime.pages import uffd
-from runtime.pages.mapping import HUGE, Span
+from runtime.pages.filemap import FileMap
+from runtime.pages.mapping import Span
 from runtime.containers import ContainerInfo
 from runtime.criu import CRIU
 from runtime.criu.proto import pagemap_pb2
@@ -85,7 +86,6 @@ SOCKET_NAME = "lazy-pages.socket"
 RESTORE_FINISHED = 0x52535446  # "RSTF"
 PIECE = 2 << 20  # what one install takes, and what a fault brings in at once: whole chunks
 MAPPED_SCRATCH = 2 * SUM_CHUNK  # the neighbours' parts of a mapped piece's first and last chunks
-_MAP_FIXED = 0x10
 FAULT_THREADS = 2
 # flags of a VMA CRIU registers with userfaultfd (criu/include/vma.h vma_entry_can_be_lazy)
 MAP_PRIVATE, MAP_ANONYMOUS, MAP_LOCKED, MAP_HUGETLB = 0x02, 0x20, 0x2000, 0x40000
@@ -303,44 +303,6 @@ class _Piece:
     digests: bytes  # of its chunks, in order (a mapped piece: none, read from its source's)
 
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_MAP_FAILED = ctypes.c_void_p(-1).value
-
-
-class _SharedMap:
-    """A file mapped shared and writable at an address that is 2 MiB-aligned where its offset 0
-    is: on a ``huge=always`` tmpfs its pages are then 2 MiB pages (the fault allocates a huge
-    page only where the address and the file offset agree mod 2 MiB), which the restored
-    process maps 2 MiB at a time."""
-
-    def __init__(self, fd: int, size: int) -> None:
-        self.size = max(size, 1)
-        room = _libc.mmap(None, self.size + HUGE, 0, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
-        if room in (None, _MAP_FAILED):
-            raise OSError(ctypes.get_errno(), "mmap")
-        at = -(-room // HUGE) * HUGE
-        got = _libc.mmap(at, self.size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | _MAP_FIXED, fd, 0)
-        if got != at:
-            err = ctypes.get_errno()
-            _libc.munmap(room, self.size + HUGE)
-            raise OSError(err, "mmap of a mapped range's file")
-        # what is left of the room before and after the mapping
-        if at > room:
-            _libc.munmap(room, at - room)
-        tail = room + self.size + HUGE - (at + self.size)
-        if tail > 0:
-            _libc.munmap(at + self.size, tail)
-        self.addr = at
-
-    def close(self) -> None:
-        if self.addr:
-            _libc.munmap(self.addr, self.size)
-            self.addr = 0
-
-
 class MappedBook:
     """Which pieces of the mapped ranges' files are in their files, verified there: shared by
     every streamed restore of one version in this process that maps those files
@@ -503,9 +465,12 @@ class Server:
                 d = ds[off // SUM_CHUNK * DIGEST_BYTES:-(-(off + n) // SUM_CHUNK) * DIGEST_BYTES]
                 self.pieces.append(_Piece(len(self.pieces), i, off, n, d))
         self.files = list(files)
+        # each file's ranges as (offset, end), by offset: a chunk that holds none is neither read
+        # nor checked (a node cache entry's fill file has a hole there: that range is mapped)
+        self._extents = [sorted((r.offset, r.offset + r.length) for r in f.ranges) for f in self.files]
         # Mapped ranges: a pseudo-file each (index len(files) + k), its pieces 2 MiB of its map file.
         self.mapped: list[tuple[Mapped, int]] = []  # (range, its bulk file's index); out: our dup
-        self._shared: list[_SharedMap] = []  # each mapped range's file, mapped shared: where it is written
+        self._shared: list[FileMap] = []  # each mapped range's file, mapped shared: where it is written
         for m in mapped:
             src = next((i for i, f in enumerate(self.files)
                         if f.pid == m.span.pid and any((r.vaddr, r.length, r.offset) ==
@@ -515,7 +480,7 @@ class Server:
                 raise StreamIntegrityError(f"{label}: mapped range {m.span.vaddr:#x} of pid {m.span.pid} "
                                            "is no bulk range")
             self.mapped.append((Mapped(m.span, os.dup(m.out)), src))
-            self._shared.append(_SharedMap(m.out, m.span.file_size))
+            self._shared.append(FileMap(m.out, m.span.file_size, writable=True))
             self.first.append(len(self.pieces))
             for off in range(0, m.span.file_size, PIECE):
                 lo, hi = max(off, m.span.file_offset), min(off + PIECE, m.span.file_size)
@@ -741,10 +706,14 @@ class Server:
                 os.posix_fadvise(fd, p.offset, p.length, os.POSIX_FADV_WILLNEED)
             except OSError:
                 pass
-        got = 0
+        got = skipped = 0
         reading = hashing = 0.0
         while got < p.length:  # chunk by chunk, each hashed while still in the core's cache
             start, want = got, min(p.length, got + SUM_CHUNK)
+            if not self._holds_range(p.file, p.offset + start, p.offset + want):
+                got = want  # no byte of it is installed
+                skipped += want - start
+                continue
             t0 = time.perf_counter()
             while got < want:
                 n = os.preadv(fd, [view[got:want]], p.offset + got)
@@ -758,8 +727,14 @@ class Server:
             if digest.digest() != p.digests[k:k + DIGEST_BYTES]:
                 raise StreamIntegrityError(f"chunk at {p.offset + start} of {self.files[p.file].path} does not match its digest")
             reading, hashing = reading + (t1 - t0), hashing + (time.perf_counter() - t1)
-        self._verified(p.length, reading, hashing)
+        self._verified(p.length - skipped, reading, hashing)
         return addr
+
+    def _holds_range(self, file: int, lo: int, hi: int) -> bool:
+        """Whether [lo, hi) of bulk file ``file`` holds any byte of one of its ranges."""
+        ext = self._extents[file]
+        i = bisect.bisect_right(ext, (lo, 1 << 64)) - 1
+        return any(a < hi and lo < b for a, b in ext[max(i, 0):i + 2])
 
     def _verified(self, length: int, reading: float, hashing: float) -> None:
         """``length`` more bytes verified (read and hashed in those thread-seconds): counted, reported."""
@@ -1149,6 +1124,19 @@ def threads(asked: int | None) -> int:
     if raw.isdigit() and int(raw) <= 1024:
         return int(raw)
     return asked if asked else DEFAULT_THREADS
+
+
+WARM_REST_ENV = "REKINDLE_STREAM_WARM_REST"
+
+
+def warm_rest() -> bool:
+    """Whether a restore that maps ranges from a complete node cache entry serves the bulk pages
+    it does not map (``$REKINDLE_STREAM_WARM_REST=1``), as the first restore of a version does,
+    instead of filling them before the tree runs. Four LLM-worker pods mapped from one entry
+    spent 1.06-1.26 s each in that fill (0.29 s alone; bench/results/h200/scale-out-llm-warm.json)
+    before their CUDA restores could start; served, it runs beside them. Off until measured on a
+    GPU node (a measurement setting, as ``$REKINDLE_STREAM_THREADS``)."""
+    return os.environ.get(WARM_REST_ENV, "") == "1"
 
 
 def driver_spans(images: str, cuda_pids: Sequence[int]) -> list[tuple[int, int, int]]:

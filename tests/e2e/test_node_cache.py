@@ -162,22 +162,26 @@ def test_a_second_restore_maps_from_the_cache_and_two_pods_share_its_pages(sandb
     assert get(sandbox.cri.pod_ip(b2.id), "/", 30.0).startswith("ok ")
 
 
-def test_a_changed_entry_is_dropped_and_made_again(sandbox, pod, cached_plugin):
+@pytest.mark.parametrize("kind", ["map", "fill"])
+def test_a_changed_entry_is_dropped_and_made_again(sandbox, pod, cached_plugin, kind):
+    """A mapped range's file, or a fill file (whose bytes the fill copies without hashing them
+    again): either changed, the entry is not used."""
     plugin = cached_plugin
-    _source(sandbox, pod, plugin, "cache-change")
-    _restore(sandbox, pod, plugin, "cache-change", "1")
-    (entry,) = wait_for(lambda: _entries(plugin, "cache-change"), 120, "the cache entry to be written")
-    victim = sorted(glob.glob(os.path.join(os.path.dirname(entry), "map-*.bin")))[0]
+    name = f"cache-change-{kind}"
+    _source(sandbox, pod, plugin, name)
+    _restore(sandbox, pod, plugin, name, "1")
+    (entry,) = wait_for(lambda: _entries(plugin, name), 120, "the cache entry to be written")
+    victim = sorted(glob.glob(os.path.join(os.path.dirname(entry), f"{kind}-*.bin")))[0]
     os.chmod(victim, 0o644)
     with open(victim, "r+b") as f:  # root changing it behind the plugin's back
         f.seek(os.path.getsize(victim) - 4096)
         f.write(b"\xff" * 4096)
     os.chmod(victim, 0o444)
-    b, _ = _restore(sandbox, pod, plugin, "cache-change", "2")
+    b, _ = _restore(sandbox, pod, plugin, name, "2")
     assert _cache_use(plugin, b)["state"] == "cold"
     assert "dropped" in plugin.log()
-    wait_for(lambda: _entries(plugin, "cache-change"), 120, "the entry to be made again")
-    c, _ = _restore(sandbox, pod, plugin, "cache-change", "3")
+    wait_for(lambda: _entries(plugin, name), 120, "the entry to be made again")
+    c, _ = _restore(sandbox, pod, plugin, name, "3")
     assert _cache_use(plugin, c)["state"] == "warm"
 
 
@@ -324,3 +328,24 @@ def test_streamed_restores_of_one_version_at_once_share_the_entry_they_make(sand
         (pid,) = _tree_in(sandbox, cid)
         rss, pss = _mapped_vma(pid)
         assert rss >= 90 << 10 and pss <= rss * 0.5, (pid, rss, pss)
+
+
+def test_a_restore_mapped_from_the_entry_serves_the_rest_when_asked(sandbox, pod, streaming_cache):
+    """``REKINDLE_STREAM_WARM_REST=1``: a restore that maps its ranges from a complete entry
+    serves the bulk pages it does not map (from the entry's fill files, each chunk verified) while
+    the tree runs, instead of filling them before; without it they are filled first."""
+    plugin = streaming_cache
+    _source(sandbox, pod, plugin, "cache-rest")
+    _restore(sandbox, pod, plugin, "cache-rest", "1")
+    wait_for(lambda: _entries(plugin, "cache-rest"), 120, "the entry to be finished")
+    filled, _ = _restore(sandbox, pod, plugin, "cache-rest", "2")
+    use, timings = _cache_use(plugin, filled), _timings(plugin, filled)
+    assert use["state"] == "warm" and use["filled_bytes"] > 0, use
+    assert "stream" not in timings, timings
+    _restart(plugin, {**plugin.env, "REKINDLE_STREAM_WARM_REST": "1"})
+    served, _ = _restore(sandbox, pod, plugin, "cache-rest", "3")
+    use, timings = _cache_use(plugin, served), _timings(plugin, served)
+    assert use["state"] == "warm" and use["store_bytes_read"] == 0, use
+    assert timings["stream"]["bytes_installed"] == use["filled_bytes"], (timings["stream"], use)
+    assert timings["stream"]["mapped_bytes"] == 0, timings["stream"]
+    assert get(sandbox.cri.pod_ip(filled.id), "/", 30.0).startswith("ok ")

@@ -249,6 +249,28 @@ def test_a_present_page_of_zeros_is_filled(tmp_path: Path, start_target: Callabl
     assert _memory(t.pid, t.anon, SIZE) == data
 
 
+def test_a_sealed_entry_is_copied_from_its_mapping_ranges_only(
+        tmp_path: Path, start_target: Callable[..., Target]) -> None:
+    """A node cache entry's fill file (sealed: no sums, no hash) may have holes where ranges are
+    mapped; the fill copies its two ranges, at their file offsets, and nothing in between."""
+    data = os.urandom(SIZE)  # what lies between the ranges is no range's: never written
+    store = ArtifactStore(str(tmp_path / "store"))
+    _publish(store, data, tmp_path)
+    t = start_target()
+    ranges = (BulkRange(t.anon, P, 0), BulkRange(t.anon + SIZE - P, P, SIZE - P))
+    with store.open("team-a", "qwen-7b", KEY) as art:
+        fd = art.open_file(bulk_file(NS_PID))
+        try:
+            stats = bulk.fill(art, [BulkFile(NS_PID, bulk_file(NS_PID), 1, ranges)], [fd], lambda _pid: t.pid,
+                              sums=[], images=str(t.images), tree=[t.pid], threads=2, sealed=True)
+        finally:
+            os.close(fd)
+    assert (stats.bytes_read, stats.bytes_written) == (2 * P, 2 * P)
+    assert _memory(t.pid, t.anon, P) == data[:P]
+    assert _memory(t.pid, t.anon + SIZE - P, P) == data[SIZE - P:]
+    assert _memory(t.pid, t.anon + P, SIZE - 2 * P) == bytes(SIZE - 2 * P)
+
+
 def test_ranges_that_share_file_bytes_cannot_be_planned() -> None:
     """The fill used to write one of them and skip the rest, and said ok."""
     with pytest.raises(ValueError, match="overlap in file offsets"):

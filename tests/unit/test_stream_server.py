@@ -230,3 +230,31 @@ def test_the_driver_host_copy_is_installed_before_the_rest(tmp_path) -> None:
         other.close()
     finally:
         server.close()
+
+
+def test_a_chunk_that_holds_no_range_is_not_checked(tmp_path) -> None:
+    """A node cache entry's fill file has holes where its ranges are mapped instead, whose chunk
+    digests are the bulk file's: a chunk holding no range of the served file is neither read nor
+    checked (nothing of it is installed), the rest is served whole."""
+    child = Child(2 * SUM_CHUNK)
+    data = os.urandom(3 * SUM_CHUNK)
+    sums = b"".join(blake3.blake3(data[o:o + SUM_CHUNK]).digest() for o in range(0, len(data), SUM_CHUNK))
+    holed = data[:SUM_CHUNK] + bytes(SUM_CHUNK) + data[2 * SUM_CHUNK:]  # chunk 1: mapped elsewhere
+    path = tmp_path / "fill.bin"
+    path.write_bytes(holed)
+    fd = os.open(path, os.O_RDONLY)
+    f = BulkFile(7, bulk_file(7), 1, (BulkRange(child.addr, SUM_CHUNK, 0),
+                                      BulkRange(child.addr + SUM_CHUNK, SUM_CHUNK, 2 * SUM_CHUNK)))
+    killed: list[object] = []
+    server = stream.Server("test", [f], [fd], [sums], lambda: killed.append(child.proc.kill()), threads=1)
+    os.close(fd)
+    try:
+        server.add(7, child.fd)
+        server.start()
+        stats = server.wait(60)
+        assert not killed and stats.bytes_verified == 2 * SUM_CHUNK, stats
+        assert child.ask("hash") == blake3.blake3(data[:SUM_CHUNK] + data[2 * SUM_CHUNK:]).hexdigest()
+    finally:
+        server.close()
+        child.proc.kill()
+        child.close()
