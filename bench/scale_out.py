@@ -71,6 +71,8 @@ PATHS = ("bulk", "stream")
 CACHES = ("off", "cold", "warm")
 CACHE_DIR = Path("cache") / "v1"  # under the plugin's state dir: one directory per entry
 SAMPLE_S = 0.1
+# the plugin's measurement settings a run of this bench hands on to it from its own environment
+PASSED_ENV = ("REKINDLE_STREAM_THREADS", "REKINDLE_STREAM_WARM_REST")
 WARM_POLL_S = 0.2
 
 
@@ -89,9 +91,10 @@ class Round:
         """The plugin's environment for the round ('warm' and 'cold' keep the cache's default
         bound, on a huge tmpfs); ``map_ranges``: what a restore from the cache maps (the
         plugin's default if empty); ``pods`` restores may run at once (all of them)."""
+        passed = {k: os.environ[k] for k in PASSED_ENV if k in os.environ}  # measurement settings
         return {"REKINDLE_RESTORE_PATH": self.path, "REKINDLE_MAX_PARALLEL": str(max(2, pods)),
                 **({"REKINDLE_CACHE_BYTES": "0"} if self.cache == "off" else {"REKINDLE_CACHE_TMPFS": "1"}),
-                **({"REKINDLE_MAP": map_ranges} if map_ranges else {})}
+                **({"REKINDLE_MAP": map_ranges} if map_ranges else {}), **passed}
 
 
 def parse_rounds(text: str) -> list[Round]:

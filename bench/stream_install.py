@@ -31,7 +31,6 @@ import tempfile
 import textwrap
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 import blake3
@@ -127,11 +126,10 @@ def fill_then_read(path: str, sums: bytes, length: int, threads: int, ranges: in
     fd = os.open(path, os.O_RDONLY)
     try:
         f = split(child.addr, length, ranges)
-        filler = bulk._Filler([fd], [child.proc.pid], [f], [sums], None)
         pieces = [bulk._Piece(0, off, min(PIECE, length - off)) for off in range(0, length, PIECE)]
         t0 = time.monotonic()
-        with ThreadPoolExecutor(threads) as pool:
-            list(pool.map(filler.piece, pieces))
+        bulk.write_pieces([fd], [child.proc.pid], [f], pieces, threads=threads, progress=None, sums=[sums],
+                          sizes=[length])
         reader = child.read()
         seconds = time.monotonic() - t0
     finally:

@@ -8,11 +8,16 @@
 # 3. with DISK_QUEUE=1, bench/disk_queue.py (how the restore's read shapes share the disk);
 # 4. each case of $CASES (default synthetic-16gib; "" none) with $RUNS (bench/restore_speed.py --runs),
 #    and with RECHECKPOINT=always,keep the running source checkpointed once more in each THP mode;
-# 5. with SCALE=N, bench/scale_out.py: N pods restored at once from one artifact, case $SCALE_CASE
-#    (default llm-7b), rounds $SCALE_ROUNDS (its --rounds), within $SCALE_TIMEOUT (default 500) s.
+# 5. labs outside containerd: with DUMP_BYPASS=GIB, bench/dump_bypass.py on a CUDA-checkpointed
+#    process of GIB GiB (CRIU's whole dump against N threads reading beside an incremental one);
+#    with CUDA_PARALLEL=N, bench/cuda_restore_parallel.py (N driver restores at once against one);
+# 6. with SCALE=N, bench/scale_out.py: N pods restored at once from one artifact, case $SCALE_CASE
+#    (default llm-7b), rounds $SCALE_ROUNDS (its --rounds), within $SCALE_TIMEOUT (default 500) s;
+#    REKINDLE_STREAM_THREADS and REKINDLE_STREAM_WARM_REST, when set, are handed on to its plugin.
 # What lands in $OUT (few files: a call brings back eight at most): restore-speed-<case>.json,
-# disk-queue.json, scale-out.json, and logs.tar.xz (node.txt, setup.log, gpu-tests.log,
-# speed-<case>.log, scale-out.log, and the plugin, worker and CRIU logs).
+# disk-queue.json, dump-bypass.json, cuda-parallel.json, scale-out.json, and logs.tar.xz (node.txt,
+# setup.log, gpu-tests.log, speed-<case>.log, the labs' logs, scale-out.log, and the plugin, worker
+# and CRIU logs).
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -21,7 +26,8 @@ scratch=/var/tmp/rekindle-speed-logs
 mkdir -p "$out" "$scratch"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 t0=$(date +%s)
-{ uname -a; nproc; free -g; df -h / /dev/shm /var/tmp; nvidia-smi; cat /sys/kernel/mm/transparent_hugepage/enabled; } \
+{ uname -a; nproc; free -g; df -h / /dev/shm /var/tmp; nvidia-smi; cat /sys/kernel/mm/transparent_hugepage/enabled;
+  grep -i soft_dirty "/boot/config-$(uname -r)"; } \
   > "$scratch/node.txt" 2>&1
 hack/gpu-node-setup.sh > "$scratch/setup.log" 2>&1 || { echo "setup failed"; tail -40 "$scratch/setup.log"; exit 1; }
 # shellcheck disable=SC1091
@@ -48,6 +54,20 @@ for case in ${CASES-synthetic-16gib}; do  # CASES="" runs none
   grep -vE "^[0-9-]+ [0-9:,]+ " "$scratch/speed-$case.log" | tail -40
   echo "$case done at $(( $(date +%s) - t0 ))s"
 done
+if [ -n "${DUMP_BYPASS:-}" ]; then
+  timeout "${LAB_TIMEOUT:-300}" python3 -m bench.dump_bypass --gpu-gib "$DUMP_BYPASS" \
+    ${DUMP_ROUNDS:+--rounds "$DUMP_ROUNDS"} ${DUMP_THREADS:+--threads "$DUMP_THREADS"} ${DUMP_DIR:+--dir "$DUMP_DIR"} \
+    --json "$out/dump-bypass.json" > "$scratch/dump-bypass.log" 2>&1 || rc=1
+  tail -12 "$scratch/dump-bypass.log"
+  echo "dump bypass done at $(( $(date +%s) - t0 ))s"
+fi
+if [ -n "${CUDA_PARALLEL:-}" ]; then
+  timeout "${LAB_TIMEOUT:-300}" python3 -m bench.cuda_restore_parallel --procs "$CUDA_PARALLEL" \
+    ${CUDA_PARALLEL_GIB:+--gib "$CUDA_PARALLEL_GIB"} ${CUDA_PARALLEL_ROUNDS:+--rounds "$CUDA_PARALLEL_ROUNDS"} \
+    --json "$out/cuda-parallel.json" > "$scratch/cuda-parallel.log" 2>&1 || rc=1
+  tail -12 "$scratch/cuda-parallel.log"
+  echo "cuda parallel done at $(( $(date +%s) - t0 ))s"
+fi
 if [ -n "${SCALE:-}" ]; then
   timeout "${SCALE_TIMEOUT:-500}" python3 -m bench.scale_out --case "${SCALE_CASE:-llm-7b}" --pods "$SCALE" \
     ${SCALE_ROUNDS:+--rounds "$SCALE_ROUNDS"} --out-dir "$scratch/scale-out" --json "$out/scale-out.json" \

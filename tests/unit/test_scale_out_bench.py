@@ -86,7 +86,9 @@ def test_memory_figures_peak_from_the_baseline_and_steady_after_the_last_answer(
     assert scale_out.memory_figures([], 1, 0.0)["peak_pss_bytes"] is None
 
 
-def test_rounds_parse_with_their_plugin_environment() -> None:
+def test_rounds_parse_with_their_plugin_environment(monkeypatch) -> None:
+    for k in scale_out.PASSED_ENV:
+        monkeypatch.delenv(k, raising=False)
     got = scale_out.parse_rounds("bulk:off, bulk:warm,stream:cold")
     assert got == [Round("bulk", "off"), Round("bulk", "warm"), Round("stream", "cold")]
     assert got[0].env() == {"REKINDLE_RESTORE_PATH": "bulk", "REKINDLE_MAX_PARALLEL": "2", "REKINDLE_CACHE_BYTES": "0"}
@@ -95,6 +97,8 @@ def test_rounds_parse_with_their_plugin_environment() -> None:
     assert got[2].env("all") == {"REKINDLE_RESTORE_PATH": "stream", "REKINDLE_MAX_PARALLEL": "2",
                                  "REKINDLE_CACHE_TMPFS": "1", "REKINDLE_MAP": "all"}
     assert got[2].spec == "stream:cold"
+    monkeypatch.setenv("REKINDLE_STREAM_WARM_REST", "1")  # a measurement setting is handed on
+    assert got[1].env()["REKINDLE_STREAM_WARM_REST"] == "1"
 
 
 @pytest.mark.parametrize("bad", ["bulk", "bulk:hot", "stock:off", "bulk:off,", ":warm"])
