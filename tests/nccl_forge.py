@@ -3,7 +3,7 @@ the preflight tests run in a child or a pod (``os`` and ``socket`` imported firs
 
 Sockets whose names hold a newline and then a line of /proc/net/unix naming the proxy socket's
 inode with a harmless name. The table's order is its hash order; a parser that keeps the last
-line per inode is fooled once a forged line comes after the real one, so the names are varied
+line per inode is fooled once a forged line comes after the real one, so random names are tried
 until one does. Leaves ``keep``: the sockets to hold open, or empty when no order fooled it.
 """
 
@@ -39,7 +39,10 @@ for attempt in range(64):
     forgers = []
     while last_name(ino) != "@harmless" and len(forgers) < 64:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        s.bind(b"\0x%d-%d\n" % (attempt, len(forgers)) + forged.encode())
+        # a random name: the bucket is a checksum of the name, and names that differ only in a
+        # counter's digits fall into a few neighbouring buckets (up to 16 attempts seen, some
+        # runs none within 64); random ones spread over all of them
+        s.bind(b"\0x" + os.urandom(16).hex().encode() + b"\n" + forged.encode())
         forgers.append(s)
     if last_name(ino) == "@harmless":
         keep = [sk, *forgers]
