@@ -54,7 +54,8 @@ from runtime import checkpointable as preflight
 from runtime import tcpmode
 from runtime.containers import ContainerInfo, ns_pids, process_tree, resolve_container, workload_root
 from runtime.gpu import Checkpointer
-from runtime.errors import CheckpointRefused, CriuError, CudaStuck, ImageUnknown, RekindleError
+from runtime.gpu.cuda import ProcessState
+from runtime.errors import CheckpointRefused, CriuError, CudaStuck, ImageUnknown, RekindleError, SourceResumeFailed
 from runtime.gpu import source_gpus
 from runtime.owner import write_owner
 from runtime.manifest import CriuInfo, CudaInfo, Manifest, MountInfo, NodeInfo, ProcessInfo, Source
@@ -182,6 +183,8 @@ def checkpoint(req: CheckpointRequest, store: ArtifactStore, key: bytes, *,
                     ahead = held_open.enter_context(TailHasher(images, write_back=_same_fs(work_dir, store.root)))
                     dump = dump_workload(info, images, leave_running=True, leave_stopped=True,
                                          work_dir=work_dir, tcp_established=tcp.established)
+                    if resume is not None:
+                        resume.criu_log = dump.log_path
                     hashed = ahead.finish()
                     if tcp.established:
                         _check_tcp_kept(dump)
@@ -263,14 +266,16 @@ def checkpoint(req: CheckpointRequest, store: ArtifactStore, key: bytes, *,
 
 class _SourceResume:
     """The source's CUDA restore and unlock on a thread of its own, while the artifact is finished
-    (host files, split); ``join`` records its time and raises what it raised, the tree already
-    ended (``_ends_source_on``)."""
+    (host files, split); ``join`` records its time and raises what it raised. A failed resume is
+    tried once more from what the driver says of each process; failing again, the tree is ended
+    and the error (:class:`SourceResumeFailed`) says why."""
 
     def __init__(self, cuda: Checkpointer, pids: list[int], root_host: int) -> None:
         self._cuda, self._pids, self._root = cuda, pids, root_host
         self._thread = threading.Thread(target=self._run, name="rekindle-resume-source", daemon=True)
         self._error: BaseException | None = None
         self.started_at = self.done_at = 0.0
+        self.criu_log: str | None = None  # the dump's log, quoted when the resume fails
 
     def start(self) -> None:
         self.started_at = time.monotonic()
@@ -281,12 +286,31 @@ class _SourceResume:
 
     def _run(self) -> None:
         try:
-            with _ends_source_on(RekindleError, self._root):
+            try:
                 self._cuda.restore_all(self._pids)
+            except RekindleError as exc:
+                self._second_try(exc)
         except BaseException as exc:  # noqa: BLE001 - handed to join
             self._error = exc
         finally:
             self.done_at = time.monotonic()
+
+    def _second_try(self, cause: RekindleError) -> None:
+        """Before the source is given up: what the driver says of each process, and one more
+        try to bring back what it can (a checkpointed process restored, a locked one unlocked);
+        where that fails too, the tree is ended with a reason the user can act on."""
+        log.error("the source's CUDA resume failed (%s); asking the driver what became of %s", cause, self._pids)
+        try:
+            self._cuda.release([p for p in self._pids if _alive(p)])
+        except RekindleError as exc:
+            log.error("the second try failed too: %s", exc)
+        states = {p: _driver_state(self._cuda, p) for p in self._pids}
+        if all(s == str(ProcessState.RUNNING) for s in states.values()):
+            log.warning("the source's CUDA state came back on the second try (%s)", cause)
+            return
+        log.error("the source's CUDA state cannot be brought back (%s); ending the workload %d", states, self._root)
+        tasks.kill_all(_tree(self._root))
+        raise SourceResumeFailed(cause, states, _criu_said(self.criu_log)) from cause
 
     def join(self, t: Timings) -> None:
         if not self.started_at:
@@ -309,6 +333,40 @@ def _ends_source_on(kind: type[BaseException], root_host: int) -> Iterator[None]
         log.error("the source's CUDA state cannot be brought back (%s); ending the workload %d", exc, root_host)
         tasks.kill_all(_tree(root_host))
         raise
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+def _driver_state(cuda: Checkpointer, pid: int) -> str:
+    """What the driver says of ``pid`` (or that the process is gone, or the call's own error)."""
+    if not _alive(pid):
+        return "gone (the process died after its CUDA checkpoint)"
+    try:
+        return str(cuda.state(pid))
+    except RekindleError as exc:
+        return f"no state ({exc})"
+
+
+CRIU_LINES = 3  # of CRIU's warnings and errors quoted in a failed resume's reason
+
+
+def _criu_said(log_path: str | None) -> list[str]:
+    """CRIU's last warnings and errors on the dump: where it touched the tree (e.g. threads it
+    resumed with EINTR: "Will restore N with interrupted system call")."""
+    if not log_path:
+        return []
+    try:
+        with open(log_path, errors="replace") as f:
+            lines = [ln.strip() for ln in f if "Error" in ln or "Warn" in ln]
+    except OSError:
+        return []
+    return [ln[:160] for ln in lines[-CRIU_LINES:]]
 
 
 def _same_fs(a: str, b: str) -> bool:

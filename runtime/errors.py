@@ -188,6 +188,23 @@ class CudaStuck(RekindleError):
         self.stuck = stuck
 
 
+class SourceResumeFailed(RekindleError):
+    """The source's CUDA state could not be resumed after its dump, not even by asking the driver
+    a second time: the tree was ended, and its container restarts cold. The message says, for the
+    user to act on, the call that failed, what the driver said of each process afterwards, and
+    CRIU's last warnings and errors on the dump."""
+
+    reason_class = Reason.CUDA
+
+    def __init__(self, cause: RekindleError, states: dict[int, str], criu_lines: list[str]) -> None:
+        said = ", ".join(f"pid {p}: {s}" for p, s in sorted(states.items())) or "no process"
+        criu = f"; CRIU's dump log ends: {' | '.join(criu_lines)}" if criu_lines else ""
+        super().__init__(f"the source's CUDA resume after the dump failed: {cause}; then the driver "
+                         f"said: {said}{criu}; the source was ended (its container restarts cold)")
+        self.cause = cause
+        self.states = states
+
+
 class CheckpointRefused(RekindleError):
     """A checkpoint was not taken because its restore could not work (``reasons``: one per
     finding). Raised before anything is locked or dumped: the source runs on unharmed."""

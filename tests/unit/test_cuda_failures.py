@@ -13,7 +13,8 @@ import pytest
 from runtime import checkpoint
 from runtime.gpu import target
 from runtime.containers import process_tree
-from runtime.errors import CudaError, CudaStuck
+from runtime.errors import CudaError, CudaStuck, SourceResumeFailed
+from runtime.gpu.cuda import ProcessState
 from tests.waiting import wait_for
 
 
@@ -45,13 +46,30 @@ def tree() -> Iterator[list[int]]:
 
 
 class FailingCuda:
-    def __init__(self, exc: BaseException) -> None:
+    """restore_all fails; the second try (``release``) brings back the pids in ``recovers``; the
+    driver then says ``states`` (running for a pid brought back)."""
+
+    def __init__(self, exc: BaseException, recovers: tuple[int, ...] = (),
+                 states: dict[int, ProcessState] | None = None) -> None:
         self.exc = exc
         self.calls: list[tuple[list[int], object]] = []
+        self.recovers = recovers
+        self.states = dict(states or {})
+        self.released: list[int] = []
 
     def restore_all(self, pids: list[int], gpu_map: object = None) -> None:
         self.calls.append((pids, gpu_map))
         raise self.exc
+
+    def release(self, pids: list[int]) -> list[int]:
+        self.released += pids
+        for p in pids:
+            if p in self.recovers:
+                self.states[p] = ProcessState.RUNNING
+        return pids
+
+    def state(self, pid: int) -> ProcessState:
+        return self.states.get(pid, ProcessState.CHECKPOINTED)
 
 
 def test_failed_cuda_restore_kills_the_restored_tree(tree: list[int]) -> None:
@@ -83,9 +101,46 @@ def test_a_source_resume_that_fails_beside_the_split_ends_the_tree_and_is_raised
     resume = checkpoint._SourceResume(cuda, tree[1:], tree[0])  # type: ignore[arg-type]
     resume.start()
     t = checkpoint.Timings()
-    with pytest.raises(CudaError, match="UNKNOWN"):
+    with pytest.raises(SourceResumeFailed, match="UNKNOWN"):
         resume.join(t)  # the checkpoint raises here, before anything is published
     assert cuda.calls == [(tree[1:], None)] and "cuda_resume_source" in t
+    assert cuda.released == tree[1:]  # tried once more before the tree was ended
+    wait_dead(tree)
+
+
+def test_a_failed_source_resume_that_a_second_try_brings_back_keeps_the_source(tree: list[int]) -> None:
+    """The driver restores on the second try (what it says of each process decides it): the
+    source runs on and nothing is raised."""
+    cuda = FailingCuda(CudaError("cuCheckpointProcessRestore", 999, "CUDA_ERROR_UNKNOWN", pid=tree[1]),
+                       recovers=tuple(tree[1:]))
+    resume = checkpoint._SourceResume(cuda, tree[1:], tree[0])  # type: ignore[arg-type]
+    resume.start()
+    resume.join(checkpoint.Timings())
+    assert cuda.released == tree[1:]
+    time.sleep(0.2)
+    assert all(alive(p) for p in tree)
+
+
+def test_a_source_given_up_says_what_the_driver_and_criu_said(tree: list[int], tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """One process died after the dump (JAX did, of CRIU's EINTR), one stays checkpointed: the
+    reason names the failed call, each process's state, and CRIU's last warnings."""
+    gone, stuck = tree[1], tree[2]
+    os.kill(gone, 9)
+    wait_dead([gone])
+    dump_log = tmp_path / "dump.log"
+    dump_log.write_text("(00.1) Dumping pstree\n(14.2) Warn  (compel/arch/x86/src/lib/infect.c:419): "
+                        "Will restore 845 with interrupted system call\n(14.3) Dumping finished successfully\n")
+    cuda = FailingCuda(CudaError("cuCheckpointProcessRestore", 3, "CUDA_ERROR_NOT_INITIALIZED", pid=gone))
+    resume = checkpoint._SourceResume(cuda, [gone, stuck], tree[0])  # type: ignore[arg-type]
+    resume.criu_log = str(dump_log)
+    resume.start()
+    with pytest.raises(SourceResumeFailed) as err:
+        resume.join(checkpoint.Timings())
+    reason = str(err.value)
+    assert f"cuCheckpointProcessRestore for pid {gone} failed: CUDA_ERROR_NOT_INITIALIZED" in reason, reason
+    assert f"pid {gone}: gone" in reason and f"pid {stuck}: checkpointed" in reason, reason
+    assert "Will restore 845 with interrupted system call" in reason and "Dumping pstree" not in reason, reason
+    assert cuda.released == [stuck]  # the gone one is not asked again
     wait_dead(tree)
 
 
