@@ -1,6 +1,6 @@
 """Single-node demo: containerd with NRI, the Rekindle plugin, checkpoint then restore.
 
-    hack/demo.sh [--warmup-mib 1024] [--passes 20] [--restore-path bulk|stock|stream] [--keep]   (as root)
+    hack/demo.sh [--warmup-mib 1024] [--passes 20] [--restore-path auto|bulk|stock|stream] [--keep]   (as root)
 
 1. brings up the local sandbox (private containerd 1.7.24 with NRI, CNI bridge, local images);
 2. starts `rekindle plugin` against it;
@@ -56,6 +56,15 @@ def wait_serving(ip: str, t0: float, timeout: float = 300) -> float:
     raise SystemExit(f"demo: {ip} did not start serving in {timeout}s")
 
 
+def _route(state: Path, pod_uid: str) -> str:
+    """The route the plugin chose for the restore, and why (the container's timings.json)."""
+    try:
+        route = json.loads((state / "control" / pod_uid / "server" / "timings.json").read_text())["route"]
+        return f"{route['kind']} path: {route['reason']}"
+    except (OSError, ValueError, KeyError):
+        return "route not recorded"
+
+
 def wait_status(state: Path, ns: str, pod: str, ctr: str, phases: set[str], timeout: float = 600) -> dict:
     st = StatusBook(state).wait(ns, pod, ctr, {Phase(p) for p in phases}, timeout)
     if st is None or st.phase.value not in phases:
@@ -92,10 +101,10 @@ def main() -> int:
     # measured on the H200 (67 s for ~15 GiB, bench/results/h200). Lower it to see restore lose.
     ap.add_argument("--passes", type=int, default=20, help="fill passes: start-up CPU cost (default 20)")
     ap.add_argument("--keep", action="store_true", help="leave the sandbox and pods running")
-    ap.add_argument("--restore-path", choices=("bulk", "stock", "stream"), default="stream",
-                    help="stream (default): the server runs right after CRIU while its memory is served "
-                         "through userfaultfd; bulk: filled beside CRIU on all cores first; stock: CRIU "
-                         "restores every page")
+    ap.add_argument("--restore-path", choices=("auto", "bulk", "stock", "stream"), default="auto",
+                    help="auto (default): the plugin's rule (its 1 GiB streams); stream: the server runs "
+                         "right after CRIU while its memory is served through userfaultfd; bulk: filled beside "
+                         "CRIU on all cores first; stock: CRIU restores every page")
     args = ap.parse_args()
     if os.geteuid() != 0:
         raise SystemExit("demo: run as root (it starts containerd)")
@@ -157,7 +166,7 @@ def main() -> int:
         rs = wait_status(state, "default", dst.name, "server", {"restored", "cold-start"})
         body, verify = get(dst_ip), get(dst_ip, "/verify")
         print(f"    serving after {warm:.2f}s ({rs['phase']}{': ' + rs['reason'] if rs['reason'] else ''})")
-        print(f"    restore phases ({args.restore_path} path), each against its speed of light on this machine:")
+        print(f"    restore phases ({_route(state, dst.uid)}), each against its speed of light on this machine:")
         print(_phase_table(work / "store", rs["timings"]))
         print(f"    source pod {src_ip}  ->  restored pod {dst_ip}: {body}")
         print(f"    warm memory after restore: {verify}")

@@ -12,6 +12,7 @@ CLI (a node operator's manual path).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import shutil
@@ -25,6 +26,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 from runtime import checkpoint as checkpoint_flow
+from runtime.route import RestorePath
 from runtime import hostfiles, housekeeping
 from runtime.overlay import pending as overlay_pending
 from runtime.store import gc as store_gc
@@ -121,6 +123,8 @@ class NodeEngine:
         self.exit_code: ExitCode | None = None      # set by _engine when containerd answers
         # THP switched to always around CUDA checkpoints, where asked (runtime.thp)
         self.thp = ThpSwitch(settings.thp_record) if settings.checkpoint_thp == "always" else None
+        self._restores = 0  # restores running now: each is told how many others run (runtime.route)
+        self._restores_lock = threading.Lock()
 
     def _source_rules(self, work: Work) -> None:
         """Right before a checkpoint: the rules of ``guards`` that only now have an answer."""
@@ -147,15 +151,24 @@ class NodeEngine:
                                           progress=work.progress, thp=self.thp)
 
     def restore(self, work: Work) -> dict[str, float]:
-        req = restore_request(self.settings, work.container_id, work.namespace, work.artifact, image=work.image,
-                              image_ref=self._image_id(work.image), version=work.version)
-        prefetcher = self.prefetcher
-        staged = (lambda art: prefetcher.take(work.pod_uid, art)) if prefetcher is not None else None
-        writer = self.cache_writer
-        return restore_flow.restore(req, self.store, self.key, self.facts, control=work.control, cuda=self.cuda,
-                                    generations=self.generations, progress=work.progress, staged=staged,
-                                    cache=self.cache, map_mode=map_mode(self.settings),
-                                    on_cold=writer.submit if writer is not None else None)
+        with self._restores_lock:
+            others = self._restores
+            self._restores += 1
+        try:
+            req = dataclasses.replace(
+                restore_request(self.settings, work.container_id, work.namespace, work.artifact, image=work.image,
+                                image_ref=self._image_id(work.image), version=work.version),
+                concurrent=others)
+            prefetcher = self.prefetcher
+            staged = (lambda art: prefetcher.take(work.pod_uid, art)) if prefetcher is not None else None
+            writer = self.cache_writer
+            return restore_flow.restore(req, self.store, self.key, self.facts, control=work.control, cuda=self.cuda,
+                                        generations=self.generations, progress=work.progress, staged=staged,
+                                        cache=self.cache, map_mode=map_mode(self.settings),
+                                        on_cold=writer.submit if writer is not None else None)
+        finally:
+            with self._restores_lock:
+                self._restores -= 1
 
     def recover(self, work: Work) -> list[str] | None:
         return restore_flow.recover_rootfs(undo_dir(self.settings), work.container_id, work.pid, work.control)
@@ -263,7 +276,7 @@ def restore_request(settings: Settings, container_id: str, namespace: str, name:
     return restore_flow.RestoreRequest(
         containerd_state=settings.containerd_state, container_id=container_id, namespace=namespace, name=name,
         image=image, image_ref=image_ref, log_dir=os.path.join(settings.state_dir, "logs"),
-        path=restore_flow.RestorePath(settings.restore_path), max_layer_bytes=settings.max_layer_bytes,
+        path=RestorePath(settings.restore_path), max_layer_bytes=settings.max_layer_bytes,
         threads=settings.fill_threads, undo_dir=undo_dir(settings), version=version)
 
 
@@ -351,7 +364,7 @@ def run_plugin(settings: Settings, max_parallel: int = 2) -> int:
     if settings.idx < "50":  # two digits: compared as the runtime sorts them
         log.warning("NRI index %s: plugins at a higher index (the GPU Operator's CDI plugin, say) adjust "
                     "containers after Rekindle has seen them; use 50-99 (the chart refuses less)", settings.idx)
-    if settings.restore_path == "stream":  # asked once now, not in the first restore's time
+    if settings.restore_path in ("auto", "stream"):  # asked once now, not in the first restore's time
         threading.Thread(target=_say_if_streams, name="rekindle-stream-check", daemon=True).start()
 
     async def main() -> None:

@@ -148,12 +148,13 @@ def _cache_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _restore_path(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--restore-path", choices=("bulk", "stock", "stream"),
-                   default=os.environ.get("REKINDLE_RESTORE_PATH", "stream"),
-                   help="stream: the tree runs right after CRIU and the large page runs are served "
-                        "through userfaultfd, each piece verified first (bulk where the node cannot); "
-                        "bulk: they are filled beside CRIU on many threads first; stock: CRIU restores "
-                        "every page ($REKINDLE_RESTORE_PATH, else stream)")
+    p.add_argument("--restore-path", choices=("auto", "bulk", "stock", "stream"),
+                   default=os.environ.get("REKINDLE_RESTORE_PATH", "auto"),
+                   help="auto: stream where it pays off (a CUDA tree, or a CPU-only one of 512 MiB or more on "
+                        "a node not busy with other restores), else bulk (runtime.route); stream: the tree runs "
+                        "right after CRIU and the large page runs are served through userfaultfd, each piece "
+                        "verified first (bulk where the node cannot); bulk: they are filled beside CRIU on many "
+                        "threads first; stock: CRIU restores every page ($REKINDLE_RESTORE_PATH, else auto)")
 
 
 def _settings(args: argparse.Namespace) -> Settings:

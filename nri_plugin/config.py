@@ -41,7 +41,7 @@ class Settings:
     containerd_namespace: str = "k8s.io"
     init_binary: str = ""            # where to install the init from; default: first that exists
     restore_timeout: int = 1800     # default of the rekindle.dev/restore-timeout annotation
-    restore_path: str = "stream"    # stream (served while it runs), bulk (filled beside CRIU first) or stock (CRIU restores all)
+    restore_path: str = "auto"      # auto (runtime.route decides), stream (served while it runs), bulk (filled beside CRIU first) or stock (CRIU restores all)
     prefetch: bool = True           # read a restore's artifact ahead from RunPodSandbox on
     max_layer_bytes: int = 8 << 30  # cap on a captured writable layer (and on one applied)
     bulk_min_run: int = 4096        # page runs at least this long move beside CRIU at a checkpoint
@@ -106,8 +106,8 @@ class Settings:
             problems.append("--cache-bytes must be -1 or more and --cache-entries 1..1024")
         if not 0 <= self.fill_threads <= 1024:
             problems.append(f"--fill-threads must be 0..1024 (0: one per core, up to 16), got {self.fill_threads}")
-        if self.restore_path not in ("bulk", "stock", "stream"):
-            problems.append(f"--restore-path must be bulk, stock or stream, got {self.restore_path!r}")
+        if self.restore_path not in ("auto", "bulk", "stock", "stream"):
+            problems.append(f"--restore-path must be auto, bulk, stock or stream, got {self.restore_path!r}")
         for label, value in (("--max-probes-per-pod", self.probes_per_pod), ("--max-probes", self.probes_per_node)):
             if not 1 <= value <= 1024:
                 problems.append(f"{label} must be 1..1024, got {value}")

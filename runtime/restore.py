@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import enum
 import logging
 import os
 import shutil
@@ -72,6 +71,8 @@ from runtime.gpu import cuda_restore, ensure_device_nodes, target_facts
 from runtime.criu import restore_into
 from runtime.namespaces import host_pid_of, used_pids
 from runtime.rollback import GenerationBook
+from runtime.route import RestorePath, Route, RouteFacts
+from runtime.route import choose as choose_route
 from runtime.security import LsmSupport, SecurityProfile, check_privilege, lsm_options
 from runtime.store import Artifact
 from runtime.owner import write_owner
@@ -80,12 +81,6 @@ from runtime.testpause import pause_for_test
 from runtime.timings import Timings
 
 log = logging.getLogger(__name__)
-
-
-class RestorePath(enum.Enum):
-    BULK = "bulk"    # bulk pages filled beside CRIU on many threads (default)
-    STOCK = "stock"  # CRIU restores every page itself (one thread), for comparison
-    STREAM = "stream"  # resumed after CRIU, bulk pages served through userfaultfd (runtime.pages.stream)
 
 
 @dataclass(frozen=True)
@@ -97,7 +92,7 @@ class RestoreRequest:
     image: str
     image_ref: str
     log_dir: str
-    path: RestorePath = RestorePath.BULK
+    path: RestorePath = RestorePath.AUTO  # as asked; the restore's route decides (runtime.route)
     threads: int = 0  # fill threads; 0: the fill's own default (bulk.fill_threads)
     max_layer_bytes: int = overlay.DEFAULT_MAX_LAYER_BYTES  # what a layer may write, at most
     # Node-local dir of the rootfs undo journals (runtime.overlay.pending), where the next agent
@@ -106,6 +101,7 @@ class RestoreRequest:
     # The version the plugin checked when the container was created (its precheck): that one is
     # restored, or none ("": the version the name points to now).
     version: str = ""
+    concurrent: int = 0  # other restores running on the node when this one began (runtime.route)
 
 
 Progress = Callable[[str, int, int], None]  # (phase, bytes done, bytes total)
@@ -269,6 +265,16 @@ def _open_bulk(held: contextlib.ExitStack, artifact: Artifact,
     return fds, sums
 
 
+def _route(req: RestoreRequest, artifact: Artifact, mapped: bool,
+           bulk_files: tuple[layout.BulkFile, ...]) -> Route:
+    """The route of this restore, from the facts staged so far (runtime.route)."""
+    asks_stream = req.path in (RestorePath.STREAM, RestorePath.AUTO)
+    return choose_route(req.path, RouteFacts(
+        node_cannot_stream=stream.unsupported() if asks_stream and not mapped else None,
+        mapped_entry=mapped, warm_rest=stream.warm_rest(), cuda_host_copy=artifact.manifest.cuda is not None,
+        serve_bytes=sum(b.bytes for b in bulk_files), concurrent=req.concurrent))
+
+
 def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFacts, *,
             control: control_mod.ControlDir | None = None, cuda: Checkpointer | None = None,
             check_image: bool = True, generations: GenerationBook | None = None,
@@ -333,13 +339,10 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
                 ahead = staged(artifact) if staged is not None else None
                 plan = _stage(artifact, private, req.path, ahead, entry.open_copy if entry is not None else None)
                 images = os.path.join(private, layout.CRIU_DIR)
-                path = req.path
                 cached = _use_cache(cache, entry, req, artifact, plan, images, map_mode)
                 entry, use, cold_work, bulk_files = cached.entry, cached.use, cached.cold, cached.bulk_files
-                if cached.spans and path is RestorePath.STREAM and not stream.warm_rest():
-                    # (none mapped: it streams from the entry; see stream.warm_rest for the rest)
-                    log.info("%s: mapped from the node cache, the rest filled (nothing left to stream)", artifact.label)
-                    path = RestorePath.BULK
+                route = _route(req, artifact, bool(cached.spans), bulk_files)
+                path = route.path
                 if path is RestorePath.STREAM and cold_work is not None and on_cold is not None:
                     share = _share_entry(cache, artifact, plan, cold_work, map_mode)
                     if share is not None:
@@ -348,13 +351,16 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
                         use = dataclasses.replace(use, state="building" if share.first else "joined",
                                                   entry=share.building.key,
                                                   mapped_bytes=sum(sp.length for sp in share.building.spans))
+                        route = route.feeding(share.first)
                 if path is RestorePath.STREAM and (bulk_files or share is not None):
                     why = stream.prepare(bulk_files, images)
                     if why is not None and share is not None:  # its ranges can only be served
                         raise stream.StreamError(f"the streamed restore cannot run: {why}")
                     if why is not None:
                         log.warning("%s: the bulk path instead of the streamed one: %s", artifact.label, why)
-                        path = RestorePath.BULK
+                        route = route.instead(RestorePath.BULK, why)
+                        path = route.path
+                log.info("%s: route %s, %s (%s)", artifact.label, route.kind.value, route.path.value, route.reason)
                 fill_bulk = bool(bulk_files) and path in (RestorePath.BULK, RestorePath.STREAM)
                 served_files = plan.bulk if share is not None else bulk_files
                 sealed = False  # the fds are a node cache entry's sealed fill files
@@ -458,7 +464,7 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
                              if cold_work is not None and handed is not None else None)
         if control is not None:
             control.write_json(control_mod.TIMINGS, {"restore": dict(t), **({"stream": served} if served else {}),
-                                                     "cache": dataclasses.asdict(use)})
+                                                     "cache": dataclasses.asdict(use), "route": route.record()})
             control.write(control_mod.RESTORE_PID, f"{result.ns_pid}\n")
             control.write(control_mod.RESTORE_COMPLETE, req.name + "\n")
         final = True

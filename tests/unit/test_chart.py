@@ -135,7 +135,7 @@ def test_plugin_command_is_the_cli_contract(default_render):
         "--containerd-state", "/run/containerd",
         "--hmac-key-file", "/etc/rekindle/hmac.key",
         "--log-format", "json",
-        "--restore-path", "stream",
+        "--restore-path", "auto",
         "--fill-threads", "0",
         "--max-parallel", "2",
         "--max-layer-bytes", "8Gi",
