@@ -12,6 +12,7 @@ permitted".
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -131,3 +132,23 @@ def test_a_tree_with_a_process_of_another_uid_dumps_and_restores_without_cap_sys
         if proc.poll() is None:
             proc.kill()
         proc.wait(timeout=10)
+
+
+def _doctor_without_cap_sys_resource(criu: str) -> tuple[bool, str]:
+    code = ("import json, sys; from runtime.doctor import check_nonroot; "
+            "c = check_nonroot(sys.argv[1]); print(json.dumps([c.ok, c.detail]))")
+    out = subprocess.run(["setpriv", "--bounding-set", "-sys_resource", "--", sys.executable, "-c", code, criu],
+                         capture_output=True, text=True, timeout=60, check=True,
+                         cwd=Path(__file__).resolve().parents[2]).stdout
+    ok, detail = json.loads(out)
+    return ok, detail
+
+
+@pytest.mark.skipif(_skip_reason() is not None, reason=_skip_reason() or "")
+def test_doctor_says_what_a_node_without_cap_sys_resource_can_do():
+    ok, detail = _doctor_without_cap_sys_resource(shutil.which("criu") or "criu")
+    assert ok and detail.startswith("no CAP_SYS_RESOURCE: this CRIU dumps processes of another uid"), detail
+    # a CRIU that cannot dump the probe (here: one that does nothing) is reported with what fails
+    ok, detail = _doctor_without_cap_sys_resource("/bin/false")
+    assert not ok and "checkpoints of pods with a process of a non-root uid" in detail, detail
+    assert "hack/build-criu.sh" in detail
