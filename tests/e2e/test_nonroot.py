@@ -30,15 +30,22 @@ from tests.waiting import wait_for
 IMAGE = "localhost/rekindle/host-usr:1"
 PYTHON = "/usr/bin/python3"  # the node's, readable by any uid (a venv under /root may not be)
 ENV = {"PATH": "/usr/bin:/bin", "HOME": "/tmp"}
-USER, GROUP, EXTRA_GROUP = 1000, 1000, 3000
+USER, GROUP, EXTRA_GROUP, NOBODY = 1000, 1000, 3000, 65534
 
+# The parent answers HTTP and counts requests; $WORKERS forked workers each hold a random token
+# (after dropping to $WORKER_UID when set: a root parent whose workers run as another user).
 SERVER = r"""
 import os, secrets, socket
 workers = []
-for _ in range(2):
+for _ in range(int(os.environ["WORKERS"])):
     ask_r, ask_w = os.pipe()
     say_r, say_w = os.pipe()
     if os.fork() == 0:
+        if os.environ.get("WORKER_UID"):
+            uid = int(os.environ["WORKER_UID"])
+            os.setgroups([])
+            os.setresgid(uid, uid, uid)
+            os.setresuid(uid, uid, uid)
         token = secrets.token_hex(8).encode()
         while os.read(ask_r, 1):
             os.write(say_w, token)
@@ -58,13 +65,20 @@ while True:
     for ask_w, say_r in workers:
         os.write(ask_w, b"?")
         tokens.append(os.read(say_r, 16).decode())
-    body = f"count={count} tokens={','.join(tokens)} uid={os.getuid()}\n"
+    body = f"count={count} tokens={','.join(tokens) or '-'} uid={os.getuid()}\n"
     conn.sendall(b"HTTP/1.0 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body.encode()))
     conn.close()
 """
 
 # /proc/<pid>/status fields that must be the target spec's after a restore
 FIELDS = ("Uid", "Gid", "Groups", "CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb", "NoNewPrivs", "Seccomp")
+# capability numbers (linux/capability.h)
+CAPS = {f"CAP_{n}": i for i, n in enumerate((
+    "CHOWN DAC_OVERRIDE DAC_READ_SEARCH FOWNER FSETID KILL SETGID SETUID SETPCAP LINUX_IMMUTABLE "
+    "NET_BIND_SERVICE NET_BROADCAST NET_ADMIN NET_RAW IPC_LOCK IPC_OWNER SYS_MODULE SYS_RAWIO SYS_CHROOT "
+    "SYS_PTRACE SYS_PACCT SYS_ADMIN SYS_BOOT SYS_NICE SYS_RESOURCE SYS_TIME SYS_TTY_CONFIG MKNOD LEASE "
+    "AUDIT_WRITE AUDIT_CONTROL SETFCAP MAC_OVERRIDE MAC_ADMIN SYSLOG WAKE_ALARM BLOCK_SUSPEND AUDIT_READ "
+    "PERFMON BPF CHECKPOINT_RESTORE").split())}
 
 
 def restricted(user: int = USER) -> SecurityContext:
@@ -79,17 +93,22 @@ def _status(pid: int) -> dict[str, str]:
 
 
 def _cap_mask(names: list[str]) -> str:
-    assert not names, f"a restricted container holds no capability, the spec gives {names}"
-    return "0" * 16
+    bits = 0
+    for n in names:
+        bits |= 1 << CAPS[n]
+    return f"{bits:016x}"
 
 
-def _expected(spec: dict) -> dict[str, str]:
-    """What /proc/<pid>/status must say for a process of this OCI spec."""
+def _expected(spec: dict, uid: int | None = None) -> dict[str, str]:
+    """What /proc/<pid>/status must say for a process of this OCI spec (one that dropped to ``uid``
+    by setresuid: no groups, no permitted, effective or ambient capabilities left)."""
     process = spec["process"]
     user, caps = process["user"], process.get("capabilities") or {}
-    uid, gid = str(user["uid"]), str(user["gid"])
+    if uid is not None:
+        user, caps = {"uid": uid, "gid": uid}, {**caps, "permitted": [], "effective": [], "ambient": []}
+    ids = (str(user["uid"]), str(user["gid"]))
     groups = " ".join(str(g) for g in sorted(set(user.get("additionalGids") or [])))
-    return {"Uid": " ".join([uid] * 4), "Gid": " ".join([gid] * 4), "Groups": groups,
+    return {"Uid": " ".join([ids[0]] * 4), "Gid": " ".join([ids[1]] * 4), "Groups": groups,
             "CapInh": _cap_mask(caps.get("inheritable") or []), "CapPrm": _cap_mask(caps.get("permitted") or []),
             "CapEff": _cap_mask(caps.get("effective") or []), "CapBnd": _cap_mask(caps.get("bounding") or []),
             "CapAmb": _cap_mask(caps.get("ambient") or []),
@@ -101,6 +120,56 @@ def _fields(body: str) -> dict[str, str]:
     return dict(kv.split("=", 1) for kv in body.split())
 
 
+def _answer(sandbox, pod_id: str) -> dict[str, str]:
+    return _fields(wait_for(lambda: get(sandbox.cri.pod_ip(pod_id), "/", 60.0), 60, "the server to answer",
+                            ignore=(OSError,)))
+
+
+def _statuses(tree: list[int]) -> dict[str, dict[str, str]]:
+    """Status of the tree's processes by role: the parent (the lowest pid of the ns) and its workers."""
+    return {("parent" if i == 0 else f"worker{i}"): _status(p) for i, p in enumerate(sorted(tree))}
+
+
+def _round_trip(sandbox, pod, plugin, name: str, security: SecurityContext | None, env: dict[str, str],
+                workers: int, worker_uid: int | None = None, nofile: int | None = None) -> tuple[dict, str]:
+    """Checkpoint a server, restore it into another pod (RLIMIT_NOFILE ``nofile`` there); check the
+    restored tree's state, its processes' /proc status against the target spec and the limit.
+    Returns the source's first answer and the target's container id."""
+    run = dict(command=[PYTHON, "-c", SERVER], mounts=host_python_mounts(),
+               env={**ENV, **env, "WORKERS": str(workers)})
+    kw = {"security": security} if security else {}
+    a = pod(f"src-{name}", annotations={"rekindle.dev/checkpoint": name})
+    src = sandbox.run_container(a, "app", IMAGE, **kw, **run)
+    st = wait_status(plugin, "default", a.name, "app", {"published", "checkpoint-failed"}, timeout=120)
+    assert st["phase"] == "published", st
+    spec = sandbox.containerd().get_spec(src)
+    want = {"parent": _expected(spec), **{f"worker{i + 1}": _expected(spec, worker_uid) for i in range(workers)}}
+    source_tree = _tree_in(sandbox, src)
+    assert _statuses(source_tree) == want
+    first = _answer(sandbox, a.id)
+    assert first["count"] == "1" and len(first["tokens"].split(",")) == max(workers, 1), first
+
+    b = pod(f"dst-{name}", annotations={"rekindle.dev/restore": name})
+    dst = sandbox.cri.create_container(b, "app", IMAGE, **kw, **run)
+    if nofile is not None:  # a lower limit in the target: the agent lowers the restored processes'
+        assert all(rlimits.read_proc_limits(p)[resource.RLIMIT_NOFILE][1] > nofile for p in source_tree)
+        _edit_spec(sandbox, dst, lambda spec: spec["process"].update(
+            rlimits=[{"type": "RLIMIT_NOFILE", "hard": nofile, "soft": nofile}]))
+    sandbox.cri.start_container(dst)
+    st = wait_status(plugin, "default", b.name, "app", {"restored", "cold-start"}, timeout=120)
+    assert st["phase"] == "restored", st
+    # the source's state as it was dumped: its workers' tokens, the count before any request
+    assert _answer(sandbox, b.id) == first
+    target = sandbox.containerd().get_spec(dst)
+    assert _expected(target) == want["parent"]
+    tree = _tree_in(sandbox, dst)
+    assert _statuses(tree) == want
+    if nofile is not None:
+        for pid in tree:
+            assert rlimits.read_proc_limits(pid)[resource.RLIMIT_NOFILE] == (nofile, nofile), pid
+    return first, dst
+
+
 @pytest.mark.parametrize("path", ["bulk", "stream"])
 def test_restricted_multiprocess_server_checkpoints_and_restores(sandbox, pod, plugin, path):
     plugin.kill()
@@ -108,54 +177,31 @@ def test_restricted_multiprocess_server_checkpoints_and_restores(sandbox, pod, p
     plugin.start()
     try:
         name = f"restricted-{path}"
-        run = dict(command=[PYTHON, "-c", SERVER], mounts=host_python_mounts(), env=ENV)
-        a = pod(f"src-{name}", annotations={"rekindle.dev/checkpoint": name})
-        src = sandbox.run_container(a, "app", IMAGE, security=restricted(), **run)
-        st = wait_status(plugin, "default", a.name, "app", {"published", "checkpoint-failed"}, timeout=120)
-        assert st["phase"] == "published", st
-        spec = sandbox.containerd().get_spec(src)
-        want = _expected(spec)
-        assert want["Uid"].split()[0] == str(USER) and str(EXTRA_GROUP) in want["Groups"].split(), want
-        assert want["CapEff"] == "0" * 16 and want["NoNewPrivs"] == "1" and want["Seccomp"] == "2", want
-        source_tree = _tree_in(sandbox, src)
-        assert len(source_tree) == 3, source_tree
-        for pid in source_tree:
-            assert _status(pid) == want, (pid, _status(pid), want)
-        first = _fields(get(sandbox.cri.pod_ip(a.id), "/", 60.0))
-        assert first["count"] == "1" and first["uid"] == str(USER), first
-
-        assert all(rlimits.read_proc_limits(p)[resource.RLIMIT_NOFILE][1] > 512 for p in source_tree)
-
-        b = pod(f"dst-{name}", annotations={"rekindle.dev/restore": name})
-        dst = sandbox.cri.create_container(b, "app", IMAGE, security=restricted(), **run)
-        # a lower limit in the target: the agent lowers the restored uid-1000 processes' own
-        _edit_spec(sandbox, dst, lambda spec: spec["process"].update(
-            rlimits=[{"type": "RLIMIT_NOFILE", "hard": 512, "soft": 512}]))
-        sandbox.cri.start_container(dst)
-        st = wait_status(plugin, "default", b.name, "app", {"restored", "cold-start"}, timeout=120)
-        assert st["phase"] == "restored", st
-        got = _fields(wait_for(lambda: get(sandbox.cri.pod_ip(b.id), "/", 60.0), 60,
-                               "the restored tree to answer", ignore=(OSError,)))
-        # the source's state as it was dumped: its workers' tokens, the count before any request
-        assert got == first, (got, first)
-        tree = _tree_in(sandbox, dst)
-        assert len(tree) == 3, tree
-        target = _expected(sandbox.containerd().get_spec(dst))
-        assert target == want
-        for pid in tree:
-            assert _status(pid) == target, (pid, _status(pid), target)
-            assert rlimits.read_proc_limits(pid)[resource.RLIMIT_NOFILE] == (512, 512), pid
-
+        first, _ = _round_trip(sandbox, pod, plugin, name, restricted(), {}, workers=2, nofile=512)
+        assert first["uid"] == str(USER)
         if path == "bulk":  # the same artifact into a container of another user: refused, cold
             c = pod(f"other-user-{name}", annotations={"rekindle.dev/restore": name})
-            sandbox.run_container(c, "app", IMAGE, security=restricted(user=2000), **run)
+            sandbox.run_container(c, "app", IMAGE, security=restricted(user=2000), command=[PYTHON, "-c", SERVER],
+                                  mounts=host_python_mounts(), env={**ENV, "WORKERS": "2"})
             st = wait_status(plugin, "default", c.name, "app", {"restored", "cold-start"}, timeout=120)
             assert st["phase"] == "cold-start", st
             assert f"source runs as uid {USER}, target as uid 2000" in st["reason"], st
-            cold = _fields(wait_for(lambda: get(sandbox.cri.pod_ip(c.id), "/", 60.0), 60,
-                                    "the cold-started server to answer", ignore=(OSError,)))
+            cold = _answer(sandbox, c.id)
             assert cold["uid"] == "2000" and cold["count"] == "1" and cold["tokens"] != first["tokens"], cold
     finally:
         plugin.kill()
         plugin.env = {}
         plugin.start()
+
+
+def test_restricted_single_process_server_checkpoints_and_restores(sandbox, pod, plugin):
+    first, _ = _round_trip(sandbox, pod, plugin, "restricted-single", restricted(), {}, workers=0, nofile=512)
+    assert first["uid"] == str(USER)
+
+
+def test_root_parent_with_workers_of_another_user_checkpoints_and_restores(sandbox, pod, plugin):
+    """A web server's shape: the parent stays root (the runtime's default capabilities), its workers
+    drop to nobody; each process comes back with its own credentials."""
+    first, _ = _round_trip(sandbox, pod, plugin, "root-and-nobody", None, {"WORKER_UID": str(NOBODY)}, workers=2,
+                           worker_uid=NOBODY)
+    assert first["uid"] == "0"
