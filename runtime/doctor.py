@@ -110,7 +110,8 @@ def check_nonroot(criu: str = CRIU) -> Check:
     if ok and helper:
         return Check("non-root-pods", True, "no CAP_SYS_RESOURCE: this CRIU dumps processes of another uid "
                      "(limits read from /proc/<pid>/limits), restored ones get the target's limits through "
-                     f"{helper} run as their owner; a process whose real and effective uids differ restores cold",
+                     f"{helper} run as their owner (a process whose real and effective uids differ restores "
+                     "cold when its limits must be lowered)",
                      required=False)
     cannot = []
     if not ok:

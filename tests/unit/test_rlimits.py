@@ -36,3 +36,20 @@ def test_malformed_text_is_refused(text):
 def test_every_resource_has_a_prlimit_option():
     assert rlimits._OPTION[resource.RLIMIT_NOFILE] == "--nofile"
     assert set(rlimits._OPTION) == set(rlimits.RLIMITS)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (a process of another uid)")
+def test_a_process_of_another_uid_is_lowered_as_its_owner():
+    import subprocess
+    p = subprocess.Popen(["sleep", "30"], user=65534, group=65534, extra_groups=[])
+    try:
+        rlimits.lower_as_owner(p.pid, {resource.RLIMIT_NOFILE: (100, 200), resource.RLIMIT_CORE: (0, 0)})
+        got = rlimits.read_proc_limits(p.pid)
+        assert got[resource.RLIMIT_NOFILE] == (100, 200) and got[resource.RLIMIT_CORE] == (0, 0)
+        rlimits.lower(p.pid, {resource.RLIMIT_NOFILE: (50, 50)})  # prlimit where allowed, else as owner
+        assert rlimits.read_all(p.pid)[resource.RLIMIT_NOFILE] == (50, 50)
+        with pytest.raises(rlimits.ConfinementError, match="as uid 65534"):  # a hard limit never rises
+            rlimits.lower_as_owner(p.pid, {resource.RLIMIT_NOFILE: (50, 5000)})
+    finally:
+        p.kill()
+        p.wait()
