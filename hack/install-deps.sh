@@ -118,7 +118,7 @@ have_id=$(criu_gitid || true)
 if [ -z "$cv" ] || ! dpkg --compare-versions "$cv" ge "$REKINDLE_CRIU_MIN_VERSION" || [ "$have_id" != "$want_id" ]; then
     # A CRIU without the project's patches (hack/criu-patches) cannot dump a non-root tree on a
     # node without CAP_SYS_RESOURCE: rebuild it too.
-    say "criu ${cv:-missing} (${have_id:-no GitID}) is not $REKINDLE_CRIU_VERSION as $want_id: building it"
+    say "criu ${cv:-missing}${have_id:+ ($have_id)} is not $REKINDLE_CRIU_VERSION with the project's patches ($want_id): building it"
     apt_update
     "$here/build-criu.sh"
     hash -r
