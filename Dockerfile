@@ -14,7 +14,7 @@ RUN apt-get update \
  && apt-get install -y --no-install-recommends gcc libc6-dev make python3 python3-venv \
       curl ca-certificates xz-utils pkg-config libprotobuf-c-dev protobuf-c-compiler \
       protobuf-compiler python3-protobuf libnl-3-dev libnet1-dev libcap-dev libbsd-dev \
-      libgnutls28-dev libnftables-dev uuid-dev libaio-dev \
+      libgnutls28-dev libnftables-dev uuid-dev libaio-dev patch \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY . .

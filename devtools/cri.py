@@ -73,6 +73,7 @@ class SecurityContext:
     readonly_rootfs: bool = False
     no_new_privs: bool = False
     supplemental_groups: tuple[int, ...] = ()
+    seccomp_runtime_default: bool = False  # seccompProfile: RuntimeDefault, as kubelet sends it
 
 
 @dataclass(frozen=True)
@@ -244,6 +245,8 @@ class CRIClient(CriLookup):
             lsc.run_as_user.value = sc.run_as_user
         if sc.run_as_group is not None:
             lsc.run_as_group.value = sc.run_as_group
+        if sc.seccomp_runtime_default:
+            lsc.seccomp.CopyFrom(pb.SecurityProfile(profile_type=pb.SecurityProfile.RuntimeDefault))
         config = pb.ContainerConfig(
             metadata=pb.ContainerMetadata(name=name, attempt=attempt),
             image=pb.ImageSpec(image=image),

@@ -3,7 +3,9 @@
 #
 # Debian 12 ships CRIU 3.17, which fails on current kernels ("vdso: Unexpected rt vDSO area
 # bounds"), and trixie's 4.1.1 cannot dump TCP sockets on kernels >= 6.16; sid's 4.2.1 source
-# builds against bookworm's libraries. The source comes through apt from the deb-src entries
+# builds against bookworm's libraries. The project's patches (hack/criu-patches, see
+# hack/lib/criu-patches.sh) are applied to it, and the build is named by them (`criu --version`
+# prints "GitID: v<version>-rekindle-<hash>"). The source comes through apt from the deb-src entries
 # hack/lib/apt-sources.sh derives from the machine's configured sources (no host is named
 # here); apt checks the tarball against the signed Sources index. Only the `criu` binary is
 # built (no docs, no plugins). Ends with `criu check` unless REKINDLE_CRIU_SKIP_CHECK=1.
@@ -12,13 +14,15 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 # shellcheck source=versions.env
 . "$here/versions.env"
+# shellcheck source=lib/criu-patches.sh
+. "$here/lib/criu-patches.sh"
 
 say() { echo "[build-criu] $*"; }
 die() { echo "[build-criu] error: $*" >&2; exit 1; }
 
 build_deps=(build-essential pkg-config libprotobuf-c-dev protobuf-c-compiler protobuf-compiler
             libprotobuf-dev python3-protobuf libnl-3-dev libnet1-dev libcap-dev libbsd-dev
-            libgnutls28-dev libnftables-dev uuid-dev libaio-dev xz-utils ca-certificates)
+            libgnutls28-dev libnftables-dev uuid-dev libaio-dev xz-utils ca-certificates patch)
 say "installing build dependencies"
 DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${build_deps[@]}" >/dev/null
 
@@ -41,8 +45,14 @@ tar -xf "$work/$file" -C "$work"
 src=$(find "$work" -mindepth 1 -maxdepth 1 -type d -name 'criu-*' | head -n1)
 [ -n "$src" ] || die "no criu-* directory in $file"
 
-say "building criu $REKINDLE_CRIU_VERSION (log: $work/build.log)"
-if ! make -C "$src" -j"$(nproc)" criu >"$work/build.log" 2>&1; then
+while read -r p; do
+    say "applying ${p##*/}"
+    patch -p1 --batch --forward --quiet -d "$src" <"$p" || die "${p##*/} does not apply to criu $REKINDLE_CRIU_VERSION"
+done < <(criu_patches)
+gitid=$(criu_build_id)
+
+say "building criu $REKINDLE_CRIU_VERSION as $gitid (log: $work/build.log)"
+if ! make -C "$src" -j"$(nproc)" GITID="$gitid" criu >"$work/build.log" 2>&1; then
     tail -n 40 "$work/build.log" >&2
     exit 1
 fi

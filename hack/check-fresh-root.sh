@@ -7,7 +7,7 @@
 #    (hack/lib/apt-sources.sh debian_archive_uri), once; the result is cached as a tarball under
 #    build/fresh-root/, keyed by suite and include list;
 # 2. unpack a fresh copy of it (every run), copy the installer into it (hack/install-deps.sh,
-#    hack/build-criu.sh, hack/lib, hack/versions.env) and run it there in a chroot, with the
+#    hack/build-criu.sh, hack/lib, hack/criu-patches, hack/versions.env) and run it there in a chroot, with the
 #    apt sources debootstrap wrote: it installs the node's dependencies and builds CRIU;
 # 3. pass only when the installer succeeds, `criu --version` in the chroot prints
 #    REKINDLE_CRIU_VERSION of hack/versions.env, and a second run of the installer only
@@ -142,6 +142,7 @@ done >"$copy/etc/apt/apt.conf.d/00host-access"
 dest=/opt/rekindle/hack
 mkdir -p "$copy$dest"
 cp -a "$root/hack/install-deps.sh" "$root/hack/build-criu.sh" "$root/hack/versions.env" "$root/hack/lib" \
+    "$root/hack/criu-patches" \
     "$copy$dest/"
 mount -t proc proc "$copy/proc"
 mount -t sysfs sysfs "$copy/sys"

@@ -9,7 +9,8 @@
 #   - containerd 2.1.9 from sid, extracted (not installed) under /opt/rekindle/containerd-2.1;
 #   - runc, CNI plugins (/usr/lib/cni), iptables, iproute2, util-linux, busybox-static,
 #     build-essential (static glibc for the init), python3-venv;
-#   - CRIU >= 4.2 (built by hack/build-criu.sh when missing or older);
+#   - CRIU >= 4.2 with the project's patches (built by hack/build-criu.sh when missing, older or
+#     without them: hack/lib/criu-patches.sh);
 #   - promtool from trixie (tests: the chart's alert rules).
 # Versions: hack/versions.env (each overridable from the environment). Needs root.
 set -euo pipefail
@@ -109,15 +110,22 @@ fi
 
 # --- CRIU ----------------------------------------------------------------------------------
 criu_version() { criu --version 2>/dev/null | awk '/^Version:/ {print $2}'; }
+# shellcheck source=lib/criu-patches.sh
+. "$here/lib/criu-patches.sh"
 cv=$(criu_version || true)
-if [ -z "$cv" ] || ! dpkg --compare-versions "$cv" ge "$REKINDLE_CRIU_MIN_VERSION"; then
-    say "criu ${cv:-missing} < $REKINDLE_CRIU_MIN_VERSION: building $REKINDLE_CRIU_VERSION"
+want_id=$(criu_build_id)
+have_id=$(criu_gitid || true)
+if [ -z "$cv" ] || ! dpkg --compare-versions "$cv" ge "$REKINDLE_CRIU_MIN_VERSION" || [ "$have_id" != "$want_id" ]; then
+    # A CRIU without the project's patches (hack/criu-patches) cannot dump a non-root tree on a
+    # node without CAP_SYS_RESOURCE: rebuild it too.
+    say "criu ${cv:-missing}${have_id:+ ($have_id)} is not $REKINDLE_CRIU_VERSION with the project's patches ($want_id): building it"
     apt_update
     "$here/build-criu.sh"
     hash -r
     cv=$(criu_version)
     dpkg --compare-versions "$cv" ge "$REKINDLE_CRIU_MIN_VERSION" \
         || die "criu in PATH is $cv after the build (is $REKINDLE_CRIU_PREFIX/sbin in PATH?)"
+    [ "$(criu_gitid)" = "$want_id" ] || die "criu in PATH is not the build $want_id (is $REKINDLE_CRIU_PREFIX/sbin first in PATH?)"
 fi
 
 # --- checks --------------------------------------------------------------------------------

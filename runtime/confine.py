@@ -8,7 +8,8 @@ mount tree, with the mount flags of the image. ``runtime.criu.executor.restore_i
   and what a cold start would inherit) is written to every process.
 - rlimits: every hard limit is lowered to the target init's, every soft limit to at most the new
   hard limit. A limit the process had set lower is kept: up to its hard limit, a soft limit is the
-  process's own choice.
+  process's own choice. Processes of another uid (a non-root tree, a non-root target init) are
+  read and lowered through ``runtime.rlimits`` where the node lacks CAP_SYS_RESOURCE.
 - mounts: every mount point of the target init's mount namespace must be a mount point in each
   mount namespace of the restored tree, holding at least the target's ``ro``, ``nosuid``,
   ``nodev`` and ``noexec`` flags (so a read-only rootfs, read-only volumes, ``readonlyPaths``,
@@ -29,15 +30,15 @@ import resource
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from runtime import mountattr
+from runtime import mountattr, rlimits
 from runtime.containers import MountInfo, read_mountinfo
 from runtime.errors import ConfinementError, ContainerNotFound, NamespaceError
 
 log = logging.getLogger(__name__)
 
 PROC = "/proc"
-RLIMITS = tuple(sorted({getattr(resource, n) for n in dir(resource) if n.startswith("RLIMIT_")}))
-Limit = tuple[int, int]  # (soft, hard) as resource.prlimit gives them; RLIM_INFINITY for none
+RLIMITS = rlimits.RLIMITS
+Limit = rlimits.Limit
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,7 @@ class Limits:
 def read_limits(pid: int) -> Limits:
     with open(f"{PROC}/{pid}/oom_score_adj") as f:
         oom = int(f.read().strip())
-    return Limits(oom, {r: resource.prlimit(pid, r) for r in RLIMITS})
+    return Limits(oom, rlimits.read_all(pid))
 
 
 def _value(v: int) -> float:
@@ -146,11 +147,10 @@ def confine_limits(target: Limits, pids: Sequence[int]) -> None:
         try:
             with open(f"{PROC}/{pid}/oom_score_adj", "w") as f:
                 f.write(str(target.oom_score_adj))
-            for r, tl in target.rlimits.items():
-                cur = resource.prlimit(pid, r)
-                new = clamp(cur, tl)
-                if new != cur:
-                    resource.prlimit(pid, r, new)
+            current = rlimits.read_all(pid)
+            lowered = {r: new for r, tl in target.rlimits.items() if (new := clamp(current[r], tl)) != current[r]}
+            if lowered:
+                rlimits.lower(pid, lowered)
         except (ProcessLookupError, FileNotFoundError):
             continue  # gone: nothing left to confine
         except OSError as e:

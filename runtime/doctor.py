@@ -62,6 +62,67 @@ def check_criu(criu: str = CRIU) -> Check:
     return Check("criu", rc == 0, f"CRIU {version}: {out.splitlines()[-1] if out else rc}")
 
 
+CAP_SYS_RESOURCE = 24
+NOBODY = 65534
+
+
+def _has_cap(cap: int, status: str = "/proc/self/status") -> bool:
+    with open(status) as f:
+        fields = dict(line.split(":", 1) for line in f.read().splitlines() if ":" in line)
+    return bool(int(fields["CapEff"].strip(), 16) >> cap & 1)
+
+
+def _dumps_another_uid(criu: str) -> tuple[bool, str]:
+    """Dump (and leave running) a process of uid nobody, as a checkpoint of a non-root tree would."""
+    with tempfile.TemporaryDirectory(prefix="rekindle-doctor-") as images:
+        try:
+            sleeper = subprocess.Popen(["sleep", "30"], user=NOBODY, group=NOBODY, extra_groups=[],
+                                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                       stderr=subprocess.DEVNULL, start_new_session=True, cwd="/")
+        except OSError as exc:
+            return False, f"cannot start a probe process as uid {NOBODY}: {exc}"
+        try:
+            rc, _ = _run([criu, "dump", "-t", str(sleeper.pid), "-D", images, "--leave-running",
+                          "-o", "dump.log"], timeout=30)
+            try:
+                log = Path(images, "dump.log").read_text(errors="replace")
+            except OSError:
+                log = ""
+        finally:
+            sleeper.kill()
+            sleeper.wait()
+    # CRIU's own first error (raising its RLIMIT_NOFILE) is harmless; the dump's is the one
+    errors = [ln.split("): ", 1)[-1] for ln in log.splitlines() if "Error (criu/cr-dump.c" in ln]
+    return rc == 0, (errors[0] if errors else f"exit {rc}")
+
+
+def check_nonroot(criu: str = CRIU) -> Check:
+    """What the node can do for pods whose processes run as another uid than CRIU's (a non-root
+    user, or a root parent whose workers drop to one). Reading (and setting) another uid's rlimits
+    with prlimit(2) needs CAP_SYS_RESOURCE, which some nodes drop from the bounding set; the
+    project's CRIU reads /proc/<pid>/limits instead (hack/criu-patches), the agent lowers a
+    restored tree's limits as the tree's owner with util-linux prlimit (runtime.rlimits)."""
+    if _has_cap(CAP_SYS_RESOURCE):
+        return Check("non-root-pods", True, "CAP_SYS_RESOURCE held: trees of any uid checkpoint and restore",
+                     required=False)
+    ok, why = _dumps_another_uid(criu)
+    helper = shutil.which("prlimit")
+    if ok and helper:
+        return Check("non-root-pods", True, "no CAP_SYS_RESOURCE: this CRIU dumps processes of another uid "
+                     "(limits read from /proc/<pid>/limits), restored ones get the target's limits through "
+                     f"{helper} run as their owner (a process whose real and effective uids differ restores "
+                     "cold when its limits must be lowered)",
+                     required=False)
+    cannot = []
+    if not ok:
+        cannot.append(f"checkpoints of pods with a process of a non-root uid (a runAsNonRoot pod, workers that "
+                      f"drop to another user) fail ({why}): rebuild CRIU with hack/build-criu.sh, whose patch "
+                      "reads /proc/<pid>/limits; pods whose processes all run as root work, restores of any work")
+    if not helper:
+        cannot.append("restores into non-root containers start cold (util-linux prlimit is missing)")
+    return Check("non-root-pods", False, "no CAP_SYS_RESOURCE: " + "; ".join(cannot), required=False)
+
+
 def check_binary(name: str, required: bool = True) -> Check:
     path = shutil.which(name)
     return Check(name, path is not None, path or f"{name} not found in PATH", required)
@@ -286,4 +347,5 @@ def run_checks(settings: DoctorSettings) -> list[Check]:
     checks.append(check_cuda())
     checks.append(check_thp())
     checks.append(check_stream())
+    checks.append(check_nonroot())
     return checks
