@@ -24,7 +24,7 @@ MARK_BY_DIR = {"e2e": "e2e", "gpu": "gpu"}
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--containerd", choices=["1.7", "2.1"], default=os.environ.get("REKINDLE_E2E_RUNTIME", "1.7"),
+    parser.addoption("--containerd", choices=["1.7", "2.1", "2.2", "2.4"], default=os.environ.get("REKINDLE_E2E_RUNTIME", "1.7"),
                      help="containerd runtime of the e2e sandbox fixture (default: $REKINDLE_E2E_RUNTIME or 1.7)")
 
 
