@@ -9,8 +9,8 @@ Contract:
 - Four runtimes: ``1.7`` (the packaged containerd, config v2; NRI 0.6), ``2.1`` (the extracted
   one under ``/opt/rekindle/containerd-2.1``; NRI 0.8), ``2.2`` and ``2.4`` (built from their Go
   module by hack/build-containerd.sh under ``/opt/rekindle/containerd-2.2`` and ``-2.4``; NRI
-  0.11 and 0.12, so the ``args`` adjustment). Every 2.x runs config v3 with its own shim first in
-  PATH.
+  0.11 and 0.12, so the ``args`` adjustment). 2.1 and 2.2 run config v3, 2.4 config v4 (as
+  each one's ``containerd config default`` writes), each with its own shim first in PATH.
 - :meth:`Sandbox.up` renders the config, starts containerd in its own session, waits until CRI
   answers and the NRI socket exists, then imports the images (devtools.images). Idempotent.
 - :meth:`Sandbox.down` removes every pod through CRI, stops containerd (TERM, then KILL),
@@ -92,7 +92,8 @@ class Runtime(enum.Enum):
 
     @property
     def config_version(self) -> int:
-        return 2 if self is Runtime.V1_7 else 3
+        """The version its `containerd config default` writes (4 from 2.3 on)."""
+        return {Runtime.V1_7: 2, Runtime.V2_4: 4}.get(self, 3)
 
 
 @dataclass(frozen=True)
@@ -148,20 +149,31 @@ def _q(v: str | Path) -> str:
 
 
 def render_containerd_config(cfg: SandboxConfig) -> str:
-    """The containerd config for the sandbox: v2 for 1.7, v3 for 2.x."""
+    """The containerd config for the sandbox, of the version the runtime writes itself: v2 for
+    1.7, v3 for 2.1 and 2.2, v4 for 2.4."""
     p = SandboxPaths(cfg.dir)
     head = f"""version = {cfg.runtime.config_version}
 root = {_q(p.root)}
 state = {_q(p.state)}
 
+[debug]
+  level = {_q(cfg.log_level)}
+"""
+    # Version 4 moved the servers into plugins.
+    servers = f"""
+[plugins."io.containerd.server.v1.grpc"]
+  address = {_q(p.socket)}
+
+[plugins."io.containerd.server.v1.ttrpc"]
+  address = {_q(str(p.socket) + ".ttrpc")}
+""" if cfg.runtime.config_version >= 4 else ""
+    if not servers:
+        head += f"""
 [grpc]
   address = {_q(p.socket)}
 
 [ttrpc]
   address = {_q(str(p.socket) + ".ttrpc")}
-
-[debug]
-  level = {_q(cfg.log_level)}
 """
     nri = f"""
 [plugins."io.containerd.nri.v1.nri"]
@@ -222,7 +234,7 @@ state = {_q(p.state)}
   stream_server_address = "127.0.0.1"
   stream_server_port = "0"
 """
-    return head + "\n[plugins]" + nri + cri
+    return head + "\n[plugins]" + servers + nri + cri
 
 
 def render_cni_conflist(cfg: SandboxConfig, portmap: bool | None = None) -> str:

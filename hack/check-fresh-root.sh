@@ -13,6 +13,9 @@
 #    REKINDLE_CRIU_VERSION of hack/versions.env, and a second run of the installer only
 #    re-checks. A package missing from the project's own lists fails the check.
 #    `criu check` needs a real node, not a chroot: REKINDLE_CRIU_SKIP_CHECK=1 skips it there.
+#    The containerd 2.2/2.4 builds from their Go module are skipped there too
+#    (REKINDLE_CONTAINERD_BUILDS=0): minutes of both cores each, through the module proxy, for a
+#    step that is `go install` and nothing the fresh root's package lists could miss.
 #
 # Mounts (/proc, /sys, /dev in the copy) are made in private pid and mount namespaces of this
 # script (unshare), so even a killed run leaves neither mounts nor processes behind; an exit
@@ -141,8 +144,8 @@ for key in Acquire::http::Proxy Acquire::https::Proxy Acquire::Check-Valid-Until
 done >"$copy/etc/apt/apt.conf.d/00host-access"
 dest=/opt/rekindle/hack
 mkdir -p "$copy$dest"
-cp -a "$root/hack/install-deps.sh" "$root/hack/build-criu.sh" "$root/hack/versions.env" "$root/hack/lib" \
-    "$copy$dest/"
+cp -a "$root/hack/install-deps.sh" "$root/hack/build-criu.sh" "$root/hack/build-containerd.sh" \
+    "$root/hack/versions.env" "$root/hack/lib" "$copy$dest/"
 mount -t proc proc "$copy/proc"
 mount -t sysfs sysfs "$copy/sys"
 mount --rbind /dev "$copy/dev"
@@ -150,7 +153,7 @@ say "fresh copy ${copy#"$root"/} in $(took "$t")"
 
 in_root() {
     chroot "$copy" /usr/bin/env -i PATH="$chroot_path" HOME=/root LANG=C.UTF-8 TERM=dumb \
-        REKINDLE_CRIU_SKIP_CHECK=1 "$@"
+        REKINDLE_CRIU_SKIP_CHECK=1 REKINDLE_CONTAINERD_BUILDS=0 "$@"
 }
 
 # --- 3. the installer, from nothing; then once more, which must only re-check -------------------
