@@ -13,9 +13,9 @@
 #    REKINDLE_CRIU_VERSION of hack/versions.env, and a second run of the installer only
 #    re-checks. A package missing from the project's own lists fails the check.
 #    `criu check` needs a real node, not a chroot: REKINDLE_CRIU_SKIP_CHECK=1 skips it there.
-#    The containerd 2.2/2.4 builds from their Go module are skipped there too
-#    (REKINDLE_CONTAINERD_BUILDS=0): minutes of both cores each, through the module proxy, for a
-#    step that is `go install` and nothing the fresh root's package lists could miss.
+#    The containerd 2.2/2.4 builds (hack/build-containerd.sh) are skipped there
+#    (REKINDLE_CONTAINERD_BUILDS=0): each takes minutes of both cores and the Go module proxy,
+#    and needs no package the fresh root could lack but Debian's Go, which it installs itself.
 #
 # Mounts (/proc, /sys, /dev in the copy) are made in private pid and mount namespaces of this
 # script (unshare), so even a killed run leaves neither mounts nor processes behind; an exit
