@@ -6,8 +6,11 @@ Contract:
   ``state/io.containerd.runtime.v2.task/k8s.io/<id>/``), gRPC socket ``containerd.sock``, NRI
   socket ``nri.sock``, config ``config.toml``, log ``containerd.log``, CNI config ``cni/net.d``,
   images ``images/``, and ``sandbox.json`` (what is running: runtime, pid, network).
-- Two runtimes: ``1.7`` (the packaged containerd, config v2) and ``2.1`` (the extracted one under
-  ``/opt/rekindle/containerd-2.1``, config v3, its own shim first in PATH).
+- Four runtimes: ``1.7`` (the packaged containerd, config v2; NRI 0.6), ``2.1`` (the extracted
+  one under ``/opt/rekindle/containerd-2.1``; NRI 0.8), ``2.2`` and ``2.4`` (built from their Go
+  module by hack/build-containerd.sh under ``/opt/rekindle/containerd-2.2`` and ``-2.4``; NRI
+  0.11 and 0.12, so the ``args`` adjustment). 2.1 and 2.2 run config v3, 2.4 config v4 (as
+  each one's ``containerd config default`` writes), each with its own shim first in PATH.
 - :meth:`Sandbox.up` renders the config, starts containerd in its own session, waits until CRI
   answers and the NRI socket exists, then imports the images (devtools.images). Idempotent.
 - :meth:`Sandbox.down` removes every pod through CRI, stops containerd (TERM, then KILL),
@@ -43,6 +46,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_DIR = Path(os.environ.get("REKINDLE_SANDBOX", "/var/lib/rekindle-sandbox"))
 CONTAINERD21_PREFIX = Path(os.environ.get("REKINDLE_CONTAINERD21_PREFIX", "/opt/rekindle/containerd-2.1"))
+CONTAINERD22_PREFIX = Path(os.environ.get("REKINDLE_CONTAINERD22_PREFIX", "/opt/rekindle/containerd-2.2"))
+CONTAINERD24_PREFIX = Path(os.environ.get("REKINDLE_CONTAINERD24_PREFIX", "/opt/rekindle/containerd-2.4"))
 CNI_BIN_DIR = Path(os.environ.get("REKINDLE_CNI_BIN_DIR", "/usr/lib/cni"))
 # Where containerd 1.7, its runc shim and ctr live; a node without the package (a GPU node set up
 # by hack/gpu-node-setup.sh) points this at an unpacked bundle, which then goes first in PATH so
@@ -66,10 +71,16 @@ class SandboxError(RekindleError):
 class Runtime(enum.Enum):
     V1_7 = "1.7"
     V2_1 = "2.1"
+    V2_2 = "2.2"
+    V2_4 = "2.4"
 
     @property
     def bin_dir(self) -> Path:
-        return CONTAINERD17_BIN_DIR if self is Runtime.V1_7 else CONTAINERD21_PREFIX / "usr/bin"
+        if self is Runtime.V1_7:
+            return CONTAINERD17_BIN_DIR
+        prefix = {Runtime.V2_1: CONTAINERD21_PREFIX, Runtime.V2_2: CONTAINERD22_PREFIX,
+                  Runtime.V2_4: CONTAINERD24_PREFIX}[self]
+        return prefix / "usr/bin"
 
     @property
     def containerd(self) -> Path:
@@ -81,7 +92,8 @@ class Runtime(enum.Enum):
 
     @property
     def config_version(self) -> int:
-        return 2 if self is Runtime.V1_7 else 3
+        """The version its `containerd config default` writes (4 from 2.3 on)."""
+        return {Runtime.V1_7: 2, Runtime.V2_4: 4}.get(self, 3)
 
 
 @dataclass(frozen=True)
@@ -137,20 +149,31 @@ def _q(v: str | Path) -> str:
 
 
 def render_containerd_config(cfg: SandboxConfig) -> str:
-    """The containerd config for the sandbox: v2 for 1.7, v3 for 2.1."""
+    """The containerd config for the sandbox, of the version the runtime writes itself: v2 for
+    1.7, v3 for 2.1 and 2.2, v4 for 2.4."""
     p = SandboxPaths(cfg.dir)
     head = f"""version = {cfg.runtime.config_version}
 root = {_q(p.root)}
 state = {_q(p.state)}
 
+[debug]
+  level = {_q(cfg.log_level)}
+"""
+    # Version 4 moved the servers into plugins.
+    servers = f"""
+[plugins."io.containerd.server.v1.grpc"]
+  address = {_q(p.socket)}
+
+[plugins."io.containerd.server.v1.ttrpc"]
+  address = {_q(str(p.socket) + ".ttrpc")}
+""" if cfg.runtime.config_version >= 4 else ""
+    if not servers:
+        head += f"""
 [grpc]
   address = {_q(p.socket)}
 
 [ttrpc]
   address = {_q(str(p.socket) + ".ttrpc")}
-
-[debug]
-  level = {_q(cfg.log_level)}
 """
     nri = f"""
 [plugins."io.containerd.nri.v1.nri"]
@@ -185,6 +208,9 @@ state = {_q(p.state)}
     max_conf_num = 1
 """
     else:
+        # CDI off where it can be (annotations name made-up devices in the tests); from 2.3 on
+        # the switch is gone and CDI is always on.
+        cdi = "\n  enable_cdi = false" if cfg.runtime in (Runtime.V2_1, Runtime.V2_2) else ""
         cri = f"""
 [plugins."io.containerd.cri.v1.images"]
   snapshotter = "overlayfs"
@@ -192,8 +218,7 @@ state = {_q(p.state)}
     sandbox = {_q(cfg.pause_image)}
 
 [plugins."io.containerd.cri.v1.runtime"]
-  restrict_oom_score_adj = true
-  enable_cdi = false
+  restrict_oom_score_adj = true{cdi}
   [plugins."io.containerd.cri.v1.runtime".containerd]
     default_runtime_name = "runc"
     [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc]
@@ -209,7 +234,7 @@ state = {_q(p.state)}
   stream_server_address = "127.0.0.1"
   stream_server_port = "0"
 """
-    return head + "\n[plugins]" + nri + cri
+    return head + "\n[plugins]" + servers + nri + cri
 
 
 def render_cni_conflist(cfg: SandboxConfig, portmap: bool | None = None) -> str:
@@ -499,8 +524,8 @@ class Sandbox:
         for stale in (p.socket, p.nri_socket, Path(str(p.socket) + ".ttrpc")):
             stale.unlink(missing_ok=True)
         env = dict(os.environ)
-        # The 2.1 daemon must find its own shim first; 1.7 must not see the 2.1 one.
-        own = cfg.runtime is Runtime.V2_1 or cfg.runtime.bin_dir != Path("/usr/bin")
+        # A 2.x daemon must find its own shim first; 1.7 must not see a 2.x one.
+        own = cfg.runtime is not Runtime.V1_7 or cfg.runtime.bin_dir != Path("/usr/bin")
         env["PATH"] = f"{cfg.runtime.bin_dir}:{SYSTEM_PATH}" if own else SYSTEM_PATH
         env.pop("CONTAINERD_ADDRESS", None)
         with open(p.log, "ab") as logf:

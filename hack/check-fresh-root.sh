@@ -13,6 +13,9 @@
 #    REKINDLE_CRIU_VERSION of hack/versions.env, and a second run of the installer only
 #    re-checks. A package missing from the project's own lists fails the check.
 #    `criu check` needs a real node, not a chroot: REKINDLE_CRIU_SKIP_CHECK=1 skips it there.
+#    The containerd 2.2/2.4 builds (hack/build-containerd.sh) are skipped there
+#    (REKINDLE_CONTAINERD_BUILDS=0): each takes minutes of both cores and the Go module proxy,
+#    and needs no package the fresh root could lack but Debian's Go, which it installs itself.
 #
 # Mounts (/proc, /sys, /dev in the copy) are made in private pid and mount namespaces of this
 # script (unshare), so even a killed run leaves neither mounts nor processes behind; an exit
@@ -141,9 +144,8 @@ for key in Acquire::http::Proxy Acquire::https::Proxy Acquire::Check-Valid-Until
 done >"$copy/etc/apt/apt.conf.d/00host-access"
 dest=/opt/rekindle/hack
 mkdir -p "$copy$dest"
-cp -a "$root/hack/install-deps.sh" "$root/hack/build-criu.sh" "$root/hack/versions.env" "$root/hack/lib" \
-    "$root/hack/criu-patches" \
-    "$copy$dest/"
+cp -a "$root/hack/install-deps.sh" "$root/hack/build-criu.sh" "$root/hack/build-containerd.sh" \
+    "$root/hack/versions.env" "$root/hack/lib" "$root/hack/criu-patches" "$copy$dest/"
 mount -t proc proc "$copy/proc"
 mount -t sysfs sysfs "$copy/sys"
 mount --rbind /dev "$copy/dev"
@@ -151,7 +153,7 @@ say "fresh copy ${copy#"$root"/} in $(took "$t")"
 
 in_root() {
     chroot "$copy" /usr/bin/env -i PATH="$chroot_path" HOME=/root LANG=C.UTF-8 TERM=dumb \
-        REKINDLE_CRIU_SKIP_CHECK=1 "$@"
+        REKINDLE_CRIU_SKIP_CHECK=1 REKINDLE_CONTAINERD_BUILDS=0 "$@"
 }
 
 # --- 3. the installer, from nothing; then once more, which must only re-check -------------------

@@ -7,6 +7,8 @@
 #     the default);
 #   - containerd 1.7.24 from trixie (the primary runtime; NRI 0.6.1), its service left stopped;
 #   - containerd 2.1.9 from sid, extracted (not installed) under /opt/rekindle/containerd-2.1;
+#   - containerd 2.2 and 2.4 built from their Go module (hack/build-containerd.sh) under
+#     /opt/rekindle/containerd-2.2 and -2.4, with Debian's Go from sid (not fatal when it fails);
 #   - runc, CNI plugins (/usr/lib/cni), iptables, iproute2, util-linux, busybox-static,
 #     build-essential (static glibc for the init), python3-venv;
 #   - CRIU >= 4.2 with the project's patches (built by hack/build-criu.sh when missing, older or
@@ -101,6 +103,22 @@ if [ "$(cat "$prefix21/.version" 2>/dev/null || true)" != "$REKINDLE_CONTAINERD2
     mv "$prefix21.new" "$prefix21"
 fi
 
+# --- containerd 2.2 and 2.4 (built from their Go module, side by side) ---------------------
+# Not fatal: without the Go module proxy (or with REKINDLE_CONTAINERD_BUILDS=0) the node keeps
+# what its prefixes hold, and hack/test.sh says which runtime it could not test.
+built=""
+if [ "$REKINDLE_CONTAINERD_BUILDS" = 1 ]; then
+    for rt in 22 24; do
+        vvar=REKINDLE_CONTAINERD${rt}_VERSION pvar=REKINDLE_CONTAINERD${rt}_PREFIX
+        if [ "$(cat "${!pvar}/.version" 2>/dev/null || true)" != "${!vvar}" ]; then
+            apt_update
+            "$here/build-containerd.sh" "${!vvar}" "${!pvar}" \
+                || say "warning: containerd ${!vvar} not built; the e2e tests cannot run on it here"
+        fi
+        if [ -x "${!pvar}/usr/bin/containerd" ]; then built+=", containerd-${rt:0:1}.${rt:1} $(cat "${!pvar}/.version")"; fi
+    done
+fi
+
 # --- promtool (the chart's alert rules are tested with `promtool test rules`) ---------------
 if [ "$(installed_version promtool)" != "$REKINDLE_PROMTOOL_VERSION" ]; then
     apt_update
@@ -134,4 +152,4 @@ for plugin in bridge host-local loopback portmap; do
 done
 [ -e /usr/lib/x86_64-linux-gnu/libc.a ] || [ -n "$(find /usr/lib -name libc.a -print -quit)" ] \
     || die "static libc (libc6-dev) missing"
-say "containerd $(containerd --version | awk '{print $3}'), containerd-2.1 $("$prefix21/usr/bin/containerd" --version | awk '{print $3}'), $(runc --version | head -n1), criu $cv, $(promtool --version | head -n1 | awk '{print "promtool", $3}'), CNI in /usr/lib/cni"
+say "containerd $(containerd --version | awk '{print $3}'), containerd-2.1 $("$prefix21/usr/bin/containerd" --version | awk '{print $3}')$built, $(runc --version | head -n1), criu $cv, $(promtool --version | head -n1 | awk '{print "promtool", $3}'), CNI in /usr/lib/cni"

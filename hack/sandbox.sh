@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Local single-node sandbox: a private containerd with CRI, NRI and a CNI bridge.
 #
-#   hack/sandbox.sh up [--runtime 1.7|2.1]   start it (state under ${REKINDLE_SANDBOX:-/var/lib/rekindle-sandbox})
+#   hack/sandbox.sh up [--runtime 1.7|2.1|2.2|2.4] start it (state under ${REKINDLE_SANDBOX:-/var/lib/rekindle-sandbox})
 #   hack/sandbox.sh down [--purge]           remove pods, stop containerd, clean up
 #   hack/sandbox.sh status                   JSON status (exit 3 when not running)
 #   eval "$(hack/sandbox.sh env)"            export CONTAINERD_ADDRESS, REKINDLE_NRI_SOCKET, ...

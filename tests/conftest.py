@@ -21,10 +21,16 @@ from runtime.errors import CriuError
 
 TESTS = Path(__file__).resolve().parent
 MARK_BY_DIR = {"e2e": "e2e", "gpu": "gpu"}
+# The e2e modules CI runs on every containerd (hack/test.sh: `-m "e2e and every_runtime"` on 2.1
+# and 2.2): those that meet what differs between runtimes (the sandbox, NRI's handshake and
+# adjustments, the entrypoint swap's route, checkpoint and restore, other NRI plugins). The rest
+# runs on 1.7 and on the newest (docs/compatibility.md).
+EVERY_RUNTIME = {"test_sandbox", "test_nri_plugin", "test_checkpoint_restore", "test_second_nri_plugin",
+                 "test_nri_sample_plugins"}
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--containerd", choices=["1.7", "2.1"], default=os.environ.get("REKINDLE_E2E_RUNTIME", "1.7"),
+    parser.addoption("--containerd", choices=["1.7", "2.1", "2.2", "2.4"], default=os.environ.get("REKINDLE_E2E_RUNTIME", "1.7"),
                      help="containerd runtime of the e2e sandbox fixture (default: $REKINDLE_E2E_RUNTIME or 1.7)")
 
 
@@ -53,5 +59,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             continue
         if top in MARK_BY_DIR:
             item.add_marker(getattr(pytest.mark, MARK_BY_DIR[top]))
+        if top == "e2e" and Path(item.path).stem in EVERY_RUNTIME:
+            item.add_marker(pytest.mark.every_runtime)
         if item.get_closest_marker("e2e") and (reason := e2e_skip_reason()):
             item.add_marker(pytest.mark.skip(reason=reason))

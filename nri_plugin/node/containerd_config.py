@@ -7,8 +7,9 @@ Contract:
   NRI keys with containerd's defaults only where absent. Comments, order and every other
   setting are kept (tomlkit). Returns ``(new_text, changed)``; running it on its own output
   changes nothing.
-- Config versions follow containerd's rules: ``version = 2`` (containerd 1.x) and
-  ``version = 3`` (2.x) are handled; a missing ``version`` means 1 unless the file is empty, and
+- Config versions follow containerd's rules: ``version = 2`` (containerd 1.x), ``version = 3``
+  (2.0 - 2.2) and ``version = 4`` (2.3 on, whose servers moved into plugins; the NRI table is
+  where v3 has it) are handled; a missing ``version`` means 1 unless the file is empty, and
   version 1 is refused (:class:`~runtime.errors.ConfigError`, asking to migrate first).
 - :func:`apply` is read -> transform -> write: the file is backed up to
   ``<path>.rekindle-backup-<UTC timestamp>`` and replaced atomically, only when something
@@ -41,7 +42,7 @@ from nri_plugin.node.host import HostView, check_not_managed
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_VERSIONS = (2, 3)
+SUPPORTED_VERSIONS = (2, 3, 4)
 
 # containerd's NRI defaults (nri 0.6.1 .. 0.8), written only where the file has no value.
 NRI_DEFAULTS = {
@@ -127,13 +128,16 @@ def enable_nri(text: str, socket_path: str = DEFAULT_SOCKET, *, empty_version: i
 
 
 def _installed_config_version(containerd: str = "containerd") -> int:
-    """3 for an installed containerd 2.x, else 2 (what `containerd config default` would write)."""
+    """What `containerd config default` of the installed containerd writes: 4 from 2.3 on, 3 for
+    2.0 - 2.2, else 2."""
     try:
         out = subprocess.run([containerd, "--version"], capture_output=True, text=True, timeout=10).stdout
     except (OSError, subprocess.TimeoutExpired):
         return 2
-    m = re.search(r"\s v?(\d+)\.\d+", out)
-    return 3 if m and int(m.group(1)) >= 2 else 2
+    m = re.search(r"\s v?(\d+)\.(\d+)", out)
+    if not m or int(m.group(1)) < 2:
+        return 2
+    return 4 if (int(m.group(1)), int(m.group(2))) >= (2, 3) else 3
 
 
 def _write_atomic(path: Path, text: str, mode: int) -> None:

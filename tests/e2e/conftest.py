@@ -12,7 +12,7 @@ Fixtures (use them from any test under tests/e2e/):
     (a :class:`~devtools.cri.CRIClient`), ``sandbox`` (the engine); methods
     ``bundle(container_id)``, ``containerd()`` (a ContainerdClient), ``run_container(pod, name,
     image, **create_kwargs)`` (create + start, returns the id), ``log_tail(lines)``.
-``sandbox_factory`` (session) -> callable ``(runtime="2.1") -> SandboxHandle``: a fresh extra
+``sandbox_factory`` (session) -> callable ``(runtime="2.1") -> SandboxHandle`` (runtime 1.7, 2.1, 2.2 or 2.4): a fresh extra
     sandbox with its own dir, bridge ``rkbr<N>`` and subnet ``10.77.<N>.0/24``; torn down (and
     purged) at the end of the session.
 ``plugin`` (module) -> :class:`~tests.e2e.plugin_process.PluginProcess`: ``rekindle plugin`` against

@@ -135,6 +135,37 @@ def test_handshake_and_adjustment_on_containerd_2_1(sandbox_factory, pod, tmp_pa
         plugin.stop()
 
 
+def test_entrypoint_swap_takes_the_route_of_the_runtimes_nri(sandbox, plugin, pod):
+    """From NRI 0.10 (containerd 2.2 on) the init goes in through the CreateContainer reply's
+    ``args`` adjustment: the spec containerd stores is the one NRI adjusted, written once when the
+    container is made, and the plugin never writes it through the Containers API (an Update would
+    move the record's ``updated_at`` past its ``created_at`` and leave the original-args
+    annotation the rewrite adds). Before 0.10 the plugin rewrites the stored spec, once."""
+    args_route = sandbox.runtime not in ("1.7", "2.1")
+    p = pod(annotations={"rekindle.dev/checkpoint": "route"})
+    cid = sandbox.cri.create_container(p, "app", BUSYBOX, command=SLEEP)
+    stored = sandbox.containerd().get(cid)
+    args = stored.spec["process"]["args"]
+    # Either way the swap is in the stored spec before the CRI create returns.
+    assert args[0] == "/.rekindle/bin/rekindle-init" and args[-len(SLEEP):] == SLEEP, args
+    annotations = stored.spec.get("annotations", {})
+    written_once = stored.raw.updated_at == stored.raw.created_at
+    if args_route:
+        assert written_once, (f"the stored spec was written again after the create "
+                              f"({stored.raw.created_at.ToJsonString()} -> {stored.raw.updated_at.ToJsonString()})")
+        assert "rekindle.dev/original-args" not in annotations
+        assert "entrypoint swap: args-adjustment" in plugin.log()
+    else:
+        assert not written_once
+        assert json.loads(annotations["rekindle.dev/original-args"]) == SLEEP
+        assert "entrypoint swap: spec-update" in plugin.log()
+    sandbox.cri.start_container(cid)
+    # The task runs what was stored: the bundle's spec and PID 1 are the adjusted command.
+    assert json.loads((sandbox.bundle(cid) / "config.json").read_text())["process"]["args"] == args
+    assert _exec(sandbox, cid, "tr '\\0' '\\n' < /proc/1/cmdline").splitlines() == args
+    assert sandbox.containerd().get(cid).raw.updated_at == stored.raw.updated_at  # nor after the start
+
+
 def test_plugin_restart_resumes_a_pending_checkpoint(sandbox, plugin, pod):
     """Killed while a source warms up, the plugin picks the source up again on Synchronize."""
     p = pod(annotations={"rekindle.dev/checkpoint": "resumed"})

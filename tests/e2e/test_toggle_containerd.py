@@ -1,4 +1,4 @@
-"""The NRI toggle on the real default configs of containerd 1.7.24 and 2.1.9, run for real.
+"""The NRI toggle on the real default configs of containerd 1.7, 2.1, 2.2 and 2.4, run for real.
 
 For each runtime: `containerd config default` -> private root/state/sockets -> containerd_config.apply
 -> start containerd with the result -> the NRI socket appears and the log says NRI is on.
@@ -47,8 +47,12 @@ def default_config(runtime: Runtime, workdir: Path) -> Path:
     doc = tomlkit.parse(text)
     doc["root"] = str(workdir / "root")
     doc["state"] = str(workdir / "state")
-    doc["grpc"]["address"] = str(workdir / "containerd.sock")
-    doc["ttrpc"]["address"] = str(workdir / "containerd.sock.ttrpc")
+    # Version 4 (containerd >= 2.3) moved the servers into plugins.
+    servers = doc["plugins"] if runtime.config_version >= 4 else doc
+    grpc, ttrpc = ("io.containerd.server.v1.grpc", "io.containerd.server.v1.ttrpc") \
+        if runtime.config_version >= 4 else ("grpc", "ttrpc")
+    servers[grpc]["address"] = str(workdir / "containerd.sock")
+    servers[ttrpc]["address"] = str(workdir / "containerd.sock.ttrpc")
     doc["plugins"]["io.containerd.internal.v1.opt"]["path"] = str(workdir / "opt")
     cfg = workdir / "config.toml"
     cfg.write_text(tomlkit.dumps(doc))
@@ -84,7 +88,7 @@ def run_containerd(runtime: Runtime, cfg: Path, nri_socket: Path, wait: float = 
     return seen, log_path.read_text(errors="replace")
 
 
-@pytest.mark.parametrize("runtime", [Runtime.V1_7, Runtime.V2_1], ids=lambda r: f"containerd-{r.value}")
+@pytest.mark.parametrize("runtime", list(Runtime), ids=lambda r: f"containerd-{r.value}")
 def test_toggle_turns_nri_on(runtime: Runtime, workdir: Path) -> None:
     cfg = default_config(runtime, workdir)
     nri_socket = workdir / "nri.sock"
@@ -118,7 +122,7 @@ def config_dump(runtime: Runtime, cfg: Path) -> dict:
     return tomllib.loads(out)
 
 
-@pytest.mark.parametrize("runtime", [Runtime.V1_7, Runtime.V2_1], ids=lambda r: f"containerd-{r.value}")
+@pytest.mark.parametrize("runtime", list(Runtime), ids=lambda r: f"containerd-{r.value}")
 def test_drop_in_turns_nri_on_and_keeps_the_operators_nri_settings(runtime: Runtime, workdir: Path) -> None:
     cfg = default_config(runtime, workdir)
     # An operator's own NRI setting in the main config: containerd 1.7 replaces a plugin's whole

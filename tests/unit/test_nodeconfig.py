@@ -21,6 +21,8 @@ REAL_CONFIGS = [
     ("containerd-1.7.24-debian.toml", 2, False),   # Debian's shipped /etc/containerd/config.toml
     ("containerd-1.7.24-default.toml", 2, True),   # `containerd config default` of 1.7.24 (disable = true)
     ("containerd-2.1.9-default.toml", 3, True),    # `containerd config default` of 2.1.9 (on by default)
+    ("containerd-2.2.7-default.toml", 3, True),    # `containerd config default` of 2.2.7
+    ("containerd-2.4.0-beta.0-default.toml", 4, True),  # of 2.4.0-beta.0: version 4 since 2.3
 ]
 
 
@@ -128,7 +130,7 @@ def test_v1_is_refused(text: str) -> None:
     ("version = 2\n[plugins\n", "not valid TOML"),
     ("version = = 2\n", "not valid TOML"),
     ('version = "2"\n', "must be an integer"),
-    ("version = 4\n", "version 4 is not supported"),
+    ("version = 5\n", "version 5 is not supported"),
     ('version = 2\nplugins = "none"\n', "'plugins' is not a table"),
     ('version = 2\n[plugins]\n"io.containerd.nri.v1.nri" = 5\n', "is not a table"),
 ])
