@@ -49,7 +49,6 @@ import os
 import shutil
 import signal
 import tempfile
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -67,10 +66,10 @@ from runtime.overlay import pending as overlay_pending
 from runtime.compat import NodeFacts, check_compatibility
 from runtime.containers import ContainerInfo, resolve_container
 from runtime.gpu import Checkpointer, build_gpu_map
-from runtime.errors import ArtifactRejected, Reason, RekindleError
+from runtime.errors import ArtifactRejected, Reason, RekindleError, SharedPidNamespace
 from runtime.gpu import cuda_restore, ensure_device_nodes, target_facts
 from runtime.criu import restore_into
-from runtime.namespaces import host_pid_of, used_pids
+from runtime.namespaces import host_pid_of, pid_namespace_shared
 from runtime.rollback import GenerationBook
 from runtime.security import LsmSupport, SecurityProfile, check_privilege, lsm_options
 from runtime.store import Artifact
@@ -310,6 +309,9 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
                 generations.check(req.namespace, req.name, manifest.generation)
             with t.phase("inspect"):
                 target = resolve_container(req.containerd_state, req.container_id)
+                shared = pid_namespace_shared(target.init_pid)
+                if shared:  # a failed restore's clean-up must reach the restored tree only
+                    raise SharedPidNamespace(f"restore refused: {shared}")
                 tfacts = target_facts(facts, target.spec)
                 image = req.image if check_image else manifest.source.image
                 image_ref = req.image_ref if check_image else manifest.source.image_ref
@@ -516,17 +518,13 @@ def recover_rootfs(undo_dir: str, container_id: str, init_pid: int,
     return overlay_pending.recover(undo_dir, container_id, control)
 
 
-def _kill_leftovers(pid_in_ns: int, wait: float = 5.0) -> None:
-    """SIGKILL every process of ``pid_in_ns``'s pid namespace but its init (pid 1 there), and
-    wait (a little) until they are gone."""
+def _kill_leftovers(init_pid: int, wait: float = 5.0) -> None:
+    """SIGKILL the restored tree: every descendant of the target's init (host pid
+    ``init_pid``) in its pid namespace, by parentage, and wait (a little) until they are gone.
+    Never the namespace's other tasks: with a shared pid namespace (refused, but this is the
+    last line) they are the pod's or the node's."""
     try:
-        pidns = os.stat(f"/proc/{pid_in_ns}/ns/pid").st_ino
+        pidns = os.stat(f"/proc/{init_pid}/ns/pid").st_ino
     except OSError:
         return
-    deadline = time.monotonic() + wait
-    while True:
-        left = [host for nspid, host in used_pids(pidns).items() if nspid != 1]
-        if not left or time.monotonic() > deadline:
-            return
-        tasks.kill_all(left)
-        time.sleep(0.01)
+    tasks.kill_descendants(init_pid, pidns, wait=wait)

@@ -13,7 +13,7 @@ unix socket from the agent:
 
 On EOF before "D", the tasks whose pages are not all there block on their next fault (their
 uffds stay open here); the holder SIGKILLs every process of the restored pid namespace (but
-its init) that started before the agent went away, writes ``restore-failed`` into the control
+its init) descended from the init (by parentage) that started before the agent went away, writes ``restore-failed`` into the control
 dir unless an outcome is there already or the rootfs still holds the restore's changes
 (``rootfs-pending``: then the next agent rolls them back and fails the restore, once), then
 closes its copies and exits 1.
@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 from runtime import control as control_mod
+from runtime import tasks
 
 log = logging.getLogger("rekindle.stream_holder")
 REASON = "the agent went away while it served the restored memory"
@@ -49,21 +50,10 @@ def _stat(pid: str) -> tuple[int, int] | None:
 
 
 def kill_namespace(pidns: int, init_pid: int, started_before: int) -> list[int]:
-    """SIGKILL every process of pid namespace ``pidns`` but ``init_pid`` that started before
-    ``started_before`` (clock ticks since boot); the pids signalled."""
-    killed = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == init_pid:
-            continue
-        st = _stat(name)
-        if st is None or st[0] != pidns or st[1] > started_before:
-            continue
-        try:
-            os.kill(int(name), signal.SIGKILL)
-            killed.append(int(name))
-        except ProcessLookupError:
-            pass
-    return killed
+    """SIGKILL the restored tree: every descendant of ``init_pid`` in pid namespace ``pidns``
+    that started before ``started_before`` (clock ticks since boot), never a task of the
+    namespace that the init's tree did not fork; the pids signalled."""
+    return tasks.kill_descendants(init_pid, pidns, wait=5.0, started_before=started_before)
 
 
 def now_ticks() -> int:
