@@ -260,9 +260,10 @@ def _transfer(src_root: str, dst_fd: int, label: str,
               known: Mapping[tuple[int, int], Hashed] | None = None) -> list[FileEntry]:
     """Move or copy the private tree ``src_root`` into the store dir ``dst_fd``; the files' entries.
 
-    Every file is hashed from its private bytes: moved in with a no-replace rename when the store
-    is on the same file system (a ``known`` digest of that very inode and size stands for the
-    hash), else copied while hashed into a file created exclusively."""
+    Every file is hashed from its private bytes: hashed (a ``known`` digest of that very inode
+    and size stands for the hash), then moved in with a no-replace rename when the store is on
+    the same file system, else copied while hashed into a file created exclusively. Never
+    hashed once it is in the store: another writer of the store could have rewritten it."""
     known = known or {}
     files: list[FileEntry] = []
     dirs: dict[str, int] = {"": os.dup(dst_fd)}
@@ -279,14 +280,18 @@ def _transfer(src_root: str, dst_fd: int, label: str,
                 st = os.fstat(fd)
                 if not stat.S_ISREG(st.st_mode):
                     raise StoreError(f"staging entry {rel} is not a regular file")
-                if st.st_dev == dst_dev and _move(src_dir, base, pfd):
+                moved = False
+                if st.st_dev == dst_dev:
+                    # Hashed while private, and only then moved in: once in the store, another
+                    # writer of it can rewrite the file, and what it wrote must never be signed.
                     ahead = known.get((st.st_dev, st.st_ino))
                     if ahead is not None and ahead.matches(st):
                         size, digest = ahead.size, ahead.digest
                     else:
                         size, digest = hash_fd(fd)
                     os.fsync(fd)
-                else:
+                    moved = _move(src_dir, base, pfd)
+                if not moved:
                     out = os.open(base, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                                   0o600, dir_fd=pfd)
                     try:
