@@ -137,6 +137,7 @@ class CacheUse:
     filled_bytes: int = 0
     store_bytes_read: int = 0  # of the bulk files, from the shared store
     entry: str = ""
+    reason: str = ""  # why "off" for this target when the node has a cache
 
 
 def _shm_dir(target: ContainerInfo) -> str | None:
@@ -330,6 +331,10 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
                 if reasons:
                     raise ArtifactRejected(artifact.label, "; ".join(reasons), kind)
             with t.phase("stage"):
+                no_cache = nodecache.refused_for(security.capabilities) if cache is not None else None
+                if no_cache is not None:
+                    log.info("%s: %s", artifact.label, no_cache)
+                    cache = None
                 if cache is not None and req.path is not RestorePath.STOCK:
                     entry = cache.hold(artifact, map_mode)
                 ahead = staged(artifact) if staged is not None else None
@@ -338,6 +343,8 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
                 path = req.path
                 cached = _use_cache(cache, entry, req, artifact, plan, images, map_mode)
                 entry, use, cold_work, bulk_files = cached.entry, cached.use, cached.cold, cached.bulk_files
+                if no_cache is not None:
+                    use = dataclasses.replace(use, reason=no_cache)
                 if cached.spans and path is RestorePath.STREAM and not stream.warm_rest():
                     # (none mapped: it streams from the entry; see stream.warm_rest for the rest)
                     log.info("%s: mapped from the node cache, the rest filled (nothing left to stream)", artifact.label)
