@@ -78,7 +78,8 @@ def shared_pid_namespace(namespaces: Iterable[tuple[str, str]]) -> str | None:
         return None  # not told (no linux section): the job looks in /proc
     pid = [path for kind, path in listed if kind == "pid"]
     if not pid:
-        return "the container's pid namespace is the node's (hostPID)"
-    if pid[0]:
-        return "the container's pid namespace is shared with the pod's other containers (shareProcessNamespace)"
+        return "the container's pid namespace is not its own (none made for it: hostPID)"
+    if pid[0]:  # containerd names the sandbox's (shareProcessNamespace) or the node's (hostPID)
+        return (f"the container's pid namespace is not its own (it joins {pid[0]}: shareProcessNamespace "
+                "or hostPID)")
     return None

@@ -238,7 +238,7 @@ HOST_PID = [("mount", ""), ("network", "/var/run/netns/cni-1")]
 
 
 @pytest.mark.parametrize("role, phase", [("restore", Phase.COLD_START), ("checkpoint", Phase.CHECKPOINT_FAILED)])
-@pytest.mark.parametrize("namespaces, why", [(POD_SHARED, "shareProcessNamespace"), (HOST_PID, "hostPID")],
+@pytest.mark.parametrize("namespaces, why", [(POD_SHARED, "joins /proc/4242/ns/pid"), (HOST_PID, "hostPID")],
                          ids=["shareProcessNamespace", "hostPID"])
 def test_a_container_without_its_own_pid_namespace_is_refused_at_create(make_plugin, role, phase, namespaces, why):
     plugin = make_plugin()
