@@ -56,6 +56,21 @@ def kill_namespace(pidns: int, init_pid: int, started_before: int) -> list[int]:
     return tasks.kill_descendants(init_pid, pidns, wait=5.0, started_before=started_before)
 
 
+def shield_from_oom(knob: str = "/proc/self/oom_score_adj") -> bool:
+    """Make this process the last an OOM kill picks (-1000). It runs in the target's memory
+    cgroup with the plugin's score, where a Guaranteed pod's tasks have -997: the memcg's first
+    victim otherwise, and with it gone an agent that dies next leaves the tree on zero pages.
+    Its own memory is an interpreter's few MiB. False where the kernel refuses (no
+    CAP_SYS_RESOURCE): said in the log, the serve goes on."""
+    try:
+        with open(knob, "w") as f:
+            f.write("-1000")
+        return True
+    except OSError as exc:
+        log.warning("uffd holder: cannot lower its oom_score_adj (%s); a memory cgroup OOM may pick it first", exc)
+        return False
+
+
 def now_ticks() -> int:
     return int(time.clock_gettime(time.CLOCK_BOOTTIME) * _TICKS) + 1
 
@@ -118,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C for the agent is not ours
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    shield_from_oom()
     sock = socket.socket(fileno=args.fd)
     try:
         return serve(sock, args.pidns, args.init_pid, args.control)

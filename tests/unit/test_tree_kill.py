@@ -11,6 +11,7 @@ import os
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -114,3 +115,10 @@ def test_the_holders_kill_reaches_the_restored_tree_only(shared: Shared) -> None
 def test_a_reused_init_pid_in_another_namespace_kills_nothing(shared: Shared) -> None:
     assert tasks.kill_descendants(shared.init, pidns=1, wait=0.1) == []
     assert all(_alive(p) for p in shared.tree)
+
+
+def test_the_holder_makes_itself_the_last_oom_victim(tmp_path: Path) -> None:
+    knob = tmp_path / "oom_score_adj"
+    knob.write_text("0\n")
+    assert holder.shield_from_oom(str(knob)) and knob.read_text() == "-1000"
+    assert not holder.shield_from_oom(str(tmp_path / "gone" / "oom_score_adj"))  # refused: the serve goes on
