@@ -109,6 +109,11 @@ def pid_namespace_shared(init_pid: int) -> str | None:
             f"node's: hostPID): its init is pid {nspid} there, not 1")
 
 
+def pid_namespace_of(pid: int) -> int | None:
+    """The inode of ``pid``'s pid namespace; None once it is gone."""
+    return _ns_inode(str(pid), "pid")
+
+
 def processes_in(pidns_inode: int) -> list[int]:
     """Host pids of every process (thread group) living in the pid namespace ``pidns_inode``."""
     return sorted(int(n) for n in os.listdir(PROC) if n.isdigit() and _ns_inode(n, "pid") == pidns_inode)
