@@ -81,9 +81,13 @@ def descendants(root: int, proc: str = "/proc") -> list[int]:
             continue  # gone meanwhile
         kids.setdefault(ppid, []).append(int(name))
     found: list[int] = []
+    seen = {root}  # a pid reused while /proc was read must not make a cycle
     todo = list(kids.get(root, ()))
     while todo:
         pid = todo.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
         found.append(pid)
         todo.extend(kids.get(pid, ()))
     return found
@@ -95,18 +99,18 @@ def kill_descendants(root: int, pidns: int, wait: float = 5.0, started_before: i
     ``wait`` seconds passed: a killed task's children are reparented to the namespace's init
     (``root``), so they are found on the next round. Nothing when ``root`` is not in ``pidns``
     (any more: a reused pid is not the init). The pids signalled."""
-    killed: list[int] = []
+    killed: dict[int, None] = {}  # in the order signalled
     deadline = time.monotonic() + wait
     while True:
         if _pidns(root) != pidns:
-            return killed
+            return list(killed)
         left = [p for p in descendants(root) if _pidns(p) == pidns
                 and (started_before is None or _started(p) <= started_before)]
         left = [p for p in left if _task_states(p) and any(s not in "ZX" for s in _task_states(p))]
         if not left or time.monotonic() > deadline:
-            return killed
+            return list(killed)
         kill_all(left)
-        killed += [p for p in left if p not in killed]
+        killed.update(dict.fromkeys(left))
         time.sleep(0.01)
 
 
