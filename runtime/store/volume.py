@@ -197,6 +197,7 @@ class Staging:
                     self.entry = None
                     raise StoreError(f"publish {label}: the staging dir was moved or replaced in the "
                                      "store while it was published; not published")
+                replaced = self._pointed(ns_fd)  # read again: a publish racing ours may have switched
                 self._switch(ns_fd, version)
                 self.entry = None
                 os.fsync(ns_fd)
@@ -209,14 +210,26 @@ class Staging:
             os.close(ns_fd)
             raise
         try:
-            if previous and previous != version:
-                self.store.remove_version(ns_fd, previous)
+            # What the name pointed to before ours, and ours if a racing publish switched the
+            # name after us: no name points to them again (each publisher switches once), so
+            # they go now, not after the sweep's grace (a reader's lock still keeps one).
+            pointed = self._pointed(ns_fd)
+            for stale in dict.fromkeys((previous, replaced, version if pointed is not None else None)):
+                if stale and stale != pointed:
+                    self.store.remove_version(ns_fd, stale)
         finally:
             os.close(ns_fd)
         log.info("published artifact %s/%s generation %d (%d files)", self.namespace, self.name,
                  generation, len(files))
         self.published = Listing(self.namespace, self.name, manifest, None, version)
         return manifest
+
+    def _pointed(self, ns_fd: int) -> str | None:
+        """The version the name points to now; None for anything else there."""
+        try:
+            return self.store.current_version(ns_fd, self.name)
+        except (ArtifactRejected, OSError):
+            return None
 
     def _switch(self, ns_fd: int, version: str) -> None:
         """Point the name at ``version``: a new symlink renamed over the old one (atomic)."""

@@ -668,3 +668,29 @@ def test_a_store_writer_racing_a_same_mount_publish_never_gets_its_bytes_signed(
             assert (signed[rel].size, signed[rel].digest) == (len(content), digest_of(content)), rel
         with pytest.raises(ArtifactRejected):
             artifact.verify_files()
+
+
+def test_racing_same_name_publishes_leave_no_unreferenced_version(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Publish B reads the name, then publish A runs start to end, then B makes its version and
+    switches: the version A pointed the name at is removed at once (it was left for the sweep's
+    grace), and only B's stays."""
+    from runtime.store import volume as store_mod
+    store = ArtifactStore(str(tmp_path / "store"))
+    publish(store)  # a first version: both racers read it as the previous one
+    from runtime.fdfs import rename_noreplace as real
+    raced: list[str] = []
+
+    def a_first(src_fd: int, src: str, dst_fd: int, dst: str) -> None:
+        if src.startswith(".staging-") and not raced:  # B's staging dir becoming its version
+            raced.append(dst)
+            publish(store)  # A
+        real(src_fd, src, dst_fd, dst)
+
+    monkeypatch.setattr(store_mod, "rename_noreplace", a_first)
+    b = publish(store)
+    assert b.name == raced[0]
+    versions = [p.name for p in (tmp_path / "store" / "team-a").iterdir() if p.name.startswith(".version-")]
+    assert versions == [b.name], versions
+    with store.open("team-a", "qwen-7b", KEY) as artifact:
+        artifact.verify_files()
