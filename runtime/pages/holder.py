@@ -12,9 +12,9 @@ unix socket from the agent:
     EOF before "D"                                the agent is gone mid-serve
 
 On EOF before "D", the tasks whose pages are not all there block on their next fault (their
-uffds stay open here); the holder SIGKILLs every process of the restored pid namespace (but
-its init) descended from the init (by parentage) that started before the agent went away, writes ``restore-failed`` into the control
-dir unless an outcome is there already or the rootfs still holds the restore's changes
+uffds stay open here); the holder SIGKILLs the restored tree (the init's descendants in its
+pid namespace, by parentage) that started before the agent went away, writes ``restore-failed``
+into the control dir unless an outcome is there already or the rootfs still holds the restore's changes
 (``rootfs-pending``: then the next agent rolls them back and fails the restore, once), then
 closes its copies and exits 1.
 """
