@@ -41,6 +41,7 @@ from runtime.pages import NodeCache
 from runtime.probe import probe as run_probe
 from runtime.rollback import GenerationBook
 from runtime.status import StatusBook
+from runtime import thp
 from runtime.thp import ThpSwitch
 from runtime.store import ArtifactStore
 
@@ -352,10 +353,9 @@ def run_plugin(settings: Settings, max_parallel: int = 2) -> int:
     install_init(settings)
     os.makedirs(settings.store, exist_ok=True)
     status = StatusBook(settings.state_dir)
-    try:  # a THP mode a killed checkpoint left switched goes back first, whatever the setting now
-        ThpSwitch(settings.thp_record).recover()
-    except OSError as exc:
-        log.error("transparent huge pages: cannot put the recorded mode back: %s", exc)
+    # A THP mode a killed checkpoint left switched goes back first, whatever the setting now, and
+    # one a checkpoint holds switched when the plugin stops (an uninstall) goes back as it exits.
+    thp.put_back(settings.thp_record)
     # The host files' digests outlive a restart: the first restore after it need not read them all.
     hostfiles.CACHE.persist(os.path.join(settings.state_dir, HOST_DIGESTS))
     log.info("node %s: kernel %s, CRIU %s, CUDA %s", facts.hostname, facts.kernel, facts.criu_version,
@@ -408,6 +408,7 @@ def run_plugin(settings: Settings, max_parallel: int = 2) -> int:
     try:
         asyncio.run(main())
     finally:
+        thp.put_back(settings.thp_record)
         if kube is not None:
             kube.close()
         if endpoint is not None:

@@ -129,6 +129,22 @@ def _render(fmt: str, doc: object, *, indent: int | None = 2, sort_keys: bool = 
     return json.dumps(doc, indent=indent, sort_keys=sort_keys)
 
 
+def _safe(text: str) -> str:
+    """``text`` with every control or format character (C0, DEL, C1, bidi overrides) spelled
+    ``\\xNN`` / ``\\uNNNN``: store names, owner records and reasons come from the shared store
+    or a tenant, and none may move the operator's cursor, retitle the terminal or hide text."""
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() or ch == " " else
+                   (f"\\x{ord(ch):02x}" if ord(ch) <= 0xFF else f"\\u{ord(ch):04x}" if ord(ch) <= 0xFFFF
+                    else f"\\U{ord(ch):08x}") for ch in text)
+
+
+def _say(text: str, file: TextIO | None = None) -> None:
+    """A line of text output, made safe for a terminal (``_safe``)."""
+    print(_safe(text), file=file)
+
+
 def _emit(args: argparse.Namespace, doc: object, *, indent: int | None = 2, sort_keys: bool = False) -> None:
     """Print ``doc`` as -o asks: JSON or YAML."""
     print(_render(getattr(args, "output", "json"), doc, indent=indent, sort_keys=sort_keys))
@@ -474,7 +490,7 @@ def cmd_artifacts(args: argparse.Namespace) -> int:
         if _json(args):
             _emit(args, {"deleted": f"{args.namespace}/{args.name}"}, indent=None)
         else:
-            print(f"deleted {args.namespace}/{args.name}")
+            _say(f"deleted {args.namespace}/{args.name}")
         return 0
     if args.action == "prune":
         if args.older_than is None and args.keep_last is None and not args.leftovers:
@@ -485,11 +501,11 @@ def cmd_artifacts(args: argparse.Namespace) -> int:
             _emit(args, {"removed": done, "swept": [f"{r.namespace}/{r.entry}" for r in swept]})
         else:
             for item in done:
-                print(f"removed {item}")
+                _say(f"removed {item}")
             for r in swept:
-                print(f"swept {r.kind} {r.namespace}/{r.entry} ({r.bytes / 2**20:.1f} MiB)")
+                _say(f"swept {r.kind} {r.namespace}/{r.entry} ({r.bytes / 2**20:.1f} MiB)")
             if not done and not swept:
-                print("nothing to prune")
+                _say("nothing to prune")
         return 0
     with store.open(args.namespace, args.name, _key(settings)) as artifact:
         if args.verify:
@@ -500,20 +516,20 @@ def cmd_artifacts(args: argparse.Namespace) -> int:
         _emit(args, doc, sort_keys=True)
         return 0
     size = sum(f.size for f in m.files)
-    print(f"{m.namespace}/{m.name}  created {m.created_at}  generation {m.generation}  {len(m.files)} files, "
+    _say(f"{m.namespace}/{m.name}  created {m.created_at}  generation {m.generation}  {len(m.files)} files, "
           f"{size / 2**20:.1f} MiB")
-    print(f"  source   {m.source.pod} ({m.source.container}), image {m.source.image}")
-    print(f"  node     {m.node.hostname} kernel {m.node.kernel} {m.node.arch}, CRIU {m.criu.version}")
+    _say(f"  source   {m.source.pod} ({m.source.container}), image {m.source.image}")
+    _say(f"  node     {m.node.hostname} kernel {m.node.kernel} {m.node.arch}, CRIU {m.criu.version}")
     if m.cuda:
-        print(f"  cuda     driver {m.cuda.driver_version}, GPUs {', '.join(g.name for g in m.cuda.gpus)}")
-    print(f"  security uid {m.security.uid} caps {len(m.security.capabilities)} seccomp {m.security.seccomp}")
+        _say(f"  cuda     driver {m.cuda.driver_version}, GPUs {', '.join(g.name for g in m.cuda.gpus)}")
+    _say(f"  security uid {m.security.uid} caps {len(m.security.capabilities)} seccomp {m.security.seccomp}")
     if m.host_files is None:
-        print("  host     files from bind mounts not recorded (format 2): checked by size only")
+        _say("  host     files from bind mounts not recorded (format 2): checked by size only")
     else:
-        print(f"  host     {len(m.host_files)} files from bind mounts, "
+        _say(f"  host     {len(m.host_files)} files from bind mounts, "
               f"{sum(h.size for h in m.host_files) / 2**20:.1f} MiB, checked by digest")
-    print("  timings  " + ", ".join(f"{k} {v:.2f}s" for k, v in m.timings.items()))
-    print("  verified: all file digests match" if args.verify else "  (signature ok; --verify checks digests)")
+    _say("  timings  " + ", ".join(f"{k} {v:.2f}s" for k, v in m.timings.items()))
+    _say("  verified: all file digests match" if args.verify else "  (signature ok; --verify checks digests)")
     return 0
 
 
@@ -546,19 +562,19 @@ def _list(store: ArtifactStore, key: bytes, args: argparse.Namespace) -> int:
         return 0
     for r in rows:
         if r.manifest is None:
-            print(f"{r.namespace}/{r.name}  BAD: {r.problem}")
+            _say(f"{r.namespace}/{r.name}  BAD: {r.problem}")
         else:
             m = r.manifest
             size = sum(f.size for f in m.files) / 2**20
             here = cached.get((f"{r.namespace}/{r.name}", r.version or ""), 0)
-            print(f"{r.namespace}/{r.name}  {m.created_at}  {size:.1f} MiB  from {m.source.pod or '?'}"
+            _say(f"{r.namespace}/{r.name}  {m.created_at}  {size:.1f} MiB  from {m.source.pod or '?'}"
                   f"  image {m.source.image or '?'}" + ("  cuda" if m.cuda else "")
                   + (f"  cached on this node ({here / 2**20:.1f} MiB)" if here else ""))
     for x in extra:
         owner = f"  owner {x.owner.node} pid {x.owner.pid}" if x.owner else ""
-        print(f"{x.namespace}/{x.entry}  {x.kind}  {x.bytes / 2**20:.1f} MiB  age {_age(x.age)}{owner}")
+        _say(f"{x.namespace}/{x.entry}  {x.kind}  {x.bytes / 2**20:.1f} MiB  age {_age(x.age)}{owner}")
     if not rows and not extra:
-        print("no artifacts")
+        _say("no artifacts")
     return 0
 
 
@@ -596,7 +612,7 @@ def status_view(state_dir: str, fmt: str) -> str:
         size = f"  {_bytes(r.bytes)}" if r.bytes else ""
         lines.append(f"{r.namespace}/{r.pod}:{r.container}  {r.role or '-'} {r.artifact or '-'}  {r.phase.value}"
                      + live + size + (f"  ({r.reason})" if r.reason else "") + (f"  [{timing}]" if timing else ""))
-    return "\n".join(lines)
+    return "\n".join(_safe(line) for line in lines)
 
 
 def watch(view: Callable[[], str], out: TextIO, *, interval: float, count: int = 0,
@@ -653,7 +669,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     else:
         for c in checks:
             mark = "ok" if c.ok else ("FAIL" if c.required else "warn")
-            print(f"[{mark:>4}] {c.name}: {c.detail}")
+            _say(f"[{mark:>4}] {c.name}: {c.detail}")
     return 0 if all(c.ok or not c.required for c in checks) else 1
 
 
@@ -693,7 +709,7 @@ def _fail(message: str, code: int, fmt: str, prog: str = "rekindle", usage: str 
     if fmt != "text":
         print(_render(fmt, {"error": message, "exit_code": code}, indent=None))
     else:
-        print(f"{usage}{prog}: error: {message}", file=sys.stderr)
+        _say(f"{usage}{prog}: error: {message}", file=sys.stderr)
     return code
 
 

@@ -9,6 +9,11 @@
   started by then; init containers have exited), and restored only into the container named
   like the artifact's source container. NRI does not tell a plugin the pod's containers at
   create time, so these are the moments where the answer is certain.
+- A container whose pid namespace is not its own (``hostPID``: no pid namespace of its own in the
+  OCI spec; ``shareProcessNamespace``: the pod sandbox's, joined by path) is neither
+  checkpointed nor restored: a failed restore's clean-up must reach the restored tree only, and
+  a dump would take the pod's or the node's other tasks' pids. Decided here from the spec, and
+  again from /proc when the job runs (``runtime.namespaces.pid_namespace_shared``).
 Each rule returns the reason to skip (its wording is what ``outcomes.classify`` recognises),
 or None.
 """
@@ -63,3 +68,18 @@ def source_container_mismatch(intent: Intent, container: str, manifest: Manifest
 
 
 RunningContainers = Callable[[str], list[tuple[str, str]]]
+
+
+def shared_pid_namespace(namespaces: Iterable[tuple[str, str]]) -> str | None:
+    """Why a container with these OCI linux namespaces ((type, path)) has no pid namespace of
+    its own, or None."""
+    listed = list(namespaces)
+    if not listed:
+        return None  # not told (no linux section): the job looks in /proc
+    pid = [path for kind, path in listed if kind == "pid"]
+    if not pid:
+        return "the container's pid namespace is not its own (none made for it: hostPID)"
+    if pid[0]:  # containerd names the sandbox's (shareProcessNamespace) or the node's (hostPID)
+        return (f"the container's pid namespace is not its own (it joins {pid[0]}: shareProcessNamespace "
+                "or hostPID)")
+    return None

@@ -44,7 +44,8 @@ from dataclasses import dataclass
 from collections.abc import Callable
 
 from runtime import control
-from runtime.errors import AlreadyAttempted, AnnotationError, Incompatible, LessPrivileged, RekindleError, reason_of
+from runtime.errors import (AlreadyAttempted, AnnotationError, Incompatible, LessPrivileged, RekindleError,
+                            SharedPidNamespace, reason_of)
 from runtime.compat import NodeFacts, check_compatibility
 from runtime.manifest import Manifest
 from runtime.security import LsmSupport, SecurityProfile, check_privilege
@@ -154,9 +155,13 @@ class RekindlePlugin(ConfigureHandler, SynchronizeHandler, RunPodSandboxHandler,
         failed_cause: BaseException | None = None
         try:
             ctl = control.control_dir_for(self.settings.state_dir, pod.uid, ctr.name)
+            # Decided before anything else: a failed restore's clean-up must reach its own tree only.
+            shared = guards.shared_pid_namespace((n.type, n.path) for n in ctr.linux.namespaces)
             if intent.role is Role.RESTORE:
                 try:
                     manifest: Manifest | None
+                    if shared:
+                        raise SharedPidNamespace(f"restore refused: {shared}")
                     manifest, version = self._precheck_restore(pod, ctr, intent)
                 except RekindleError as exc:
                     if not intent.fails_closed or isinstance(exc, Skipped):
@@ -164,6 +169,8 @@ class RekindlePlugin(ConfigureHandler, SynchronizeHandler, RunPodSandboxHandler,
                     manifest, failed, failed_cause = None, str(exc), exc  # the init is put in place to fail the container
             else:
                 manifest = None
+                if shared:
+                    raise SharedPidNamespace(f"checkpoint refused: {shared}")
                 skip = guards.existing_artifact(self.store, self.key, pod.namespace, intent)
                 if skip:
                     raise Skipped(skip)
@@ -175,8 +182,9 @@ class RekindlePlugin(ConfigureHandler, SynchronizeHandler, RunPodSandboxHandler,
             self._record(pod, ctr, intent, Phase.SKIPPED, str(exc))
             return empty
         except RekindleError as exc:
-            log.warning("%s: %s %s: %s; cold start", who(pod, ctr), intent.role.value, intent.artifact, exc)
-            self._record(pod, ctr, intent, Phase.COLD_START, str(exc), exc)
+            phase = Phase.COLD_START if intent.role is Role.RESTORE else Phase.CHECKPOINT_FAILED
+            log.warning("%s: %s %s: %s; %s", who(pod, ctr), intent.role.value, intent.artifact, exc, phase.value)
+            self._record(pod, ctr, intent, phase, str(exc), exc)
             return empty
 
         adjust = api.ContainerAdjustment()

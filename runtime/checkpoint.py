@@ -55,7 +55,9 @@ from runtime import tcpmode
 from runtime.containers import ContainerInfo, ns_pids, process_tree, resolve_container, workload_root
 from runtime.gpu import Checkpointer
 from runtime.gpu.cuda import ProcessState
-from runtime.errors import CheckpointRefused, CriuError, CudaStuck, ImageUnknown, RekindleError, SourceResumeFailed
+from runtime.errors import (CheckpointRefused, CriuError, CudaStuck, ImageUnknown, RekindleError, SharedPidNamespace,
+                            SourceResumeFailed)
+from runtime.namespaces import pid_namespace_shared
 from runtime.gpu import source_gpus
 from runtime.owner import write_owner
 from runtime.manifest import CriuInfo, CudaInfo, Manifest, MountInfo, NodeInfo, ProcessInfo, Source
@@ -115,6 +117,9 @@ def checkpoint(req: CheckpointRequest, store: ArtifactStore, key: bytes, *,
         t.on_phase = lambda phase: progress(phase, 0, 0)
     with t.phase("inspect"):
         info = resolve_container(req.containerd_state, req.container_id)
+        shared = pid_namespace_shared(info.init_pid)
+        if shared:  # its restore would be refused: never dump the pod's or the node's tasks
+            raise SharedPidNamespace(f"checkpoint refused: {shared}")
         root = workload_root(info)
         tree = process_tree(root.host)
     # What an agent that died mid-checkpoint left stopped runs again first.

@@ -216,6 +216,14 @@ class CheckpointRefused(RekindleError):
         self.reasons = reasons
 
 
+class SharedPidNamespace(RekindleError):
+    """The container's pid namespace is the pod's (``shareProcessNamespace``) or the node's
+    (``hostPID``): a restore's clean-up could reach processes that are not the restored tree's,
+    and a dump would take the pod's or node's other processes' pids: refused for both."""
+
+    reason_class = Reason.INCOMPATIBLE
+
+
 class CudaUnavailable(RekindleError):
     """libcuda (or its checkpoint API) is not present on this node."""
 

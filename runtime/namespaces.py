@@ -95,6 +95,25 @@ def _last_nspid(status_path: str) -> int | None:
     return nspid[-1] if nspid else None
 
 
+def pid_namespace_shared(init_pid: int) -> str | None:
+    """Why the pid namespace of the container whose init is host pid ``init_pid`` is not the
+    container's own, or None: its init is pid 1 there only when the runtime made the namespace
+    for it (``hostPID``: the node's namespace; ``shareProcessNamespace``: the pod's, whose pid 1
+    is the sandbox's pause)."""
+    nspid = _last_nspid(f"{PROC}/{init_pid}/status")
+    if nspid is None:
+        return f"the container's init (pid {init_pid}) is gone"
+    if nspid == 1:
+        return None
+    return (f"the container's pid namespace is not its own (the pod's: shareProcessNamespace, or the "
+            f"node's: hostPID): its init is pid {nspid} there, not 1")
+
+
+def pid_namespace_of(pid: int) -> int | None:
+    """The inode of ``pid``'s pid namespace; None once it is gone."""
+    return _ns_inode(str(pid), "pid")
+
+
 def processes_in(pidns_inode: int) -> list[int]:
     """Host pids of every process (thread group) living in the pid namespace ``pidns_inode``."""
     return sorted(int(n) for n in os.listdir(PROC) if n.isdigit() and _ns_inode(n, "pid") == pidns_inode)

@@ -48,7 +48,6 @@ import os
 import shutil
 import signal
 import tempfile
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -66,10 +65,10 @@ from runtime.overlay import pending as overlay_pending
 from runtime.compat import NodeFacts, check_compatibility
 from runtime.containers import ContainerInfo, resolve_container
 from runtime.gpu import Checkpointer, build_gpu_map
-from runtime.errors import ArtifactRejected, Reason, RekindleError
+from runtime.errors import ArtifactRejected, Reason, RekindleError, SharedPidNamespace
 from runtime.gpu import cuda_restore, ensure_device_nodes, target_facts
 from runtime.criu import restore_into
-from runtime.namespaces import host_pid_of, used_pids
+from runtime.namespaces import host_pid_of, pid_namespace_shared
 from runtime.rollback import GenerationBook
 from runtime.route import RestorePath, Route, RouteFacts
 from runtime.route import choose as choose_route
@@ -134,6 +133,7 @@ class CacheUse:
     filled_bytes: int = 0
     store_bytes_read: int = 0  # of the bulk files, from the shared store
     entry: str = ""
+    reason: str = ""  # why "off" for this target when the node has a cache
 
 
 def _shm_dir(target: ContainerInfo) -> str | None:
@@ -316,6 +316,9 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
                 generations.check(req.namespace, req.name, manifest.generation)
             with t.phase("inspect"):
                 target = resolve_container(req.containerd_state, req.container_id)
+                shared = pid_namespace_shared(target.init_pid)
+                if shared:  # a failed restore's clean-up must reach the restored tree only
+                    raise SharedPidNamespace(f"restore refused: {shared}")
                 tfacts = target_facts(facts, target.spec)
                 image = req.image if check_image else manifest.source.image
                 image_ref = req.image_ref if check_image else manifest.source.image_ref
@@ -334,6 +337,10 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
                 if reasons:
                     raise ArtifactRejected(artifact.label, "; ".join(reasons), kind)
             with t.phase("stage"):
+                no_cache = nodecache.refused_for(security.capabilities) if cache is not None else None
+                if no_cache is not None:
+                    log.info("%s: %s", artifact.label, no_cache)
+                    cache = None
                 if cache is not None and req.path is not RestorePath.STOCK:
                     entry = cache.hold(artifact, map_mode)
                 ahead = staged(artifact) if staged is not None else None
@@ -341,6 +348,8 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
                 images = os.path.join(private, layout.CRIU_DIR)
                 cached = _use_cache(cache, entry, req, artifact, plan, images, map_mode)
                 entry, use, cold_work, bulk_files = cached.entry, cached.use, cached.cold, cached.bulk_files
+                if no_cache is not None:
+                    use = dataclasses.replace(use, reason=no_cache)
                 route = _route(req, artifact, bool(cached.spans), bulk_files)
                 path = route.path
                 if path is RestorePath.STREAM and cold_work is not None and on_cold is not None:
@@ -522,17 +531,13 @@ def recover_rootfs(undo_dir: str, container_id: str, init_pid: int,
     return overlay_pending.recover(undo_dir, container_id, control)
 
 
-def _kill_leftovers(pid_in_ns: int, wait: float = 5.0) -> None:
-    """SIGKILL every process of ``pid_in_ns``'s pid namespace but its init (pid 1 there), and
-    wait (a little) until they are gone."""
+def _kill_leftovers(init_pid: int, wait: float = 5.0) -> None:
+    """SIGKILL the restored tree: every descendant of the target's init (host pid
+    ``init_pid``) in its pid namespace, by parentage, and wait (a little) until they are gone.
+    Never the namespace's other tasks: with a shared pid namespace (refused, but this is the
+    last line) they are the pod's or the node's."""
     try:
-        pidns = os.stat(f"/proc/{pid_in_ns}/ns/pid").st_ino
+        pidns = os.stat(f"/proc/{init_pid}/ns/pid").st_ino
     except OSError:
         return
-    deadline = time.monotonic() + wait
-    while True:
-        left = [host for nspid, host in used_pids(pidns).items() if nspid != 1]
-        if not left or time.monotonic() > deadline:
-            return
-        tasks.kill_all(left)
-        time.sleep(0.01)
+    tasks.kill_descendants(init_pid, pidns, wait=wait)

@@ -63,3 +63,68 @@ def signal_all(pids: Iterable[int], sig: int) -> None:
 
 def kill_all(pids: Iterable[int]) -> None:
     signal_all(pids, signal.SIGKILL)
+
+
+def descendants(root: int, proc: str = "/proc") -> list[int]:
+    """Host pids of every process descended from ``root`` (not ``root`` itself), by parentage
+    (``PPid``) as /proc shows it now. A restore's clean-up kills only these: a task of the
+    restored tree's pid namespace that no restored task forked (an exec'd shell, a debug
+    container's) is never the tree's."""
+    kids: dict[int, list[int]] = {}
+    for name in os.listdir(proc):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"{proc}/{name}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        kids.setdefault(ppid, []).append(int(name))
+    found: list[int] = []
+    seen = {root}  # a pid reused while /proc was read must not make a cycle
+    todo = list(kids.get(root, ()))
+    while todo:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        found.append(pid)
+        todo.extend(kids.get(pid, ()))
+    return found
+
+
+def kill_descendants(root: int, pidns: int, wait: float = 5.0, started_before: int | None = None) -> list[int]:
+    """SIGKILL every descendant of ``root`` living in pid namespace ``pidns`` (and started
+    before ``started_before``, clock ticks since boot, when given) until none is left or
+    ``wait`` seconds passed: a killed task's children are reparented to the namespace's init
+    (``root``), so they are found on the next round. Nothing when ``root`` is not in ``pidns``
+    (any more: a reused pid is not the init). The pids signalled."""
+    killed: dict[int, None] = {}  # in the order signalled
+    deadline = time.monotonic() + wait
+    while True:
+        if _pidns(root) != pidns:
+            return list(killed)
+        left = [p for p in descendants(root) if _pidns(p) == pidns
+                and (started_before is None or _started(p) <= started_before)]
+        left = [p for p in left if _task_states(p) and any(s not in "ZX" for s in _task_states(p))]
+        if not left or time.monotonic() > deadline:
+            return list(killed)
+        kill_all(left)
+        killed.update(dict.fromkeys(left))
+        time.sleep(0.01)
+
+
+def _pidns(pid: int) -> int | None:
+    try:
+        return os.stat(f"/proc/{pid}/ns/pid").st_ino
+    except OSError:
+        return None
+
+
+def _started(pid: int) -> int:
+    """Start time of ``pid`` in clock ticks since boot (a huge number for one that is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return 1 << 62

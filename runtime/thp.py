@@ -9,7 +9,8 @@ node that faults in anonymous memory may get huge pages too.
 
 Several checkpoints at once share one switch (counted). The value found is recorded in the
 plugin's state dir before the switch, so a plugin killed mid-checkpoint puts it back at its next
-start (:meth:`ThpSwitch.recover`).
+start (:meth:`ThpSwitch.recover`); a plugin stopped (SIGTERM: an upgrade, an uninstall) puts it
+back as it exits (:func:`put_back`), so an uninstall does not leave the node at ``always``.
 """
 
 from __future__ import annotations
@@ -110,3 +111,13 @@ class ThpSwitch:
         os.unlink(self.record)
         log.warning("transparent huge pages: put back to %s (a checkpoint was cut short)", found)
         return found
+
+
+
+def put_back(record: str, knob: str = ENABLED) -> None:
+    """Put back a mode recorded in ``record``, if any (at the plugin's start: one a killed
+    plugin left switched; as it exits: one a checkpoint still held switched), never raising."""
+    try:
+        ThpSwitch(record, knob).recover()
+    except OSError as exc:
+        log.error("transparent huge pages: cannot put the recorded mode back: %s", exc)

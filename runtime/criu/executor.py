@@ -49,7 +49,7 @@ from runtime.criu.log import unexpected_errors
 from runtime.mount_plan import map_mounts, plan_external_mounts
 from runtime.confine import confine
 from runtime.containers import ContainerInfo, Pid, process_tree, read_mountinfo, read_stdio, workload_root
-from runtime.tasks import kill_all, wait_stopped
+from runtime.tasks import descendants, kill_all, wait_stopped
 from runtime.criu.command import DumpOptions, RestoreOptions
 from runtime.errors import CriuError, NamespaceError
 from runtime.layout import MountPlanEntry
@@ -264,11 +264,13 @@ def restore_into(
     except (OSError, ValueError) as e:
         raise CriuError("restore", f"no usable pidfile {pidfile}: {e}", lp) from e
     host_pid = ns.host_pid_of(target.namespaces["pid"].inode, ns_pid, hint_parent=target.init_pid)
-    # Every process of the target's pid namespace but its init is one CRIU restored: not only the
-    # root's descendants (a task CRIU forks from a session leader through a helper is reparented
-    # to the namespace's init when the helper exits, as zdtm's session00 shows).
-    tree = [host_pid, *(p for p in ns.processes_in(target.namespaces["pid"].inode)
-                        if p not in (host_pid, target.init_pid))]
+    # Every descendant of the target's init in its pid namespace is one CRIU restored: not only
+    # the root's (a task CRIU forks from a session leader through a helper is reparented to the
+    # namespace's init when the helper exits, as zdtm's session00 shows); never a task that
+    # entered the namespace from outside (an exec), which the tree's kill must not reach.
+    pidns = target.namespaces["pid"].inode
+    tree = [host_pid, *sorted(p for p in descendants(target.init_pid)
+                              if p != host_pid and ns.pid_namespace_of(p) == pidns)]
     try:
         ppid = _ppid(host_pid)
         if ppid != target.init_pid:

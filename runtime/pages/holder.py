@@ -12,9 +12,9 @@ unix socket from the agent:
     EOF before "D"                                the agent is gone mid-serve
 
 On EOF before "D", the tasks whose pages are not all there block on their next fault (their
-uffds stay open here); the holder SIGKILLs every process of the restored pid namespace (but
-its init) that started before the agent went away, writes ``restore-failed`` into the control
-dir unless an outcome is there already or the rootfs still holds the restore's changes
+uffds stay open here); the holder SIGKILLs the restored tree (the init's descendants in its
+pid namespace, by parentage) that started before the agent went away, writes ``restore-failed``
+into the control dir unless an outcome is there already or the rootfs still holds the restore's changes
 (``rootfs-pending``: then the next agent rolls them back and fails the restore, once), then
 closes its copies and exits 1.
 """
@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 from runtime import control as control_mod
+from runtime import tasks
 
 log = logging.getLogger("rekindle.stream_holder")
 REASON = "the agent went away while it served the restored memory"
@@ -49,21 +50,25 @@ def _stat(pid: str) -> tuple[int, int] | None:
 
 
 def kill_namespace(pidns: int, init_pid: int, started_before: int) -> list[int]:
-    """SIGKILL every process of pid namespace ``pidns`` but ``init_pid`` that started before
-    ``started_before`` (clock ticks since boot); the pids signalled."""
-    killed = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == init_pid:
-            continue
-        st = _stat(name)
-        if st is None or st[0] != pidns or st[1] > started_before:
-            continue
-        try:
-            os.kill(int(name), signal.SIGKILL)
-            killed.append(int(name))
-        except ProcessLookupError:
-            pass
-    return killed
+    """SIGKILL the restored tree: every descendant of ``init_pid`` in pid namespace ``pidns``
+    that started before ``started_before`` (clock ticks since boot), never a task of the
+    namespace that the init's tree did not fork; the pids signalled."""
+    return tasks.kill_descendants(init_pid, pidns, wait=5.0, started_before=started_before)
+
+
+def shield_from_oom(knob: str = "/proc/self/oom_score_adj") -> bool:
+    """Make this process the last an OOM kill picks (-1000). It runs in the target's memory
+    cgroup with the plugin's score, where a Guaranteed pod's tasks have -997: the memcg's first
+    victim otherwise, and with it gone an agent that dies next leaves the tree on zero pages.
+    Its own memory is an interpreter's few MiB. False where the kernel refuses (no
+    CAP_SYS_RESOURCE): said in the log, the serve goes on."""
+    try:
+        with open(knob, "w") as f:
+            f.write("-1000")
+        return True
+    except OSError as exc:
+        log.warning("uffd holder: cannot lower its oom_score_adj (%s); a memory cgroup OOM may pick it first", exc)
+        return False
 
 
 def now_ticks() -> int:
@@ -128,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C for the agent is not ours
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    shield_from_oom()
     sock = socket.socket(fileno=args.fd)
     try:
         return serve(sock, args.pidns, args.init_pid, args.control)

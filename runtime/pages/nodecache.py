@@ -74,6 +74,21 @@ MIN_FREE = 0.10  # an entry is written only if this share of the node's memory (
 CGROUP_SPARE = 2 << 30  # and this much of the plugin's memory limit (CRIU, the fill's buffers)
 
 
+# A task holding either may open /proc/<pid>/map_files/<range> for writing: through its own
+# MAP_SHARED mapping of an entry's file it would change what every later restore maps unhashed.
+WRITES_MAPPED_FILES = frozenset({"CAP_SYS_ADMIN", "CAP_CHECKPOINT_RESTORE"})
+
+
+def refused_for(capabilities: Sequence[str]) -> str | None:
+    """Why a target with ``capabilities`` (its OCI spec's, every set) neither makes nor maps an
+    entry, or None."""
+    held = sorted(WRITES_MAPPED_FILES.intersection(capabilities))
+    if not held:
+        return None
+    return (f"the target holds {', '.join(held)}, with which it could write a mapped entry through "
+            "/proc/<pid>/map_files: restored without the node cache")
+
+
 class CacheError(RekindleError):
     reason_class = Reason.STORE
 

@@ -197,6 +197,7 @@ class Staging:
                     self.entry = None
                     raise StoreError(f"publish {label}: the staging dir was moved or replaced in the "
                                      "store while it was published; not published")
+                replaced = self._pointed(ns_fd)  # read again: a publish racing ours may have switched
                 self._switch(ns_fd, version)
                 self.entry = None
                 os.fsync(ns_fd)
@@ -209,14 +210,26 @@ class Staging:
             os.close(ns_fd)
             raise
         try:
-            if previous and previous != version:
-                self.store.remove_version(ns_fd, previous)
+            # What the name pointed to before ours, and ours if a racing publish switched the
+            # name after us: no name points to them again (each publisher switches once), so
+            # they go now, not after the sweep's grace (a reader's lock still keeps one).
+            pointed = self._pointed(ns_fd)
+            for stale in dict.fromkeys((previous, replaced, version if pointed is not None else None)):
+                if stale and stale != pointed:
+                    self.store.remove_version(ns_fd, stale)
         finally:
             os.close(ns_fd)
         log.info("published artifact %s/%s generation %d (%d files)", self.namespace, self.name,
                  generation, len(files))
         self.published = Listing(self.namespace, self.name, manifest, None, version)
         return manifest
+
+    def _pointed(self, ns_fd: int) -> str | None:
+        """The version the name points to now; None for anything else there."""
+        try:
+            return self.store.current_version(ns_fd, self.name)
+        except (ArtifactRejected, OSError):
+            return None
 
     def _switch(self, ns_fd: int, version: str) -> None:
         """Point the name at ``version``: a new symlink renamed over the old one (atomic)."""
@@ -260,9 +273,10 @@ def _transfer(src_root: str, dst_fd: int, label: str,
               known: Mapping[tuple[int, int], Hashed] | None = None) -> list[FileEntry]:
     """Move or copy the private tree ``src_root`` into the store dir ``dst_fd``; the files' entries.
 
-    Every file is hashed from its private bytes: moved in with a no-replace rename when the store
-    is on the same file system (a ``known`` digest of that very inode and size stands for the
-    hash), else copied while hashed into a file created exclusively."""
+    Every file is hashed from its private bytes: hashed (a ``known`` digest of that very inode
+    and size stands for the hash), then moved in with a no-replace rename when the store is on
+    the same file system, else copied while hashed into a file created exclusively. Never
+    hashed once it is in the store: another writer of the store could have rewritten it."""
     known = known or {}
     files: list[FileEntry] = []
     dirs: dict[str, int] = {"": os.dup(dst_fd)}
@@ -279,14 +293,18 @@ def _transfer(src_root: str, dst_fd: int, label: str,
                 st = os.fstat(fd)
                 if not stat.S_ISREG(st.st_mode):
                     raise StoreError(f"staging entry {rel} is not a regular file")
-                if st.st_dev == dst_dev and _move(src_dir, base, pfd):
+                moved = False
+                if st.st_dev == dst_dev:
+                    # Hashed while private, and only then moved in: once in the store, another
+                    # writer of it can rewrite the file, and what it wrote must never be signed.
                     ahead = known.get((st.st_dev, st.st_ino))
                     if ahead is not None and ahead.matches(st):
                         size, digest = ahead.size, ahead.digest
                     else:
                         size, digest = hash_fd(fd)
                     os.fsync(fd)
-                else:
+                    moved = _move(src_dir, base, pfd)
+                if not moved:
                     out = os.open(base, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                                   0o600, dir_fd=pfd)
                     try:

@@ -68,11 +68,11 @@ def _source(sandbox, pod, plugin, name: str) -> None:
     assert st["phase"] == "published", st
 
 
-def _restore(sandbox, pod, plugin, name: str, tag: str, wait: bool = True):
+def _restore(sandbox, pod, plugin, name: str, tag: str, wait: bool = True, security=None):
     from devtools.gpu import host_python_mounts
     b = pod(f"dst-{name}-{tag}", annotations={"rekindle.dev/restore": name})
     cid = sandbox.run_container(b, "app", IMAGE, command=[sys.executable, "-c", HOLDER], mounts=host_python_mounts(),
-                                env=ENV)
+                                env=ENV, **({"security": security} if security else {}))
     if wait:
         _answered(sandbox, plugin, b)
     return b, cid
@@ -349,3 +349,30 @@ def test_a_restore_mapped_from_the_entry_serves_the_rest_when_asked(sandbox, pod
     assert timings["stream"]["bytes_installed"] == use["filled_bytes"], (timings["stream"], use)
     assert timings["stream"]["mapped_bytes"] == 0, timings["stream"]
     assert get(sandbox.cri.pod_ip(filled.id), "/", 30.0).startswith("ok ")
+
+
+@pytest.mark.parametrize("cap", ["SYS_ADMIN", "CHECKPOINT_RESTORE"])
+def test_a_target_that_could_write_through_map_files_neither_makes_nor_maps_an_entry(sandbox, pod, streaming_cache,
+                                                                                      cap):
+    """A target holding CAP_SYS_ADMIN or CAP_CHECKPOINT_RESTORE could open its mapping of an
+    entry's file through /proc/self/map_files for writing: it restores without the node cache
+    (the reason recorded), neither making the entry as it streams nor mapping a sealed one."""
+    from devtools.cri import SecurityContext
+    plugin, name = streaming_cache, f"cache-{cap.lower().replace('_', '-')}"
+    capable = SecurityContext(add_capabilities=(cap,))
+    _source(sandbox, pod, plugin, name)
+    first, c1 = _restore(sandbox, pod, plugin, name, "1", security=capable)
+    use = _cache_use(plugin, first)
+    assert use["state"] == "off" and f"CAP_{cap}" in use["reason"] and use["entry"] == "", use
+    with open(f"/proc/{_tree_in(sandbox, c1)[0]}/maps") as f:
+        assert "/map-" not in f.read()
+    assert not _entries(plugin, name) and not glob.glob(str(plugin.state_dir / "cache" / "v1" / ".tmp-*"))
+    # An ordinary target makes the entry; the capable one still does not map it.
+    second, _ = _restore(sandbox, pod, plugin, name, "2")
+    assert _cache_use(plugin, second)["state"] == "building"
+    wait_for(lambda: _entries(plugin, name), 120, "the entry to be finished")
+    third, c3 = _restore(sandbox, pod, plugin, name, "3", security=capable)
+    use = _cache_use(plugin, third)
+    assert use["state"] == "off" and use["store_bytes_read"] >= 96 << 20, use
+    with open(f"/proc/{_tree_in(sandbox, c3)[0]}/maps") as f:
+        assert "/map-" not in f.read()

@@ -218,3 +218,17 @@ def test_no_service_account_is_a_config_error(monkeypatch):
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     with pytest.raises(ConfigError, match="in-cluster service account"):
         connect()
+
+
+def test_every_request_is_one_the_charts_rbac_grants(api, reporter):
+    """The chart grants create on events and patch on pods/status, nothing else: every outcome
+    sends only those (no get of a pod's status, no patch of an Event)."""
+    kinds = [OutcomeKind.RESTORED, OutcomeKind.COLD_START, OutcomeKind.PUBLISHED, OutcomeKind.CHECKPOINT_FAILED]
+    for kind in kinds:
+        reporter.publish(outcome(kind, "why", **({"role": "checkpoint"} if kind in kinds[2:] else {})))
+    api.wait_for(6)
+    reporter.close()
+    assert {(r.method, r.path.rsplit("/", 1)[-1] if r.method == "POST" else "status") for r in api.requests} == {
+        ("POST", "events"), ("PATCH", "status")}
+    assert all(r.path == "/api/v1/namespaces/team-a/events" for r in api.requests if r.method == "POST")
+    assert all(r.path.endswith("/status") for r in api.requests if r.method == "PATCH")

@@ -230,3 +230,29 @@ def test_a_restore_opens_the_artifact_once_and_its_job_restores_the_version_chec
     assert publish() != first
     req = restore_request(plugin.settings, ctr.id, "default", "m", image="", image_ref="", version=work.version)
     assert req.version == first
+
+
+OWN = [("mount", ""), ("network", "/var/run/netns/cni-1"), ("pid", "")]
+POD_SHARED = [("mount", ""), ("network", "/var/run/netns/cni-1"), ("pid", "/proc/4242/ns/pid")]
+HOST_PID = [("mount", ""), ("network", "/var/run/netns/cni-1")]
+
+
+@pytest.mark.parametrize("role, phase", [("restore", Phase.COLD_START), ("checkpoint", Phase.CHECKPOINT_FAILED)])
+@pytest.mark.parametrize("namespaces, why", [(POD_SHARED, "joins /proc/4242/ns/pid"), (HOST_PID, "hostPID")],
+                         ids=["shareProcessNamespace", "hostPID"])
+def test_a_container_without_its_own_pid_namespace_is_refused_at_create(make_plugin, role, phase, namespaces, why):
+    plugin = make_plugin()
+    pod, ctr = _req({f"rekindle.dev/{role}": "m"})
+    for kind, path in namespaces:
+        ctr.linux.namespaces.add(type=kind, path=path)
+    assert not _create(plugin, pod, ctr).HasField("adjust")  # runs its own command, untouched
+    st = plugin.status.read("default", "web", "app")
+    assert st.phase is phase and why in st.reason and f"{role} refused" in st.reason, st
+
+
+def test_a_container_with_its_own_pid_namespace_is_taken(make_plugin):
+    plugin = make_plugin()
+    pod, ctr = _req({"rekindle.dev/checkpoint": "m"})
+    for kind, path in OWN:
+        ctr.linux.namespaces.add(type=kind, path=path)
+    assert _create(plugin, pod, ctr).HasField("adjust")

@@ -68,8 +68,8 @@ def test_events_enabled_brings_minimal_rbac_and_a_token(events_render):
     (role,) = by_kind(objects, "ClusterRole")
     (binding,) = by_kind(objects, "ClusterRoleBinding")
     assert role["rules"] == [
-        {"apiGroups": [""], "resources": ["events"], "verbs": ["create", "patch"]},
-        {"apiGroups": [""], "resources": ["pods/status"], "verbs": ["get", "patch"]},
+        {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
+        {"apiGroups": [""], "resources": ["pods/status"], "verbs": ["patch"]},
     ]
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
                                   "name": role["metadata"]["name"]}

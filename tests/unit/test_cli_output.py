@@ -91,3 +91,28 @@ def test_nri_toggle_takes_o_json_too(tmp_path):
         res = rekindle("nri-toggle", "--dry-run", "--config", str(cfg), *flag)
         assert res.returncode == 0, res.stderr
         assert json.loads(res.stdout)["changed"] is True
+
+
+EVIL = "\x1b]0;owned\x07\x1b[2J\x9b\u202e"
+
+
+def test_status_and_the_store_listing_never_print_a_control_character(tmp_path):
+    """A reason (a tenant's, the store's), a store entry's name and its owner record are
+    printed with their control characters spelled out: none reaches the operator's terminal."""
+    state, store = tmp_path / "state", tmp_path / "store"
+    StatusBook(state).write(ContainerStatus(namespace="team-a", pod="p", container="c", role="restore",
+                                            artifact="a", phase=Phase.COLD_START, reason=f"bad {EVIL} bytes"))
+    state.mkdir(exist_ok=True)
+    (state / "hmac.key").write_bytes(b"k" * 32)
+    (state / "hmac.key").chmod(0o600)
+    planted = store / "team-a" / f".staging-x{EVIL}-0123456789abcdef"
+    planted.mkdir(parents=True)
+    (planted / ".owner.json").write_text(json.dumps({"node": f"n{EVIL}", "boot_id": "b", "pid": 1,
+                                                     "start_time": 1, "created": 1.0}))
+    status = rekindle("status", "--state-dir", str(state))
+    listing = rekindle("artifacts", "list", "--all", "--state-dir", str(state), "--store", str(store))
+    assert status.returncode == 0 and listing.returncode == 0, (status.stderr, listing.stderr)
+    assert "bad \\x1b]0;owned\\x07\\x1b[2J\\x9b\\u202e bytes" in status.stdout, status.stdout
+    assert ".staging-x\\x1b]0;owned" in listing.stdout and "owner n\\x1b]0;owned" in listing.stdout, listing.stdout
+    for out in (status.stdout, listing.stdout):
+        assert not any(ch in out for ch in "\x1b\x07\x9b\u202e"), out

@@ -30,6 +30,7 @@ EXPECTED = {
     "runtime.errors.CheckpointRefused": Reason.INCOMPATIBLE,
     "runtime.errors.CudaUnavailable": Reason.CUDA, "runtime.errors.AlreadyAttempted": Reason.ALREADY_ATTEMPTED,
     "runtime.errors.Incompatible": Reason.INCOMPATIBLE, "runtime.errors.LessPrivileged": Reason.PRIVILEGE,
+    "runtime.errors.SharedPidNamespace": Reason.INCOMPATIBLE,
     "runtime.containerd.client.ContainerdError": Reason.RUNTIME,
     "runtime.containerd.cri_lookup.CRIError": Reason.RUNTIME,
     "runtime.pages.stream.StreamError": Reason.CRIU, "runtime.pages.stream.StreamIntegrityError": Reason.INTEGRITY,

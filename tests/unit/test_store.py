@@ -628,3 +628,69 @@ def test_open_of_a_version_refuses_what_is_not_a_version_of_the_name(tmp_path: P
     publish(store)
     with pytest.raises(ArtifactRejected, match="is not a version of qwen-7b"):
         store.open("team-a", "qwen-7b", KEY, version=version)
+
+
+def test_a_store_writer_racing_a_same_mount_publish_never_gets_its_bytes_signed(tmp_path: Path,
+                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The store on the private dir's file system (files renamed in): another writer of the store
+    rewrites each file the moment it becomes reachable there. The signed digests are the private
+    bytes', so a reader finds the rewritten file corrupt instead of trusting it."""
+    from runtime.store import volume as store_mod
+    real = store_mod._move
+    rewritten: list[str] = []
+
+    def racing(src_dir: str, base: str, dst_fd: int) -> bool:
+        moved = real(src_dir, base, dst_fd)
+        assert moved, "the store is on the private dir's file system: a rename"
+        fd = os.open(base, os.O_WRONLY | os.O_TRUNC, dir_fd=dst_fd)  # the writer, by its path
+        try:
+            os.write(fd, b"the writer's bytes")
+        finally:
+            os.close(fd)
+        rewritten.append(base)
+        return moved
+
+    monkeypatch.setattr(store_mod, "_move", racing)
+    store = ArtifactStore(str(tmp_path / "store"))
+    data = {"rootfs.tar": b"the layer" * 1000, "criu/core-1.img": b"core", "restore-plan.json": b"{}"}
+    publish(store, files=data)
+    assert sorted(rewritten) == sorted(os.path.basename(r) for r in data)
+    def digest_of(content: bytes) -> str:
+        (tmp_path / "probe").write_bytes(content)
+        fd = os.open(tmp_path / "probe", os.O_RDONLY)
+        try:
+            return digests.hash_fd(fd)[1]
+        finally:
+            os.close(fd)
+    with store.open("team-a", "qwen-7b", KEY) as artifact:
+        signed = {f.path: f for f in artifact.manifest.files}
+        for rel, content in data.items():
+            assert (signed[rel].size, signed[rel].digest) == (len(content), digest_of(content)), rel
+        with pytest.raises(ArtifactRejected):
+            artifact.verify_files()
+
+
+def test_racing_same_name_publishes_leave_no_unreferenced_version(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Publish B reads the name, then publish A runs start to end, then B makes its version and
+    switches: the version A pointed the name at is removed at once (it was left for the sweep's
+    grace), and only B's stays."""
+    from runtime.store import volume as store_mod
+    store = ArtifactStore(str(tmp_path / "store"))
+    publish(store)  # a first version: both racers read it as the previous one
+    from runtime.fdfs import rename_noreplace as real
+    raced: list[str] = []
+
+    def a_first(src_fd: int, src: str, dst_fd: int, dst: str) -> None:
+        if src.startswith(".staging-") and not raced:  # B's staging dir becoming its version
+            raced.append(dst)
+            publish(store)  # A
+        real(src_fd, src, dst_fd, dst)
+
+    monkeypatch.setattr(store_mod, "rename_noreplace", a_first)
+    b = publish(store)
+    assert b.name == raced[0]
+    versions = [p.name for p in (tmp_path / "store" / "team-a").iterdir() if p.name.startswith(".version-")]
+    assert versions == [b.name], versions
+    with store.open("team-a", "qwen-7b", KEY) as artifact:
+        artifact.verify_files()

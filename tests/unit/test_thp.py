@@ -87,3 +87,18 @@ def test_the_real_knob_is_switched_and_put_back(tmp_path: Path) -> None:
     with ThpSwitch(str(tmp_path / "found")).always():
         assert read_mode() == "always"
     assert read_mode() == before
+
+
+def test_a_plugin_stopped_mid_checkpoint_puts_the_mode_back_as_it_exits(tmp_path: Path) -> None:
+    """An uninstall (SIGTERM) while a CUDA checkpoint holds the switch: the plugin's exit puts the
+    recorded mode back (run_plugin's last step), and the checkpoint's own switch-back after it
+    changes nothing."""
+    knob, record = _knob(tmp_path), tmp_path / "found"
+    switch = ThpSwitch(str(record), str(knob))
+    with switch.always():
+        assert read_mode(str(knob)) == "always"
+        thp.put_back(str(record), str(knob))  # the plugin exits here
+        assert read_mode(str(knob)) == "madvise" and not record.exists()
+    assert read_mode(str(knob)) == "madvise" and not record.exists()
+    thp.put_back(str(record), str(knob))  # nothing recorded: nothing done
+    assert read_mode(str(knob)) == "madvise"
