@@ -603,9 +603,10 @@ class Server:
     def add(self, pid: int, fd: int) -> None:
         """Serve task ``pid``'s uffd ``fd`` (held by the holder first: it must never be the
         only copy while the task can run)."""
+        number = -1
         try:
             if self.holder is not None:
-                self.holder.hold([fd], wait=True)
+                number = self.holder.hold([fd], wait=True)[0]
         except BaseException:
             os.close(fd)
             raise
@@ -622,7 +623,7 @@ class Server:
             spans.append((m.span.vaddr, m.span.length, f, m.span.file_offset))
             pending.update(self._pieces_of(f, m.span.file_offset, m.span.file_size))
         with self.table:
-            self.targets.append(_Target(fd, spans, pending, f"pid {pid}"))
+            self.targets.append(_Target(fd, spans, pending, f"pid {pid}", number=number))
         try:
             os.write(self._wake_w, b"x")  # poll it too
         except OSError:
@@ -1060,7 +1061,8 @@ class Server:
     def _kick(self) -> None:
         """An install thread for pieces pended again after the threads were done."""
         with self.table:
-            respawn = self._installing and self.threads > 0 and self._installers == 0 and bool(self._again)
+            respawn = (self._installing and self.threads > 0 and self._installers == 0 and bool(self._again)
+                       and not self._stop.is_set())
             if respawn:
                 self._installers += 1
         if respawn:
