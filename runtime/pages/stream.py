@@ -407,6 +407,7 @@ class _Target:
     forked: bool = False  # a child forked mid-serve (not one CRIU handed over)
     number: int = -1  # its copy's number in the holder
     busy: int = 0  # threads using fd now: it is closed (by the event thread) only at 0
+    woken: set[int] = field(default_factory=set)  # pages woken with their piece already in
     starts: list[int] = field(default_factory=list)  # of ranges
     by_offset: list[tuple[int, int, int, int]] = field(default_factory=list)  # (file, offset, vaddr, length)
 
@@ -556,7 +557,6 @@ class Server:
         self._stop = threading.Event()
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self._faults: collections.deque[tuple[_Target, int, float]] = collections.deque()  # with when read
-        self._woken: set[tuple[int, int]] = set()  # (target, page) woken with its piece already in
         self._fault_cv = threading.Condition()
         self._events_read = threading.Condition()  # notified after each batch of events is read
         self._events_batches = 0  # batches read so far: a retry waits only for a batch after its own try
@@ -1026,6 +1026,7 @@ class Server:
                 return
             t.alive = False
             t.pending.clear()
+            t.woken.clear()
         log.debug("stream: %s is gone", t.name)
         self._poke()
         self._check_done()
@@ -1139,14 +1140,13 @@ class Server:
         pid = self._piece_at(t, page)
         if pid is not None:
             with self.table:
-                key = (id(t), page)
                 if pid not in t.pending:
-                    if key in self._woken:  # woken once and back: missing after all, install again
-                        self._woken.discard(key)
+                    if page in t.woken:  # woken once and back: missing after all, install again
+                        t.woken.discard(page)
                         t.pending.add(pid)
                         self._repend(pid)
                     else:  # likely a fault queued as its piece went in: a wake is all it needs
-                        self._woken.add(key)
+                        t.woken.add(page)
         while True:
             batches = self._events_batches
             try:
