@@ -375,3 +375,33 @@ def test_fork_and_mremap_storms_of_restored_tenants_end_their_serves_and_leave_o
     print(f"bystander restore: {alone:.2f}s alone, {beside:.2f}s beside two storms "
           f"(this shared 2-core machine); storms: "
           + "; ".join(f"{n}: {s['phase']} {s.get('reason', '')[:120]}" for n, s in ends.items()))
+
+
+def test_a_fork_storm_while_every_page_is_owed_fails_the_serve_closed_at_the_fork_limit(sandbox, pod, streaming):
+    """Faults only (no install thread), so every page stays owed for as long as the tenant does
+    not touch it, and every fork's child is owed them too: the storm goes on until the live
+    children pass the limit, and the serve fails closed (before: after some 560 forks the holder
+    and then the agent blocked in their sends, the serve wedged and the pod stayed restoring)."""
+    import sys
+    from devtools.gpu import host_python_mounts
+    plugin = streaming
+    plugin.kill()
+    plugin.env = {"REKINDLE_RESTORE_PATH": "stream", "REKINDLE_STREAM_THREADS": "0"}
+    plugin.start()
+    host_usr = "localhost/rekindle/host-usr:1"
+    env = {"PATH": "/usr/bin:/bin", "STORM_MIB": "64"}
+    a = pod("src-storm-owed", annotations={"rekindle.dev/checkpoint": "storm-owed"})
+    sandbox.run_container(a, "app", host_usr, command=[sys.executable, "-c", STORM, "fork"],
+                          mounts=host_python_mounts(), env=env)
+    st = wait_status(plugin, "default", a.name, "app", {"published", "checkpoint-failed"}, timeout=120)
+    assert st["phase"] == "published", st
+    fds = _fd_count(plugin.proc.pid)
+    b = pod("dst-storm-owed", annotations={"rekindle.dev/restore": "storm-owed"})
+    sandbox.run_container(b, "app", host_usr, command=[sys.executable, "-c", STORM, "fork"],
+                          mounts=host_python_mounts(), env=env)
+    st = wait_status(plugin, "default", b.name, "app", {"restored", "cold-start"}, timeout=120)
+    assert st["phase"] == "cold-start" and "forked more than 128 processes" in st["reason"], st
+    wait_for(lambda: not _holders(b.uid), 30, "the holder to exit")
+    wait_for(lambda: _fd_count(plugin.proc.pid) <= fds + 8, 30, "the plugin's fds to come back", interval=0.2)
+    print(f"fork storm, faults only: {st['reason'][:200]}; plugin fds {fds} before, "
+          f"{_fd_count(plugin.proc.pid)} after")
