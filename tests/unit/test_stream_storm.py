@@ -16,6 +16,7 @@ from runtime.pages import stream
 from runtime.pages import uffd
 from runtime.pages.stream import PIECE
 from tests.unit.test_stream_server import Child, _bulk
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.skipif(uffd.probe() is not None, reason=f"no userfaultfd: {uffd.probe()}")
 
@@ -61,10 +62,10 @@ def test_a_fork_storm_neither_wedges_the_serve_nor_keeps_the_exited_childrens_fd
     server.start()
     ours, its = _fds(), _fds(holder.proc.pid)
     assert child.ask("forks 600") == "ok"
-    assert server.counters.forks == 600 and not killed
+    wait_for(lambda: server.counters.forks == 600, 10, "the last FORK event to be handled")
+    assert not killed
     assert child.ask("hash") == blake3.blake3(data).hexdigest()  # every piece's install finds them gone
     assert server.finished.wait(30)
-    from tests.waiting import wait_for
     wait_for(lambda: len(server.targets) == 1, 10, "the exited children to be forgotten")
     wait_for(lambda: _fds() <= ours, 10, "their uffds closed here")
     wait_for(lambda: _fds(holder.proc.pid) <= its, 10, "their uffds closed in the holder")
@@ -90,8 +91,8 @@ def test_forks_after_every_piece_is_in_cost_no_fd(storm) -> None:
     assert server.finished.wait(30)
     ours, its = _fds(), _fds(holder.proc.pid)
     assert child.ask("forks 50 keep") == "ok"  # nothing owed there: the limit is not theirs
-    assert server.counters.forks == 50 and len(server.targets) == 1
-    assert _fds() <= ours and _fds(holder.proc.pid) <= its
+    wait_for(lambda: server.counters.forks == 50 and _fds() <= ours, 10, "every FORK event handled, its uffd closed")
+    assert len(server.targets) == 1 and _fds(holder.proc.pid) <= its
     assert child.ask("release") == "ok"
     server.wait(10)
     assert not killed
