@@ -6,10 +6,17 @@ a restore (``runtime.pages.stream``), this process, in a session of its own (it 
 of the agent and of the agent's process group), holds a copy of every uffd, received over a
 unix socket from the agent:
 
-    agent -> holder   "F" + uffds (SCM_RIGHTS)    hold these too; answers "A"
-    agent -> holder   "D"                         all is installed: close every copy, exit 0
-    agent -> holder   "X"                         the agent gave up (and tells the init itself)
-    EOF before "D"                                the agent is gone mid-serve
+    agent -> holder   HOLD + uffds (SCM_RIGHTS)   hold these too (numbered 0, 1, ... in the
+                                                  order received); no answer
+    agent -> holder   SYNC                        answers ACK once every earlier uffd is held
+    agent -> holder   DROP + number (4 bytes)     close that copy (its task exited)
+    agent -> holder   DONE                        all is installed: close every copy, exit 0
+    agent -> holder   GIVE_UP                     the agent gave up (and tells the init itself)
+    EOF before DONE                               the agent is gone mid-serve
+
+Only SYNC is answered, and the agent reads that answer at once: answers never pile up in the
+socket, so neither side ever waits on the other's reading (a tenant that forks in a storm
+makes the agent HOLD a uffd per fork, never a byte come back).
 
 On EOF before "D", the tasks whose pages are not all there block on their next fault (their
 uffds stay open here); the holder SIGKILLs the restored tree (the init's descendants in its
@@ -35,6 +42,10 @@ from runtime import tasks
 
 log = logging.getLogger("rekindle.stream_holder")
 REASON = "the agent went away while it served the restored memory"
+# The one-byte messages of the agent's socket (runtime.pages.stream.Holder speaks them)
+HOLD, SYNC, ACK, DROP, DONE, GIVE_UP = b"F", b"S", b"A", b"C", b"D", b"X"
+NUMBER_BYTES = 4  # of DROP's copy number (little-endian)
+MAX_FDS = 64  # per HOLD
 _TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -76,21 +87,34 @@ def now_ticks() -> int:
 
 
 def serve(sock: socket.socket, pidns: int, init_pid: int, control: str | None) -> int:
-    held: list[int] = []
+    held: dict[int, int] = {}  # copy number -> our fd
+    received = 0
     why = REASON
     try:
         while True:
-            msg, fds, _flags, _addr = socket.recv_fds(sock, 1, 64)
-            held.extend(fds)
-            if msg == b"F":
-                sock.sendall(b"A")
-            elif msg == b"D":
+            msg, fds, _flags, _addr = socket.recv_fds(sock, 1, MAX_FDS)
+            for fd in fds:  # whatever the message: never leak one
+                held[received] = fd
+                received += 1
+            if msg == HOLD:
+                pass
+            elif msg == SYNC:
+                sock.sendall(ACK)
+            elif msg == DROP:
+                number = int.from_bytes(_recv_exact(sock, NUMBER_BYTES), "little")
+                fd = held.pop(number, -1)
+                if fd >= 0:
+                    os.close(fd)
+            elif msg == DONE:
                 return 0
-            elif msg == b"X":
+            elif msg == GIVE_UP:
                 control = None  # the agent writes restore-failed with its reason
                 why = "the agent gave up the serve"
                 break
             elif msg == b"":
+                break
+            else:
+                why = f"the agent sent {msg!r}"
                 break
     except OSError as exc:
         log.error("uffd holder: the agent's socket failed: %s", exc)
@@ -113,6 +137,16 @@ def serve(sock: socket.socket, pidns: int, init_pid: int, control: str | None) -
     while time.monotonic() < deadline and any(_stat(str(p)) is not None and _zombie_or_alive(p) for p in killed):
         time.sleep(0.01)
     return 1
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        got = sock.recv(n - len(buf))
+        if not got:
+            raise ConnectionError("the agent's socket closed mid-message")
+        buf += got
+    return buf
 
 
 def _zombie_or_alive(pid: int) -> bool:

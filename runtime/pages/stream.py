@@ -67,6 +67,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from runtime.criu import image_files as img
+from runtime.pages import holder as holder_mod
 from runtime.pages import uffd
 from runtime.pages.filemap import FileMap
 from runtime.pages.mapping import Span
@@ -87,6 +88,8 @@ RESTORE_FINISHED = 0x52535446  # "RSTF"
 PIECE = 2 << 20  # what one install takes, and what a fault brings in at once: whole chunks
 MAPPED_SCRATCH = 2 * SUM_CHUNK  # the neighbours' parts of a mapped piece's first and last chunks
 FAULT_THREADS = 2
+HOLDER_SEND_TIMEOUT = 10.0  # seconds: the holder always reads; one that does not fails the serve
+MOVE_ROUNDS = 8  # copies of one piece into one space moved meanwhile, before it waits its turn again
 # flags of a VMA CRIU registers with userfaultfd (criu/include/vma.h vma_entry_can_be_lazy)
 MAP_PRIVATE, MAP_ANONYMOUS, MAP_LOCKED, MAP_HUGETLB = 0x02, 0x20, 0x2000, 0x40000
 _NOT_LAZY_STATUS = img.VMA_AREA_VDSO | img.VMA_AREA_VVAR | img.VMA_AREA_VSYSCALL
@@ -258,17 +261,39 @@ class Holder:
         finally:
             theirs.close()
         self._lock = threading.Lock()
+        self._numbered = 0  # uffds handed over so far: the holder numbers its copies alike
+        # Every send is bounded: the holder answers only SYNC, read at once below, so it always
+        # reads; one that stops reading fails the serve instead of stalling whoever sends.
+        self.sock.settimeout(HOLDER_SEND_TIMEOUT)
 
-    def hold(self, fds: Sequence[int], wait: bool = False) -> None:
+    def hold(self, fds: Sequence[int], wait: bool = False) -> list[int]:
+        """Hand ``fds`` over (``wait``: until the holder has them); their copy numbers.
+        StreamError when the holder does not take them in time."""
         with self._lock:
-            socket.send_fds(self.sock, [b"F"], list(fds))
-            if wait and self.sock.recv(1) != b"A":
-                raise StreamError("the uffd holder did not take the uffds")
+            try:
+                socket.send_fds(self.sock, [holder_mod.HOLD], list(fds))
+                numbers = list(range(self._numbered, self._numbered + len(fds)))
+                self._numbered += len(fds)
+                if wait:
+                    self.sock.sendall(holder_mod.SYNC)
+                    if self.sock.recv(1) != holder_mod.ACK:
+                        raise StreamError("the uffd holder did not take the uffds")
+            except OSError as exc:
+                raise StreamError(f"the uffd holder did not take the uffds: {exc}") from exc
+        return numbers
+
+    def drop(self, number: int) -> None:
+        """Let the holder close its copy ``number`` (its task exited)."""
+        with self._lock:
+            try:
+                self.sock.sendall(holder_mod.DROP + number.to_bytes(holder_mod.NUMBER_BYTES, "little"))
+            except OSError as exc:
+                raise StreamError(f"the uffd holder did not take a drop: {exc}") from exc
 
     def done(self) -> None:
         with self._lock:
             try:
-                self.sock.sendall(b"D")
+                self.sock.sendall(holder_mod.DONE)
                 while self.sock.recv(4096):  # its copies are closed when it closes its end
                     pass
             except OSError:
@@ -279,7 +304,7 @@ class Holder:
         """The serve failed: the holder kills what is left; the caller tells the init."""
         with self._lock:
             try:
-                self.sock.sendall(b"X")
+                self.sock.sendall(holder_mod.GIVE_UP)
             except OSError:
                 pass
         self.close()
@@ -293,6 +318,35 @@ class Holder:
 
 
 # --- the server ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Limits:
+    """What one serve may cost the agent, whatever the restored tree does (it forks, moves its
+    memory with mremap): past any of these the serve fails closed (the tree is killed, the pod
+    starts cold with the reason). All are derived from the artifact's own work: ``work``, the
+    bytes one pass over its pieces reads and hashes."""
+
+    # forked address spaces still owed pieces at once: each holds a uffd here and in the holder
+    fork_targets: int = 128
+    # bytes read and hashed, and bytes installed, at most this many passes over the pieces...
+    passes: float = 4.0
+    slack: int = 64 << 20  # ... and this much more (refaults, pieces moved mid-copy)
+    # installs the kernel refused while the space changed (each waits for the next event batch)
+    retries_per_piece: int = 16
+    retries_slack: int = 1000
+    # wall clock from the first install, with install threads (faults only: the tree decides)
+    seconds: float = 30.0
+    rate: float = 50e6  # ... plus ``work`` at this many bytes per second
+
+    def deadline_s(self, work: int) -> float:
+        return self.seconds + work / self.rate
+
+    def bytes_cap(self, work: int) -> int:
+        return int(self.passes * work) + self.slack
+
+    def retries_cap(self, pieces: int) -> int:
+        return self.retries_per_piece * pieces + self.retries_slack
+
 
 @dataclass(frozen=True)
 class _Piece:
@@ -348,8 +402,12 @@ class _Target:
     ranges: list[tuple[int, int, int, int]]  # (vaddr, length, file, file offset), by vaddr
     pending: set[int]  # pieces not yet installed here
     name: str
-    alive: bool = True
+    alive: bool = True  # False: forgotten (exited, or a fork owed nothing more); its fd closes once unused
     moves: int = 0  # REMAP events seen: an install that overlapped one is redone
+    forked: bool = False  # a child forked mid-serve (not one CRIU handed over)
+    number: int = -1  # its copy's number in the holder
+    busy: int = 0  # threads using fd now: it is closed (by the event thread) only at 0
+    woken: set[int] = field(default_factory=set)  # pages woken with their piece already in
     starts: list[int] = field(default_factory=list)  # of ranges
     by_offset: list[tuple[int, int, int, int]] = field(default_factory=list)  # (file, offset, vaddr, length)
 
@@ -441,13 +499,15 @@ class Server:
                  threads: int = WORKERS, holder: Holder | None = None,
                  progress: Callable[[int], None] | None = None,
                  first: Sequence[tuple[int, int, int]] = (), mapped: Sequence[Mapped] = (),
-                 book: MappedBook | None = None) -> None:
+                 book: MappedBook | None = None, limits: Limits = Limits()) -> None:
         """``first``: (pid, start, end) address spans whose pieces are installed before the rest
         (the CUDA driver's host copy, which its restore reads while the pieces arrive).
         ``mapped``: ranges of ``files`` the tree maps from files the serve writes (each a whole
         range of its process's bulk file): let go, not copied; they go first of all. ``book``: the
-        state of their files' pieces, when other restores write them too (else this serve's own)."""
+        state of their files' pieces, when other restores write them too (else this serve's own).
+        ``limits``: what the serve may cost before it fails closed."""
         self.label, self.kill, self.holder, self.progress = label, kill, holder, progress
+        self.limits = limits
         self.threads = max(0, threads)
         self.fds = [os.dup(fd) for fd in fds]  # the caller's may close before the serve ends
         self.sums = list(sums)
@@ -486,6 +546,7 @@ class Server:
                 lo, hi = max(off, m.span.file_offset), min(off + PIECE, m.span.file_size)
                 self.pieces.append(_Piece(len(self.pieces), len(self.files) + len(self.mapped) - 1, lo, hi - lo, b""))
         self.book = book if book is not None else MappedBook([m.span for m, _src in self.mapped])
+        self.work = sum(p.length for p in self.pieces)  # one pass: what the limits scale with
         self.order, self.first_pieces = self._order(first)  # of the installs
         self.targets: list[_Target] = []
         self.table = threading.Lock()  # targets, their ranges and pending sets
@@ -496,12 +557,12 @@ class Server:
         self._stop = threading.Event()
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self._faults: collections.deque[tuple[_Target, int, float]] = collections.deque()  # with when read
-        self._woken: set[tuple[int, int]] = set()  # (target, page) woken with its piece already in
         self._fault_cv = threading.Condition()
         self._events_read = threading.Condition()  # notified after each batch of events is read
         self._events_batches = 0  # batches read so far: a retry waits only for a batch after its own try
         self._next = 0
         self._again: collections.deque[int] = collections.deque()  # pieces pending again (fork, move)
+        self._queued: set[int] = set()  # those in _again: each once, however often it is pended
         self._busy = 0
         self._threads: list[threading.Thread] = []
         self._t0 = time.monotonic()
@@ -542,9 +603,10 @@ class Server:
     def add(self, pid: int, fd: int) -> None:
         """Serve task ``pid``'s uffd ``fd`` (held by the holder first: it must never be the
         only copy while the task can run)."""
+        number = -1
         try:
             if self.holder is not None:
-                self.holder.hold([fd], wait=True)
+                number = self.holder.hold([fd], wait=True)[0]
         except BaseException:
             os.close(fd)
             raise
@@ -561,7 +623,7 @@ class Server:
             spans.append((m.span.vaddr, m.span.length, f, m.span.file_offset))
             pending.update(self._pieces_of(f, m.span.file_offset, m.span.file_size))
         with self.table:
-            self.targets.append(_Target(fd, spans, pending, f"pid {pid}"))
+            self.targets.append(_Target(fd, spans, pending, f"pid {pid}", number=number))
         try:
             os.write(self._wake_w, b"x")  # poll it too
         except OSError:
@@ -596,8 +658,18 @@ class Server:
     def wait(self, timeout: float | None = None) -> StreamStats:
         """Wait until every piece is installed everywhere (then the uffds are closed) or the
         serve failed (then the tree is dead): StreamStats, or StreamError."""
-        if not self.finished.wait(timeout):
-            self._fail(f"not served within {timeout}s")
+        limit, bounded = timeout, False
+        if self.threads > 0:  # with install threads the artifact, not the tree, says how long
+            allowed = self.limits.deadline_s(self.work)
+            left = max(0.0, self._t0 + allowed - time.monotonic())
+            if limit is None or left < limit:
+                limit, bounded = left, True
+        if not self.finished.wait(limit):
+            if bounded:
+                self._fail(f"not served within {allowed:.0f}s, what {self.work / 2**20:.0f} MiB of pieces "
+                           "allow (the restored tree keeps changing its memory?)")
+            else:
+                self._fail(f"not served within {timeout}s")
         self.close()
         if self.failure is not None:
             raise StreamError(f"{self.label}: streamed restore failed: {self.failure}")
@@ -743,6 +815,9 @@ class Server:
             self.counters.read += reading
             self.counters.hash += hashing
             verified = self.counters.verified
+        if verified > self.limits.bytes_cap(self.work):
+            self._fail(f"{verified / 2**20:.0f} MiB read and hashed to serve {self.work / 2**20:.0f} MiB "
+                       "(the restored tree keeps moving or refaulting its memory)")
         if self.progress is not None:
             self.progress(verified)
 
@@ -791,23 +866,31 @@ class Server:
     def _release_into(self, t: _Target, p: _Piece) -> None:
         """Let mapped piece ``p`` go in ``t``: wherever its bytes are mapped there now."""
         t0 = time.perf_counter()
-        with self.table:
-            segs = t.spans(p.file, p.offset, p.offset + p.length)
-            moves = t.moves
+        fd = self._enter(t)
+        if fd < 0:
+            return
         released = 0
-        for dst, _off, n in segs:
-            if self._stop.is_set():
-                return
-            try:
-                uffd.release(t.fd, dst, n)
-                released += n
-            except uffd.Gone:
-                pass  # unmapped since, or the process exited
-        with self.table:
-            if t.moves == moves:
-                t.pending.discard(p.id)
-            else:  # moved while we let it go: again, where it is now
-                self._again.append(p.id)
+        try:
+            with self.table:
+                segs = t.spans(p.file, p.offset, p.offset + p.length)
+                moves = t.moves
+            for dst, _off, n in segs:
+                if self._stop.is_set():
+                    return
+                try:
+                    uffd.release(fd, dst, n)
+                    released += n
+                except uffd.Gone:
+                    pass  # unmapped since, or the process exited
+            with self.table:
+                if t.moves == moves:
+                    t.pending.discard(p.id)
+                    self._settle(t)
+                else:  # moved while we let it go: again, where it is now
+                    self._repend(p.id)
+        finally:
+            self._leave(t)
+        self._kick()
         with self.counters.lock:
             self.counters.mapped += released
             self.counters.install += time.perf_counter() - t0
@@ -861,35 +944,138 @@ class Server:
     def _install_into(self, t: _Target, p: _Piece, addr: int) -> None:
         installed = 0
         t0 = time.perf_counter()
-        with self.table:
-            segs = self._segments(t, p)
-            moves = t.moves
-        i = 0
-        while i < len(segs):
-            if self._stop.is_set():
-                return
-            dst, rel, length = segs[i]
-            batches = self._events_batches
-            try:
-                installed += uffd.copy(t.fd, dst, addr + rel, length)
-                i += 1
-            except uffd.Changing:
-                # the space changes under us: once the event is read, redo what is left as the
-                # (maybe moved or shrunk) ranges say; a page installed already is skipped (EEXIST)
-                self._await_events(batches)
+        fd = self._enter(t)
+        if fd < 0:
+            return
+        try:
+            for _round in range(MOVE_ROUNDS):
                 with self.table:
                     segs = self._segments(t, p)
+                    moves = t.moves
                 i = 0
-            except uffd.Gone:
-                i += 1  # unmapped since, or the process exited
+                while i < len(segs):
+                    if self._stop.is_set():
+                        return
+                    dst, rel, length = segs[i]
+                    batches = self._events_batches
+                    try:
+                        installed += uffd.copy(fd, dst, addr + rel, length)
+                        i += 1
+                    except uffd.Changing:
+                        # the space changes under us: once the event is read, redo what is left as
+                        # the (maybe moved or shrunk) ranges say; a page installed already is skipped
+                        # (EEXIST)
+                        self._await_events(batches)
+                        with self.table:
+                            segs = self._segments(t, p)
+                        i = 0
+                    except uffd.Exited:
+                        self._forget(t)
+                        return
+                    except uffd.Gone:
+                        i += 1  # unmapped since
+                with self.table:
+                    if t.moves == moves:
+                        t.pending.discard(p.id)
+                        self._settle(t)
+                        return
+                # part of it may have moved away before its copy: again where it is now, from
+                # the bytes still at hand (what moved along with its pages is there: EEXIST)
+                self._charge_retry()
+            with self.table:  # moved on every round: its turn comes again
+                self._repend(p.id)
+        finally:
+            self._leave(t)
+            with self.counters.lock:
+                self.counters.installed += installed
+                self.counters.install += time.perf_counter() - t0
+                over = self.counters.installed > self.limits.bytes_cap(self.work)
+            if over:
+                self._fail(f"more than {self.limits.bytes_cap(self.work) / 2**20:.0f} MiB installed to serve "
+                           f"{self.work / 2**20:.0f} MiB")
+            self._kick()
+
+    # -- the targets' lifecycle and what the serve may cost (Limits)
+
+    def _enter(self, t: _Target) -> int:
+        """``t``'s uffd, held open until :meth:`_leave`; -1 when ``t`` is forgotten (nothing to do)."""
         with self.table:
-            if t.moves == moves:
-                t.pending.discard(p.id)
-            else:  # part of it may have moved away before its copy: again
-                self._again.append(p.id)
+            if not t.alive or t.fd < 0:
+                return -1
+            t.busy += 1
+            return t.fd
+
+    def _leave(self, t: _Target) -> None:
+        with self.table:
+            t.busy -= 1
+            reap = not t.alive and t.busy == 0
+        if reap:
+            self._poke()
+
+    def _poke(self) -> None:
+        """Wake the event thread (it reaps forgotten targets, polls new ones)."""
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
+
+    def _forget(self, t: _Target) -> None:
+        """``t``'s process exited: nothing is owed there; its fd goes once no thread uses it."""
+        with self.table:
+            if not t.alive:
+                return
+            t.alive = False
+            t.pending.clear()
+            t.woken.clear()
+        log.debug("stream: %s is gone", t.name)
+        self._poke()
+        self._check_done()
+
+    def _settle(self, t: _Target) -> None:
+        """A forked target owed nothing more is forgotten (caller holds the table): with every
+        copy of its uffd closed its faults are the kernel's, as everyone's after the serve."""
+        if t.forked and not t.pending and t.alive:
+            t.alive = False
+            self._poke()
+
+    def _reap(self, poller: select.poll, polled: dict[int, _Target]) -> None:
+        """Close the fds of forgotten targets no thread uses (the event thread's alone: it polls
+        them, and a closed fd's number may come back as another file)."""
+        with self.table:
+            gone = [t for t in self.targets if not t.alive and t.busy == 0 and t.fd >= 0]
+            self.targets = [t for t in self.targets if t.alive or t.busy > 0]
+        for t in gone:
+            if polled.get(t.fd) is t:
+                poller.unregister(t.fd)
+                del polled[t.fd]
+            os.close(t.fd)
+            t.fd = -1
+            if t.number >= 0 and self.holder is not None:
+                self.holder.drop(t.number)
+
+    def _repend(self, pid: int) -> None:
+        """Queue piece ``pid`` again (caller holds the table): once, however often it is pended."""
+        if pid not in self._queued:
+            self._queued.add(pid)
+            self._again.append(pid)
+
+    def _kick(self) -> None:
+        """An install thread for pieces pended again after the threads were done."""
+        with self.table:
+            respawn = (self._installing and self.threads > 0 and self._installers == 0 and bool(self._again)
+                       and not self._stop.is_set())
+            if respawn:
+                self._installers += 1
+        if respawn:
+            self._spawn("rekindle-stream-again", self._install_loop)
+
+    def _charge_retry(self) -> None:
         with self.counters.lock:
-            self.counters.installed += installed
-            self.counters.install += time.perf_counter() - t0
+            self.counters.retries += 1
+            retries = self.counters.retries
+        if retries > self.limits.retries_cap(len(self.pieces)):
+            self._fail(f"{retries} installs refused while the restored tree changed its memory "
+                       f"(at most {self.limits.retries_cap(len(self.pieces))} for {len(self.pieces)} pieces)")
 
     def _install_loop(self) -> None:
         try:
@@ -907,6 +1093,7 @@ class Server:
                     self._next += 1
                 elif self._again:  # a child forked, or a range moved, mid-serve: what it lacks
                     pid = self._again.popleft()
+                    self._queued.discard(pid)
                 elif any(t.pending for t in self.targets if t.alive):
                     pid = -1  # the last pieces are being installed now: look again shortly
                 else:
@@ -938,47 +1125,59 @@ class Server:
                 if self._stop.is_set():
                     return
                 t, address, seen = self._faults.popleft()
-            if t.fd < 0 or not t.alive:
+            fd = self._enter(t)
+            if fd < 0:
                 continue
-            page = address & ~(uffd.PAGE - 1)
-            pid = self._piece_at(t, page)
-            if pid is not None:
-                with self.table:
-                    key = (id(t), page)
-                    if pid not in t.pending:
-                        if key in self._woken:  # woken once and back: missing after all, install again
-                            self._woken.discard(key)
-                            t.pending.add(pid)
-                            self._again.append(pid)
-                        else:  # likely a fault queued as its piece went in: a wake is all it needs
-                            self._woken.add(key)
-            while True:
-                batches = self._events_batches
-                try:
-                    if pid is None:
-                        uffd.zeropage(t.fd, page, uffd.PAGE)  # a hole, or discarded since
-                    else:
-                        self._install(pid, by_fault=True)
-                        self._check_done()
-                    uffd.wake(t.fd, page, uffd.PAGE)
-                    waited = time.monotonic() - seen
-                    with self.counters.lock:
-                        self.counters.fault_wait += waited
-                        self.counters.fault_wait_max = max(self.counters.fault_wait_max, waited)
-                    break
-                except uffd.Changing:
-                    self._await_events(batches)
-                    pid = self._piece_at(t, page)
-                except uffd.Gone:
-                    break
-                if self._stop.is_set():
+            try:
+                if not self._serve_fault(t, fd, address, seen):
                     return
+            finally:
+                self._leave(t)
+
+    def _serve_fault(self, t: _Target, fd: int, address: int, seen: float) -> bool:
+        """Serve one fault of ``t``'s (its uffd ``fd``); False once the serve stops."""
+        page = address & ~(uffd.PAGE - 1)
+        pid = self._piece_at(t, page)
+        if pid is not None:
+            with self.table:
+                if pid not in t.pending:
+                    if page in t.woken:  # woken once and back: missing after all, install again
+                        t.woken.discard(page)
+                        t.pending.add(pid)
+                        self._repend(pid)
+                    else:  # likely a fault queued as its piece went in: a wake is all it needs
+                        t.woken.add(page)
+        while True:
+            batches = self._events_batches
+            try:
+                if pid is None:
+                    uffd.zeropage(fd, page, uffd.PAGE)  # a hole, or discarded since
+                else:
+                    self._install(pid, by_fault=True)
+                    self._check_done()
+                uffd.wake(fd, page, uffd.PAGE)
+                waited = time.monotonic() - seen
+                with self.counters.lock:
+                    self.counters.fault_wait += waited
+                    self.counters.fault_wait_max = max(self.counters.fault_wait_max, waited)
+                return True
+            except uffd.Changing:
+                self._await_events(batches)
+                pid = self._piece_at(t, page)
+            except uffd.Exited:
+                self._forget(t)
+                return True
+            except uffd.Gone:
+                return True
+            if self._stop.is_set():
+                return False
 
     def _read_events(self) -> None:
         poller = select.poll()
         polled: dict[int, _Target] = {}
         poller.register(self._wake_r, select.POLLIN)
         while not self._stop.is_set():
+            self._reap(poller, polled)
             with self.table:
                 for t in self.targets:
                     if t.alive and t.fd >= 0 and t.fd not in polled:
@@ -1006,10 +1205,44 @@ class Server:
     def _await_events(self, batches: int) -> None:
         """Wait until a batch of events was read after ``batches`` (the count before a try that
         the kernel refused while the space changed): at once if one was read meanwhile."""
-        with self.counters.lock:
-            self.counters.retries += 1
+        self._charge_retry()
         with self._events_read:
             self._events_read.wait_for(lambda: self._events_batches != batches or self._stop.is_set(), 0.05)
+
+    def _forked(self, t: _Target, fd: int) -> None:
+        """``t`` forked: the child's uffd ``fd`` is ours now (the child runs from the event's
+        read on). The child's missing pages are the parent's: it is served them too."""
+        with self.counters.lock:
+            self.counters.forks += 1
+        with self.table:
+            pending = set(t.pending)
+        if not pending:
+            # nothing owed there: with no copy of its uffd left its faults are the kernel's own,
+            # as everyone's once the serve ends (a tree forking after its pieces cost nothing)
+            os.close(fd)
+            return
+        number = -1
+        if self.holder is not None:  # before anything can fail: never the only copy while it runs
+            try:
+                number = self.holder.hold([fd])[0]
+            except BaseException:
+                os.close(fd)
+                raise
+        with self.table:
+            child = _Target(fd, list(t.ranges), pending, f"child of {t.name}", forked=True, number=number)
+            self.targets.append(child)  # over the limit too: close() closes it
+            live = sum(1 for x in self.targets if x.forked and x.alive)
+            over = live > self.limits.fork_targets
+            if not over:
+                for pid in sorted(pending):
+                    self._repend(pid)
+        if over:
+            self._fail(f"the restored tree forked more than {self.limits.fork_targets} processes still owed "
+                       "pages while its memory was served")
+            return
+        log.log(logging.INFO if self.counters.forks <= 8 else logging.DEBUG,  # a storm is not logged whole
+                "stream: %s forked; %d pieces pending there", t.name, len(pending))
+        self._kick()
 
     def _event(self, t: _Target, ev: uffd.Event) -> None:
         if ev.kind == uffd.EVENT_PAGEFAULT:
@@ -1019,32 +1252,16 @@ class Server:
                 self._faults.append((t, ev.address, time.monotonic()))
                 self._fault_cv.notify()
         elif ev.kind == uffd.EVENT_FORK:
-            # The child's missing pages are the parent's now; hold its uffd at once (the child
-            # runs only once this event is read).
-            if self.holder is not None:
-                self.holder.hold([ev.fd])
-            with self.table:
-                child = _Target(ev.fd, list(t.ranges), set(t.pending), f"child of {t.name}")
-                self.targets.append(child)
-                self._again.extend(sorted(child.pending))
-            with self.counters.lock:
-                self.counters.forks += 1
-            log.info("stream: %s forked; %d pieces pending there", t.name, len(child.pending))
+            self._forked(t, ev.fd)
         elif ev.kind == uffd.EVENT_REMAP:
+            # Only the index follows the move: pages installed before it moved along with it,
+            # pending pieces are installed where their ranges are when their turn comes, and an
+            # install that overlapped the move copies again (its moves count). Pending every
+            # moved piece again would let a tree that moves its memory in a loop have it read,
+            # hashed and installed again as often as it likes.
             with self.table:
                 t.reindex(_moved(t.ranges, ev.start, ev.end, ev.to))
                 t.moves += 1
-                # what moved is installed again where it is now (pages already there: EEXIST)
-                for vaddr, length, f, off in t.ranges:
-                    if ev.to < vaddr + length and vaddr < ev.to + (ev.end - ev.start):
-                        again = self._pieces_of(f, off, off + length)
-                        t.pending.update(again)
-                        self._again.extend(again)
-                respawn = self._installing and self.threads > 0 and self._installers == 0 and bool(t.pending)
-                if respawn:
-                    self._installers += 1
-            if respawn:  # the install threads were done already
-                self._spawn("rekindle-stream-again", self._install_loop)
         elif ev.kind in (uffd.EVENT_REMOVE, uffd.EVENT_UNMAP):
             with self.table:
                 t.reindex(_cut(t.ranges, ev.start, ev.end))

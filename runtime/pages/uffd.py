@@ -99,6 +99,11 @@ class Gone(Exception):
     """The range or the process behind the uffd is gone (unmapped, exited): nothing to install."""
 
 
+class Exited(Gone):
+    """The process behind the uffd exited (ESRCH: its address space is gone): nothing will
+    ever be installed there again."""
+
+
 class Changing(Exception):
     """The address space is changing (an event not read yet): retry after reading events."""
 
@@ -106,8 +111,8 @@ class Changing(Exception):
 def copy(fd: int, dst: int, src: int, length: int) -> int:
     """Install ``length`` bytes at our address ``src`` into ``dst`` (page-aligned), waking the
     waiters. A page already present is left as it is (EEXIST: served before, or written by the
-    process or the kernel since: never overwritten). Returns the bytes installed; Gone, Changing
-    or OSError otherwise (what was installed before stays)."""
+    process or the kernel since: never overwritten). Returns the bytes installed; Gone (Exited:
+    the process is gone), Changing or OSError otherwise (what was installed before stays)."""
     installed = 0
     while length > 0:
         arg = _Copy(dst, src, length, 0, 0)
@@ -123,7 +128,9 @@ def copy(fd: int, dst: int, src: int, length: int) -> int:
             if done:
                 continue
             raise Changing()
-        elif err in (errno.ENOENT, errno.ESRCH, errno.EFAULT):
+        elif err == errno.ESRCH:
+            raise Exited()
+        elif err in (errno.ENOENT, errno.EFAULT):
             raise Gone()
         elif err == errno.EINTR:
             continue
@@ -147,7 +154,9 @@ def zeropage(fd: int, start: int, length: int) -> None:
             if done:
                 continue
             raise Changing()
-        elif err in (errno.ENOENT, errno.ESRCH, errno.EFAULT):
+        elif err == errno.ESRCH:
+            raise Exited()
+        elif err in (errno.ENOENT, errno.EFAULT):
             raise Gone()
         elif err != errno.EINTR:
             raise OSError(err, f"UFFDIO_ZEROPAGE {start:#x}+{length}: {os.strerror(err)}")

@@ -261,3 +261,147 @@ def test_a_containerd_restart_while_it_serves_lets_the_serve_finish(sandbox, pod
     assert out.out.strip() == "1", out
     assert not (plugin.control_dir(b.uid, "server") / "cold-start").exists()
     wait_for(lambda: not _holders(b.uid), 10, "the holder to exit")
+
+
+# A tenant that storms once restored: it holds STORM_MIB of seeded bytes, says ready, and waits
+# for its restore (the rootfs-pending file the restore keeps in its control dir until it is final:
+# never there in the source). Then, while its memory is still being served, it forks (children
+# that exit at once) or moves those bytes away and back with mremap, in a loop until the restore
+# is final or it is killed.
+STORM = r"""
+import ctypes, mmap, os, random, sys, time
+mode, size = sys.argv[1], int(os.environ["STORM_MIB"]) << 20
+ctl = os.environ["REKINDLE_CONTROL_DIR"]
+m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+m[:] = random.Random(7).randbytes(size)
+open(ctl + "/ready-for-checkpoint", "w").close()
+pending = ctl + "/rootfs-pending"
+while not os.path.exists(pending):
+    time.sleep(0.002)
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = libc.mremap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+libc.mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
+spot = libc.mmap(None, size, 0, 0x22, -1, 0)
+rounds, end = 0, time.monotonic() + 600
+while os.path.exists(pending) and time.monotonic() < end:
+    for _ in range(20):
+        if mode == "fork":
+            pid = os.fork()
+            if pid == 0:
+                os._exit(0)
+            os.waitpid(pid, 0)
+        else:
+            assert libc.mremap(addr, size, size, 3, spot) == spot, ctypes.get_errno()
+            assert libc.mremap(spot, size, size, 3, addr) == addr, ctypes.get_errno()
+        rounds += 1
+print(f"storm over after {rounds} rounds", flush=True)
+while True:
+    time.sleep(3600)
+"""
+
+
+def _fd_count(pid: int) -> int:
+    """Open fds of ``pid`` and its descendants."""
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            total += len(os.listdir(f"/proc/{p}/fd"))
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+        except OSError:
+            continue
+    return total
+
+
+def test_fork_and_mremap_storms_of_restored_tenants_end_their_serves_and_leave_others_alone(sandbox, pod, streaming):
+    """Two tenants storm while their memory is served, one with forks, one with mremap: each
+    serve ends within its artifact's own work (restored) or fails closed (the tree killed, the
+    pod started cold with the reason), the plugin's fds come back, and an unrelated restore
+    beside them gets a job slot and is restored (its time is printed beside its time alone)."""
+    import sys
+    from devtools.gpu import host_python_mounts
+    plugin = streaming
+    host_usr, mib = "localhost/rekindle/host-usr:1", 96
+    env = {"PATH": "/usr/bin:/bin", "STORM_MIB": str(mib)}
+
+    def storm_pod(name: str, mode: str, annotations: dict[str, str]):
+        p = pod(name, annotations=annotations)
+        sandbox.run_container(p, "app", host_usr, command=[sys.executable, "-c", STORM, mode],
+                              mounts=host_python_mounts(), env=env)
+        return p
+
+    for mode in ("fork", "mremap"):
+        storm_pod(f"src-storm-{mode}", mode, {"rekindle.dev/checkpoint": f"storm-{mode}"})
+    _checkpoint(sandbox, pod, plugin, "storm-bystander", 64)
+    for mode in ("fork", "mremap"):
+        st = wait_status(plugin, "default", f"src-storm-{mode}", "app", {"published", "checkpoint-failed"},
+                         timeout=120)
+        assert st["phase"] == "published", st
+
+    def bystander(name: str) -> float:
+        b = pod(name, annotations={"rekindle.dev/restore": "storm-bystander"})
+        t0 = time.monotonic()
+        sandbox.run_container(b, "server", COUNTER, command=SERVER, env={"WARMUP_MIB": "64"})
+        st = wait_status(plugin, "default", b.name, "server", {"restored", "cold-start"}, timeout=120)
+        assert st["phase"] == "restored", st
+        return time.monotonic() - t0
+
+    alone = bystander("dst-bystander-alone")
+    fds = _fd_count(plugin.proc.pid)
+    storms = [storm_pod(f"dst-storm-{mode}", mode, {"rekindle.dev/restore": f"storm-{mode}"})
+              for mode in ("fork", "mremap")]
+    for p in storms:
+        wait_status(plugin, "default", p.name, "app", {"restoring"}, timeout=30)
+    beside = bystander("dst-bystander-beside")
+    ends = {}
+    for p in storms:
+        # before: the fork storm wedged its serve (the holder and the agent each blocked in a send)
+        # and the mremap storm kept its serve going for as long as it stormed
+        st = wait_status(plugin, "default", p.name, "app", {"restored", "cold-start"}, timeout=120)
+        ends[p.name] = st
+        if st["phase"] == "cold-start":
+            assert any(why in st["reason"] for why in ("forked more than", "read and hashed", "installed to serve",
+                                                       "installs refused", "not served within")), st
+        else:
+            served = st["timings"].get("stream", {})
+            print(f"{p.name}: served {served}")
+        wait_for(lambda: not _holders(p.uid), 30, "the holder to exit")
+    wait_for(lambda: _fd_count(plugin.proc.pid) <= fds + 8, 30, "the plugin's fds to come back",
+             interval=0.2)
+    print(f"bystander restore: {alone:.2f}s alone, {beside:.2f}s beside two storms "
+          f"(this shared 2-core machine); storms: "
+          + "; ".join(f"{n}: {s['phase']} {s.get('reason', '')[:120]}" for n, s in ends.items()))
+
+
+def test_a_fork_storm_while_every_page_is_owed_fails_the_serve_closed_at_the_fork_limit(sandbox, pod, streaming):
+    """Faults only (no install thread), so every page stays owed for as long as the tenant does
+    not touch it, and every fork's child is owed them too: the storm goes on until the live
+    children pass the limit, and the serve fails closed (before: after some 560 forks the holder
+    and then the agent blocked in their sends, the serve wedged and the pod stayed restoring)."""
+    import sys
+    from devtools.gpu import host_python_mounts
+    plugin = streaming
+    plugin.kill()
+    plugin.env = {"REKINDLE_RESTORE_PATH": "stream", "REKINDLE_STREAM_THREADS": "0"}
+    plugin.start()
+    host_usr = "localhost/rekindle/host-usr:1"
+    env = {"PATH": "/usr/bin:/bin", "STORM_MIB": "64"}
+    a = pod("src-storm-owed", annotations={"rekindle.dev/checkpoint": "storm-owed"})
+    sandbox.run_container(a, "app", host_usr, command=[sys.executable, "-c", STORM, "fork"],
+                          mounts=host_python_mounts(), env=env)
+    st = wait_status(plugin, "default", a.name, "app", {"published", "checkpoint-failed"}, timeout=120)
+    assert st["phase"] == "published", st
+    fds = _fd_count(plugin.proc.pid)
+    b = pod("dst-storm-owed", annotations={"rekindle.dev/restore": "storm-owed"})
+    sandbox.run_container(b, "app", host_usr, command=[sys.executable, "-c", STORM, "fork"],
+                          mounts=host_python_mounts(), env=env)
+    st = wait_status(plugin, "default", b.name, "app", {"restored", "cold-start"}, timeout=120)
+    assert st["phase"] == "cold-start" and "forked more than 128 processes" in st["reason"], st
+    wait_for(lambda: not _holders(b.uid), 30, "the holder to exit")
+    wait_for(lambda: _fd_count(plugin.proc.pid) <= fds + 8, 30, "the plugin's fds to come back", interval=0.2)
+    print(f"fork storm, faults only: {st['reason'][:200]}; plugin fds {fds} before, "
+          f"{_fd_count(plugin.proc.pid)} after")

@@ -82,3 +82,33 @@ def test_an_agent_that_gives_up_kills_the_tree_and_leaves_the_reason_to_itself(p
 def stream_holder_failed() -> str:
     from runtime.control import RESTORE_FAILED
     return RESTORE_FAILED
+
+
+def _held(holder: stream.Holder) -> int:
+    return len(os.listdir(f"/proc/{holder.proc.pid}/fd"))
+
+
+def test_a_held_uffd_gets_no_answer_and_a_drop_closes_its_copy(pidns, tmp_path) -> None:
+    """A fork storm hands the holder a uffd per fork: nothing comes back for them (before, an
+    answer each, never read: after ~280 the holder blocked in its send, then the agent in its
+    own), and the copy of an exited child's uffd is closed when the agent drops it."""
+    ns, init, sleep = pidns
+    holder = stream.Holder(ns, init, str(tmp_path))
+    r, w = os.pipe()  # stands for a uffd
+    holder.hold([r], wait=True)
+    before = _held(holder)
+    numbers = [n for _ in range(200) for n in holder.hold([r])]
+    holder.hold([], wait=True)  # every one of them held by now
+    assert _held(holder) == before + 200
+    holder.sock.settimeout(0)
+    with pytest.raises(BlockingIOError):
+        holder.sock.recv(1)  # no answer left behind
+    holder.sock.settimeout(stream.HOLDER_SEND_TIMEOUT)
+    for n in numbers:
+        holder.drop(n)
+    wait_for(lambda: _held(holder) == before, 10, "the dropped copies to be closed")
+    holder.done()
+    assert holder.proc.returncode == 0
+    os.close(r)
+    os.close(w)
+    assert _alive(sleep)

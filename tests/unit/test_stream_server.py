@@ -57,6 +57,38 @@ CHILD = textwrap.dedent("""
             new = libc.mremap(addr, size, size, 3, spot)  # MREMAP_MAYMOVE|MREMAP_FIXED
             assert new == spot, ctypes.get_errno()
             out = blake3.blake3(ctypes.string_at(new, length)).hexdigest()
+        elif cmd[0] == "pingpong":  # mremap the region away and back N times, then hash it
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.mmap.restype = libc.mremap.restype = ctypes.c_void_p
+            libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+            libc.mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+            size = length + uffd.PAGE
+            spot = libc.mmap(None, size, 0, 0x22, -1, 0)
+            for _ in range(int(cmd[1])):
+                assert libc.mremap(addr, size, size, 3, spot) == spot, ctypes.get_errno()
+                assert libc.mremap(spot, size, size, 3, addr) == addr, ctypes.get_errno()
+            out = blake3.blake3(m[:length]).hexdigest()
+        elif cmd[0] == "forks":  # N children at once: each exits at once, or ("keep") on "release"
+            kids, keep = [], len(cmd) > 2
+            gate_r, gate_w = os.pipe()
+            for _ in range(int(cmd[1])):
+                pid = os.fork()
+                if pid == 0:
+                    os.close(gate_w)
+                    if keep:
+                        os.read(gate_r, 1)
+                    os._exit(0)
+                kids.append(pid)
+            os.close(gate_r)
+            held = (gate_w, kids)
+            if not keep:
+                cmd = ["release"]
+            out = "ok"
+        if cmd[0] == "release":
+            os.close(held[0])
+            for k in held[1]:
+                os.waitpid(k, 0)
+            out = "ok"
         elif cmd[0] == "fork":
             r, w = os.pipe()
             pid = os.fork()
