@@ -32,8 +32,9 @@ from .swap import is_swapped
 
 
 class TargetRefused(RekindleError):
-    reason_class = Reason.RUNTIME
     """The container is not a restore target Rekindle prepared; nothing was touched."""
+
+    reason_class = Reason.RUNTIME
 
     def __init__(self, container_id: str, why: str) -> None:
         super().__init__(f"container {container_id[:12]} is not waiting for a restore: {why}; "

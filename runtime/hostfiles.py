@@ -76,8 +76,9 @@ SKIPPED = ("/dev/shm", *control_mod.CONTAINER_PATHS, control_mod.INIT_DIR_IN_CON
 
 
 class HostFilesError(RekindleError):
-    reason_class = Reason.INCOMPATIBLE
     """The files a checkpoint's tree uses from bind mounts could not be recorded."""
+
+    reason_class = Reason.INCOMPATIBLE
 
 
 @dataclass(frozen=True)

@@ -508,9 +508,10 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
 
 
 class RestoreRolledBackBadly(RekindleError):
-    reason_class = Reason.RUNTIME
     """A failed restore whose rootfs changes could not all be undone: the init will not start the
     original command on that rootfs (``rootfs-pending`` stays)."""
+
+    reason_class = Reason.RUNTIME
 
     def __init__(self, failure: str, problems: list[str]) -> None:
         super().__init__(f"{failure}; and the rootfs changes could not all be rolled back "

@@ -37,8 +37,9 @@ OCI_SPEC_TYPE_URL = "types.containerd.io/opencontainers/runtime-spec/1/Spec"
 
 
 class ContainerdError(RekindleError):
-    reason_class = Reason.RUNTIME
     """A containerd API call failed."""
+
+    reason_class = Reason.RUNTIME
 
     def __init__(self, op: str, message: str, code: grpc.StatusCode | None = None) -> None:
         super().__init__(f"containerd {op}: {message}")

@@ -25,8 +25,9 @@ from runtime.errors import Reason, RekindleError
 
 
 class CRIError(RekindleError):
-    reason_class = Reason.RUNTIME
     """A CRI call failed; ``code`` is the gRPC status code (or None)."""
+
+    reason_class = Reason.RUNTIME
 
     def __init__(self, op: str, message: str, code: grpc.StatusCode | None = None) -> None:
         super().__init__(f"CRI {op}: {message}")

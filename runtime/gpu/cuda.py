@@ -147,8 +147,9 @@ class Checkpointer(Protocol):
 
 
 class GpuMapError(RekindleError):
-    reason_class = Reason.INCOMPATIBLE
     """Source and target GPUs cannot be paired for a restore."""
+
+    reason_class = Reason.INCOMPATIBLE
 
     def __init__(self, reason: str) -> None:
         super().__init__(f"cannot map GPUs for restore: {reason}")

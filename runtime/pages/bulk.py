@@ -82,8 +82,9 @@ _FILLING = threading.BoundedSemaphore(WORKERS)
 
 
 class FillError(RekindleError):
-    reason_class = Reason.INTEGRITY  # a chunk off its digest, a range off the restored tree
     """Bulk pages could not be written into the restored process (or did not verify)."""
+
+    reason_class = Reason.INTEGRITY  # a chunk off its digest, a range off the restored tree
 
 
 @dataclass(frozen=True)
