@@ -48,6 +48,7 @@ from .config import Settings
 from .handlers import ImageRef, RekindlePlugin
 from .imageids import ImageIds
 from .prefetch import Prefetcher
+from .prewarm import DiskGate, start_prewarm
 from .health import HEARTBEAT, Health
 from .jobs import Jobs, Skipped, Work
 from .metrics import BuildInfo, Metrics
@@ -118,6 +119,7 @@ class NodeEngine:
         self.prefetcher: Prefetcher | None = None  # set by run_plugin
         self.cache: NodeCache | None = None  # the node cache, and its writer (run_plugin)
         self.cache_writer: CacheWriter | None = None
+        self.disk = DiskGate()  # restores running: a pre-warm waits for them (nri_plugin.prewarm)
         self.exit_code: ExitCode | None = None      # set by _engine when containerd answers
         # THP switched to always around CUDA checkpoints, where asked (runtime.thp)
         self.thp = ThpSwitch(settings.thp_record) if settings.checkpoint_thp == "always" else None
@@ -153,10 +155,11 @@ class NodeEngine:
         prefetcher = self.prefetcher
         staged = (lambda art: prefetcher.take(work.pod_uid, art)) if prefetcher is not None else None
         writer = self.cache_writer
-        return restore_flow.restore(req, self.store, self.key, self.facts, control=work.control, cuda=self.cuda,
-                                    generations=self.generations, progress=work.progress, staged=staged,
-                                    cache=self.cache, map_mode=map_mode(self.settings),
-                                    on_cold=writer.submit if writer is not None else None)
+        with self.disk.restore():
+            return restore_flow.restore(req, self.store, self.key, self.facts, control=work.control, cuda=self.cuda,
+                                        generations=self.generations, progress=work.progress, staged=staged,
+                                        cache=self.cache, map_mode=map_mode(self.settings),
+                                        on_cold=writer.submit if writer is not None else None)
 
     def recover(self, work: Work) -> list[str] | None:
         return restore_flow.recover_rootfs(undo_dir(self.settings), work.container_id, work.pid, work.control)
@@ -368,6 +371,7 @@ def run_plugin(settings: Settings, max_parallel: int = 2) -> int:
         engine.prefetcher = (Prefetcher(store, key, staging_dir=os.path.join(settings.state_dir, "logs"),
                                         cached=lambda manifest_id: cache.has(manifest_id, mode))
                              if settings.prefetch else None)
+        prewarmer = start_prewarm(settings, store, key, engine, metrics)
         plugin = RekindlePlugin(settings, store=store, key=key, status=status, jobs=jobs,
                                 specs=specs, facts=facts, image_ref=ImageIds(image_ref) if image_ref else None,
                                 generations=engine.generations,
@@ -389,6 +393,8 @@ def run_plugin(settings: Settings, max_parallel: int = 2) -> int:
         stop_housekeeping.set()
         beat.cancel()
         await jobs.shutdown()
+        if prewarmer is not None:
+            prewarmer.shutdown()
         if engine.cache_writer is not None:
             engine.cache_writer.shutdown()
         log.info("rekindle plugin stopped")
