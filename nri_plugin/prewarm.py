@@ -202,6 +202,7 @@ class Prewarmer:
         self._seen: dict[tuple[str, str], str] = {}  # name -> the version last looked at
         self._status: dict[tuple[str, str], Status] = {(ns, n): Status(f"{ns}/{n}") for ns, n in self.named}
         self._lock = threading.Lock()
+        self._file_lock = threading.Lock()  # the look and the writer both record
 
     # --- looking ------------------------------------------------------------------------------
 
@@ -238,7 +239,10 @@ class Prewarmer:
         self._publish()
 
     def _version(self, ns: str, name: str) -> str | None:
-        ns_fd = os.open(os.path.join(self.store.root, ns), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            ns_fd = os.open(os.path.join(self.store.root, ns), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
         try:
             return self.store.current_version(ns_fd, name)
         finally:
@@ -358,9 +362,10 @@ class Prewarmer:
             return
         tmp = f"{self.state_path}.tmp"
         try:
-            with open(tmp, "w") as f:
-                json.dump({"updated": time.time(), "artifacts": [s.to_obj() for s in states]}, f)
-            os.replace(tmp, self.state_path)
+            with self._file_lock:
+                with open(tmp, "w") as f:
+                    json.dump({"updated": time.time(), "artifacts": [s.to_obj() for s in states]}, f)
+                os.replace(tmp, self.state_path)
         except OSError as exc:
             log.warning("pre-warm: cannot record its state: %s", exc)
 
