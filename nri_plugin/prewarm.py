@@ -140,7 +140,8 @@ class Pacer:
         self._lock = threading.Lock()
         self._t0 = clock()
         self._paused_for = 0.0
-        self.pauses = 0
+        self.pauses = 0  # chunks that waited for a restore (the writer's threads each wait)
+        self._said = False
 
     def __call__(self, n: int) -> None:
         _lower_io_priority()
@@ -156,7 +157,8 @@ class Pacer:
             with self._lock:
                 self._paused_for += self.clock() - t
                 self.status.paused = False
-            if self.pauses == 1:
+                say, self._said = not self._said, True
+            if say:
                 log.info("%s: pre-warm resumed after a restore", self.status.artifact)
         with self._lock:
             self.status.bytes += n
