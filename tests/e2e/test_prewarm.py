@@ -237,10 +237,9 @@ def test_a_restore_takes_the_disk_first_and_the_warm_up_waits_for_it(sandbox, po
     st = wait_for(lambda: _state_is(b, "default/pw-during", {"warm", "refused"}), 120, "the warm-up to finish")
     assert st["state"] == "warm", st
     assert "pre-warm resumed after a restore" in b.log()
-    t_alone = json.loads((b.control_dir(alone.uid, "app") / "timings.json").read_text())
-    t_during = json.loads((b.control_dir(during.uid, "app") / "timings.json").read_text())
-    phases = sorted(k for k, v in t_alone.items() if isinstance(v, (int, float)))
-    print("\nrestore with no warm-up vs with a warm-up waiting (seconds; this 2-core CPU machine, shared; "
-          "the second one's stop after CRIU is the test's):")
-    for k in phases:
-        print(f"  {k:24s} {t_alone[k]:8.3f} {t_during.get(k, float('nan')):8.3f}")
+    t_alone = json.loads((b.control_dir(alone.uid, "app") / "timings.json").read_text())["restore"]
+    t_during = json.loads((b.control_dir(during.uid, "app") / "timings.json").read_text())["restore"]
+    print("\nrestore phases, seconds: with no warm-up | with a marked version's warm-up waiting for it "
+          "(this 2-core CPU machine, shared; the second restore's stop after CRIU is the test's, in its total):")
+    for k in t_alone:
+        print(f"  {k:16s} {t_alone[k]:8.3f} | {t_during.get(k, float('nan')):8.3f}")
