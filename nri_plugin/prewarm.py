@@ -42,6 +42,7 @@ from runtime.owner import write_owner
 from runtime.pages import mapping as bulk_map
 from runtime.pages import nodecache
 from runtime.store import Artifact, ArtifactStore, readahead
+from runtime.testpause import pause_for_test
 
 if TYPE_CHECKING:
     from .agent import NodeEngine
@@ -142,9 +143,15 @@ class Pacer:
         self._paused_for = 0.0
         self.pauses = 0  # chunks that waited for a restore (the writer's threads each wait)
         self._said = False
+        self._hold = threading.Lock()  # a test's pause mid-warm-up holds every thread of it
+        self._held = False
 
     def __call__(self, n: int) -> None:
         _lower_io_priority()
+        with self._hold:
+            if self.status.bytes and not self._held:
+                self._held = True
+                pause_for_test("prewarm")
         if self.stop.is_set():
             raise RekindleError("the plugin is stopping")
         if self.gate.busy():
