@@ -62,6 +62,7 @@ class Node:
         subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=0700,size=1536m", "rekindle-test-cache2",
                         str(self.cache)], check=True)
         self.proc: PluginProcess | None = None
+        self.pods: list = []  # restored on this node: gone before the first node's plugin is back
 
     def outside(self, metrics_port: int = 0) -> PluginProcess:
         """Running, not registered with containerd: it only looks at the store."""
@@ -90,6 +91,13 @@ class Node:
             self.proc = None
 
     def close(self) -> None:
+        from runtime.errors import RekindleError
+        for p in self.pods:  # the first node's plugin would see them at its sync as its own
+            try:
+                self.sandbox.cri.stop_pod(p.id)
+                self.sandbox.cri.remove_pod(p.id)
+            except RekindleError:
+                pass
         self.stop()
         subprocess.run(["umount", "--lazy", str(self.cache)], check=False)
         if self.first.proc is None or self.first.proc.poll() is not None:
@@ -157,6 +165,7 @@ def test_a_marked_version_published_while_a_node_runs_is_warm_there_and_its_firs
     b = second.registered()  # the second node's first restore of it
     from devtools.gpu import host_python_mounts
     dst = pod("dst-pw-cross", annotations={"rekindle.dev/restore": "pw-cross"})
+    second.pods.append(dst)
     sandbox.run_container(dst, "app", IMAGE, command=[sys.executable, "-c", HOLDER], mounts=host_python_mounts(),
                           env=ENV)
     _answered(sandbox, b, dst)
@@ -200,6 +209,8 @@ def test_a_marked_version_a_store_writer_changed_is_refused_with_the_reason(sand
     st = wait_for(lambda: _state_is(b, "default/pw-manifest", {"warm", "refused"}), 120, "pw-manifest's verdict")
     assert st["state"] == "refused" and "bad signature" in st["reason"], st
     assert _entries(b, "pw-bytes") == [] and _entries(b, "pw-manifest") == []
+    # (other tests' marked artifacts are warmed too: once none is warming, nothing is left half-made)
+    wait_for(lambda: not any(s["state"] == "warming" for s in _states(b).values()), 120, "the warm-ups to end")
     assert not glob.glob(str(b.state_dir / "cache" / "v1" / ".tmp-*"))
     text = _artifacts_list(b)
     assert "pre-warm: refused:" in text and "do not match their digest" in text, text
@@ -214,11 +225,18 @@ def test_a_restore_takes_the_disk_first_and_the_warm_up_waits_for_it(sandbox, po
     from devtools.gpu import host_python_mounts
     for name in ("pw-base-1", "pw-base-2"):
         _source(sandbox, pod, plugin, name, marked=False)
+    # Every marked artifact is warmed, one at a time: the other tests' ones go from the store
+    # (their names unlinked, as a store writer may), so that the held warm-up is this one's.
+    ns_dir = os.path.join(plugin.store, "default")
+    for name in os.listdir(ns_dir):
+        if not name.startswith(".") and not name.startswith("pw-base-"):
+            os.unlink(os.path.join(ns_dir, name))
     second = node({**CACHE_ENV, "REKINDLE_TEST_PAUSE": f"criu,prewarm:{tmp_path}"})
     b = second.registered()
 
     def restore(name: str):
         dst = pod(f"dst-{name}", annotations={"rekindle.dev/restore": name})
+        second.pods.append(dst)
         sandbox.run_container(dst, "app", IMAGE, command=[sys.executable, "-c", HOLDER],
                               mounts=host_python_mounts(), env=ENV)
         return dst
