@@ -196,3 +196,19 @@ def test_another_version_of_the_artifact_written_is_evicted_before_older_entries
 
 def test_manifest_prewarm_defaults_off() -> None:
     assert Manifest.__dataclass_fields__["prewarm"].default is False
+
+
+def test_the_metrics_show_each_marked_artifacts_state_and_drop_one_no_longer_marked() -> None:
+    from prometheus_client import CollectorRegistry
+
+    from nri_plugin.metrics import Metrics
+    m = Metrics(registry=CollectorRegistry())
+    m.prewarm([Status("a/llm", State.WARMING, bytes=5 << 20, total=10 << 20, rate=2e8), Status("a/asr", State.WARM)])
+    got = m.registry.get_sample_value
+    assert got("rekindle_prewarm_state", {"artifact": "a/llm", "state": "warming"}) == 1
+    assert got("rekindle_prewarm_state", {"artifact": "a/llm", "state": "warm"}) == 0
+    assert got("rekindle_prewarm_bytes", {"artifact": "a/llm"}) == 5 << 20
+    assert got("rekindle_prewarm_rate_bytes", {"artifact": "a/llm"}) == 2e8
+    m.prewarm([Status("a/llm", State.REFUSED, reason="past the bound")])
+    assert got("rekindle_prewarm_state", {"artifact": "a/llm", "state": "refused"}) == 1
+    assert got("rekindle_prewarm_state", {"artifact": "a/asr", "state": "warm"}) is None
