@@ -173,6 +173,22 @@ class Pacer:
             self.status.rate = self.status.bytes / busy
 
 
+def _names_in(path: str, limit: int) -> list[str]:
+    """Up to ``limit`` entries of ``path`` not starting with a dot (read no further: a store
+    writer can make a directory of any size)."""
+    out: list[str] = []
+    try:
+        with os.scandir(path) as it:
+            for entry in it:
+                if len(out) >= limit:
+                    break
+                if not entry.name.startswith(".") and entry.is_dir(follow_symlinks=False) != entry.is_symlink():
+                    out.append(entry.name)
+    except FileNotFoundError:
+        return []
+    return sorted(out)
+
+
 def _plan_spans(artifact: Artifact, mode: bulk_map.MapMode, work_root: str
                 ) -> tuple[tuple[layout.BulkFile, ...], list[bulk_map.Span]]:
     """The bulk files and the spans a restore of ``artifact`` would map (``runtime.restore``'s
@@ -222,17 +238,17 @@ class Prewarmer:
         if not self.discover:
             return out
         try:
-            for ns in self.store.namespaces():
+            for ns in _names_in(self.store.root, self.max_names):
                 if len(out) >= self.max_names:
                     break
                 if not names.is_dns_label(ns):
                     continue
-                for name in self.store._children(os.path.join(self.store.root, ns)):
+                for name in _names_in(os.path.join(self.store.root, ns), self.max_names):
                     if len(out) >= self.max_names:
                         break
                     if names.is_artifact_name(name) and (ns, name) not in out:
                         out.append((ns, name))
-        except (OSError, RekindleError) as exc:
+        except OSError as exc:
             log.info("pre-warm: the store cannot be listed: %s", exc)
         return out
 
