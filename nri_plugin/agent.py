@@ -51,6 +51,7 @@ from .config import Settings
 from .handlers import ImageRef, RekindlePlugin
 from .imageids import ImageIds
 from .prefetch import Prefetcher
+from .prewarm import DiskGate, start_prewarm
 from .health import HEARTBEAT, Health
 from .jobs import Jobs, Skipped, Work
 from .metrics import BuildInfo, Metrics
@@ -121,6 +122,7 @@ class NodeEngine:
         self.prefetcher: Prefetcher | None = None  # set by run_plugin
         self.cache: NodeCache | None = None  # the node cache, and its writer (run_plugin)
         self.cache_writer: CacheWriter | None = None
+        self.disk = DiskGate()  # restores running: a pre-warm waits for them (nri_plugin.prewarm)
         self.exit_code: ExitCode | None = None      # set by _engine when containerd answers
         # THP switched to always around CUDA checkpoints, where asked (runtime.thp)
         self.thp = ThpSwitch(settings.thp_record) if settings.checkpoint_thp == "always" else None
@@ -147,7 +149,8 @@ class NodeEngine:
             self.settings, work.container_id, work.namespace, work.artifact, pod=work.pod, pod_uid=work.pod_uid,
             container=work.container, image=work.image, image_ref=self._image_id(work.image),
             exit_after=work.intent.after_checkpoint is AfterCheckpoint.EXIT,
-            max_layer_bytes=min(work.intent.max_layer_bytes, self.settings.max_layer_bytes))
+            max_layer_bytes=min(work.intent.max_layer_bytes, self.settings.max_layer_bytes),
+            prewarm=work.intent.prewarm)
         return checkpoint_flow.checkpoint(req, self.store, self.key, control=work.control, cuda=self.cuda,
                                           progress=work.progress, thp=self.thp)
 
@@ -163,10 +166,11 @@ class NodeEngine:
             prefetcher = self.prefetcher
             staged = (lambda art: prefetcher.take(work.pod_uid, art)) if prefetcher is not None else None
             writer = self.cache_writer
-            return restore_flow.restore(req, self.store, self.key, self.facts, control=work.control, cuda=self.cuda,
-                                        generations=self.generations, progress=work.progress, staged=staged,
-                                        cache=self.cache, map_mode=map_mode(self.settings),
-                                        on_cold=writer.submit if writer is not None else None)
+            with self.disk.restore():  # a pre-warm's reads wait meanwhile (nri_plugin.prewarm)
+                return restore_flow.restore(req, self.store, self.key, self.facts, control=work.control,
+                                            cuda=self.cuda, generations=self.generations, progress=work.progress,
+                                            staged=staged, cache=self.cache, map_mode=map_mode(self.settings),
+                                            on_cold=writer.submit if writer is not None else None)
         finally:
             with self._restores_lock:
                 self._restores -= 1
@@ -260,7 +264,7 @@ class Node(NamedTuple):
 
 def checkpoint_request(settings: Settings, container_id: str, namespace: str, name: str, *, pod: str = "",
                        pod_uid: str = "", container: str = "", image: str = "", image_ref: str = "",
-                       exit_after: bool = False, max_layer_bytes: int | None = None
+                       exit_after: bool = False, max_layer_bytes: int | None = None, prewarm: bool = False
                        ) -> checkpoint_flow.CheckpointRequest:
     """The one place a checkpoint request is built from the settings (the plugin's and the CLI's)."""
     return checkpoint_flow.CheckpointRequest(
@@ -268,7 +272,7 @@ def checkpoint_request(settings: Settings, container_id: str, namespace: str, na
         pod=pod, pod_uid=pod_uid, container=container, image=image, image_ref=image_ref, exit_after=exit_after,
         log_dir=os.path.join(settings.state_dir, "logs"),
         max_layer_bytes=settings.max_layer_bytes if max_layer_bytes is None else max_layer_bytes,
-        capture_timeout=settings.capture_timeout, bulk_min_run=settings.bulk_min_run)
+        capture_timeout=settings.capture_timeout, bulk_min_run=settings.bulk_min_run, prewarm=prewarm)
 
 
 def restore_request(settings: Settings, container_id: str, namespace: str, name: str, *, image: str,
@@ -380,6 +384,7 @@ def run_plugin(settings: Settings, max_parallel: int = 2) -> int:
         engine.prefetcher = (Prefetcher(store, key, staging_dir=os.path.join(settings.state_dir, "logs"),
                                         cached=lambda manifest_id: cache.has(manifest_id, mode))
                              if settings.prefetch else None)
+        prewarmer = start_prewarm(settings, store, key, engine, metrics)
         plugin = RekindlePlugin(settings, store=store, key=key, status=status, jobs=jobs,
                                 specs=specs, facts=facts, image_ref=ImageIds(image_ref) if image_ref else None,
                                 generations=engine.generations,
@@ -401,6 +406,8 @@ def run_plugin(settings: Settings, max_parallel: int = 2) -> int:
         stop_housekeeping.set()
         beat.cancel()
         await jobs.shutdown()
+        if prewarmer is not None:
+            prewarmer.shutdown()
         if engine.cache_writer is not None:
             engine.cache_writer.shutdown()
         log.info("rekindle plugin stopped")

@@ -15,6 +15,7 @@ import ctypes
 import logging
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from runtime.pages import nodecache
@@ -99,6 +100,31 @@ class CacheWriter:
         except RuntimeError:  # shut down
             with self._lock:
                 self._queued.discard(work.manifest_id)
+            return False
+        return True
+
+    def warm(self, manifest_id: str, job: Callable[[], object]) -> bool:
+        """Queue a pre-warm's ``job`` (``nri_plugin.prewarm``: it writes the entry of version
+        ``manifest_id`` with :meth:`NodeCache.write`) on this one writer, unless that version's
+        entry is queued already (by a restore, or an earlier look)."""
+        with self._lock:
+            if manifest_id in self._queued:
+                return False
+            self._queued.add(manifest_id)
+
+        def run() -> None:
+            try:
+                job()
+            except Exception:  # noqa: BLE001 - a cache is an optimisation: never the plugin's end
+                log.exception("pre-warm of %s failed", manifest_id)
+            finally:
+                with self._lock:
+                    self._queued.discard(manifest_id)
+        try:
+            self._pool.submit(run)
+        except RuntimeError:  # shut down
+            with self._lock:
+                self._queued.discard(manifest_id)
             return False
         return True
 

@@ -163,6 +163,23 @@ def _cache_flags(p: argparse.ArgumentParser) -> None:
                         "($REKINDLE_CACHE_TMPFS=1)")
 
 
+def _names_list(text: str) -> tuple[str, ...]:
+    from .prewarm import parse_names
+    try:
+        return tuple(f"{ns}/{n}" for ns, n in parse_names(x for x in text.split(",") if x.strip()))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _prewarm_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prewarm", type=_names_list, default=os.environ.get("REKINDLE_PREWARM", ""),
+                   help="namespace/name,... of artifacts whose node cache entry is written as soon as a version "
+                        "is published, besides those whose source pod had rekindle.dev/prewarm ($REKINDLE_PREWARM)")
+    p.add_argument("--prewarm-interval", type=float, default=os.environ.get("REKINDLE_PREWARM_INTERVAL", "30"),
+                   help="seconds between looks at the store for newly published marked versions; 0: no "
+                        "pre-warming ($REKINDLE_PREWARM_INTERVAL, else 30)")
+
+
 def _restore_path(p: argparse.ArgumentParser) -> None:
     p.add_argument("--restore-path", choices=("auto", "bulk", "stock", "stream"),
                    default=os.environ.get("REKINDLE_RESTORE_PATH", "auto"),
@@ -264,6 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="what a restore from the node cache maps instead of copying: driver (the CUDA "
                         "driver's host copy), all (every large private anonymous range: it then reads the "
                         "cached bytes back after MADV_DONTNEED, not zeros) or none ($REKINDLE_MAP, else driver)")
+    _prewarm_flags(p)
     _thp_flag(p)
     p.add_argument("--capture-timeout", type=_positive, default=600,
                    help="seconds a checkpoint may spend capturing the writable layer (default: %(default)s)")
@@ -545,6 +563,8 @@ def _list(store: ArtifactStore, key: bytes, args: argparse.Namespace) -> int:
     from runtime.store import gc as store_gc
     extra = store_gc.leftovers(store, args.namespace) if args.all else []
     cached = _cached(args)
+    from .prewarm import describe, read_states
+    warming = {str(p.get("artifact")): p for p in read_states(_settings(args).state_dir)}
     if _json(args):
         doc: list[dict[str, object]] = [
                {"namespace": r.namespace, "name": r.name, "ok": r.problem is None, "problem": r.problem,
@@ -552,7 +572,8 @@ def _list(store: ArtifactStore, key: bytes, args: argparse.Namespace) -> int:
                 "generation": r.manifest.generation if r.manifest else None,
                 "created_at": r.manifest.created_at if r.manifest else None,
                 "bytes": sum(f.size for f in r.manifest.files) if r.manifest else None,
-                "cached_bytes": cached.get((f"{r.namespace}/{r.name}", r.version or ""), 0)}
+                "cached_bytes": cached.get((f"{r.namespace}/{r.name}", r.version or ""), 0),
+                "prewarm": warming.get(f"{r.namespace}/{r.name}")}
                for r in rows]
         if args.all:
             doc += [{"namespace": x.namespace, "name": x.entry, "kind": x.kind, "bytes": x.bytes,
@@ -569,7 +590,9 @@ def _list(store: ArtifactStore, key: bytes, args: argparse.Namespace) -> int:
             here = cached.get((f"{r.namespace}/{r.name}", r.version or ""), 0)
             _say(f"{r.namespace}/{r.name}  {m.created_at}  {size:.1f} MiB  from {m.source.pod or '?'}"
                   f"  image {m.source.image or '?'}" + ("  cuda" if m.cuda else "")
-                  + (f"  cached on this node ({here / 2**20:.1f} MiB)" if here else ""))
+                  + (f"  cached on this node ({here / 2**20:.1f} MiB)" if here else "")
+                  + (f"  pre-warm: {describe(warming[r.namespace + '/' + r.name])}"
+                     if r.namespace + "/" + r.name in warming else ""))
     for x in extra:
         owner = f"  owner {x.owner.node} pid {x.owner.pid}" if x.owner else ""
         _say(f"{x.namespace}/{x.entry}  {x.kind}  {x.bytes / 2**20:.1f} MiB  age {_age(x.age)}{owner}")
@@ -603,8 +626,10 @@ def status_view(state_dir: str, fmt: str) -> str:
     rows = StatusBook(state_dir).list()
     if fmt != "text":
         return _render(fmt, [json.loads(r.to_json()) for r in rows])
+    from .prewarm import describe, read_states
+    warming = [f"pre-warm {p.get('artifact')}  {describe(p)}" for p in read_states(state_dir)]
     if not rows:
-        return "no annotated containers seen"
+        return "\n".join(_safe(line) for line in ["no annotated containers seen", *warming])
     lines = []
     for r in rows:
         timing = ", ".join(f"{k} {v:.2f}s" for k, v in r.timings.items())
@@ -612,7 +637,7 @@ def status_view(state_dir: str, fmt: str) -> str:
         size = f"  {_bytes(r.bytes)}" if r.bytes else ""
         lines.append(f"{r.namespace}/{r.pod}:{r.container}  {r.role or '-'} {r.artifact or '-'}  {r.phase.value}"
                      + live + size + (f"  ({r.reason})" if r.reason else "") + (f"  [{timing}]" if timing else ""))
-    return "\n".join(_safe(line) for line in lines)
+    return "\n".join(_safe(line) for line in lines + warming)
 
 
 def watch(view: Callable[[], str], out: TextIO, *, interval: float, count: int = 0,

@@ -52,6 +52,8 @@ class Settings:
     cache_entries: int = 8          # its entry bound
     cache_tmpfs: bool = False       # mount a huge=always tmpfs there (in the plugin's mount namespace)
     map_ranges: str = "driver"      # what a restore from the cache maps: driver, all or none (runtime.pages.mapping)
+    prewarm: tuple[str, ...] = ()   # namespace/name of artifacts whose cache entry is written as published
+    prewarm_interval: float = 30.0  # seconds between looks at the marked names (nri_plugin.prewarm); 0: none
     capture_timeout: int = 600      # seconds a checkpoint may spend capturing the writable layer
     checkpoint_thp: str = "keep"    # keep, or always: the node's THP mode during a CUDA checkpoint (runtime.thp)
     probes_per_pod: int = 1         # ready-probes of one pod at once (its checkpoint sources)
@@ -104,6 +106,13 @@ class Settings:
             problems.append(f"--map-ranges must be driver, all or none, got {self.map_ranges!r}")
         if self.cache_bytes < -1 or not 1 <= self.cache_entries <= 1024:
             problems.append("--cache-bytes must be -1 or more and --cache-entries 1..1024")
+        from .prewarm import parse_names
+        try:
+            parse_names(self.prewarm)
+        except ValueError as exc:
+            problems.append(f"--prewarm: {exc}")
+        if not (self.prewarm_interval == 0 or 1 <= self.prewarm_interval <= 86400):
+            problems.append(f"--prewarm-interval must be 0 (off) or 1..86400 seconds, got {self.prewarm_interval}")
         if not 0 <= self.fill_threads <= 1024:
             problems.append(f"--fill-threads must be 0..1024 (0: one per core, up to 16), got {self.fill_threads}")
         if self.restore_path not in ("auto", "bulk", "stock", "stream"):

@@ -35,18 +35,24 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import metadata
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
 from .outcomes import Outcome, OutcomeKind
+
+if TYPE_CHECKING:
+    from .prewarm import Status as PrewarmStatus
 
 # Process-wide in prometheus_client; nothing of ours wants them.
 disable_created_metrics()  # type: ignore[no-untyped-call]
 
 # Seconds: handler replies are due within 2 s; restores of GPU artifacts take minutes.
 HANDLER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 1.6, 2.0, 5.0)
+PREWARM_STATES = ("absent", "warming", "warm", "refused")  # nri_plugin.prewarm.State
 HOUSEKEEPING_STEPS = ("store_sweep", "restore_copies", "logs", "status")  # nri_plugin.agent's steps
 FLOW_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
 
@@ -125,12 +131,37 @@ class Metrics:
             "rekindle_store_bad_leftovers",
             "Store leftovers whose tree is past the walk's bounds (too deep, too many entries), last sweep",
             registry=r)
+        self.prewarm_state = Gauge(
+            "rekindle_prewarm_state", "1 for each marked artifact's pre-warm state on this node (absent, warming, "
+            "warm, refused), 0 for the others", ["artifact", "state"], registry=r)
+        self.prewarm_bytes = Gauge("rekindle_prewarm_bytes",
+                                   "Bulk bytes of a marked artifact's entry written so far on this node", ["artifact"],
+                                   registry=r)
+        self.prewarm_rate = Gauge("rekindle_prewarm_rate_bytes",
+                                  "Bytes a second a marked artifact's warm-up writes (pauses for restores not counted)",
+                                  ["artifact"], registry=r)
+        self._prewarmed: set[str] = set()
         for outcome in (OutcomeKind.RESTORED, OutcomeKind.PUBLISHED):  # at 0 from the first scrape
             self.outcomes.labels(outcome.value, "none")
         for reason in ("queue_full", "api_unavailable", "rejected"):
             self.reports_dropped.labels(reason)
         for step in HOUSEKEEPING_STEPS:
             self.housekeeping_failures.labels(step)
+
+    def prewarm(self, states: Sequence[PrewarmStatus]) -> None:
+        """Each marked artifact's state on this node (``nri_plugin.prewarm``); one no longer marked goes."""
+        now = {s.artifact for s in states}
+        for gone in self._prewarmed - now:
+            for st in PREWARM_STATES:
+                self.prewarm_state.remove(gone, st)
+            self.prewarm_bytes.remove(gone)
+            self.prewarm_rate.remove(gone)
+        for s in states:
+            for st in PREWARM_STATES:
+                self.prewarm_state.labels(s.artifact, st).set(1 if s.state.value == st else 0)
+            self.prewarm_bytes.labels(s.artifact).set(s.bytes)
+            self.prewarm_rate.labels(s.artifact).set(s.rate)
+        self._prewarmed = now
 
     # ------------------------------------------------------------------ OutcomeSink
     def publish(self, outcome: Outcome) -> None:

@@ -15,6 +15,8 @@ Keys (pod annotations, documented in the README):
   rekindle.dev/max-layer-size   bytes (or N Ki/Mi/Gi/Ti), at most the node's --max-layer-bytes:
                                 the cap on this source's captured writable layer
   rekindle.dev/overwrite        true | false (default): checkpoint even when the artifact exists
+  rekindle.dev/prewarm          true | false (default): every node writes its cache entry of each
+                                version as it is published (recorded in the signed manifest)
   rekindle.dev/on-restore-failure cold-start (default) | fail: what a failed restore does; fail:
                                 the container exits with the reason (the init's status 75) and
                                 its original command never runs; a restarted container tries the
@@ -52,9 +54,10 @@ RESTORE_TIMEOUT = PREFIX + "restore-timeout"
 OVERWRITE = PREFIX + "overwrite"
 MAX_LAYER_SIZE = PREFIX + "max-layer-size"
 ON_RESTORE_FAILURE = PREFIX + "on-restore-failure"
+PREWARM = PREFIX + "prewarm"
 KNOWN_KEYS = {CHECKPOINT, RESTORE, CONTAINER, READY_PROBE, AFTER_CHECKPOINT, RESTORE_TIMEOUT, OVERWRITE,
-              MAX_LAYER_SIZE, ON_RESTORE_FAILURE}
-SOURCE_ONLY_KEYS = (READY_PROBE, AFTER_CHECKPOINT, OVERWRITE, MAX_LAYER_SIZE)
+              MAX_LAYER_SIZE, ON_RESTORE_FAILURE, PREWARM}
+SOURCE_ONLY_KEYS = (READY_PROBE, AFTER_CHECKPOINT, OVERWRITE, MAX_LAYER_SIZE, PREWARM)
 DEFAULT_LAYER_CAP = 8 << 30  # the node's cap on a writable layer in an artifact (--max-layer-bytes)
 _UNITS = {"": 1, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40}
 # kubectl's default container of a pod (kubectl logs/exec); Istio's injector sets it too.
@@ -111,6 +114,7 @@ class Intent:
     max_layer_bytes: int = DEFAULT_LAYER_CAP  # the writable layer's cap for this source
     named: bool = False      # an annotation named this container (else: one of possibly many)
     on_failure: OnRestoreFailure = OnRestoreFailure.COLD_START  # rekindle.dev/on-restore-failure
+    prewarm: bool = False  # nodes warm their cache with each published version (rekindle.dev/prewarm)
 
     @property
     def fails_closed(self) -> bool:
@@ -218,6 +222,9 @@ def decide(annotations: dict[str, str], container_name: str,
     overwrite_raw = ours.get(OVERWRITE, "false")
     if overwrite_raw not in ("true", "false"):
         raise AnnotationError(OVERWRITE, f"must be true or false, got {overwrite_raw!r}")
+    prewarm_raw = ours.get(PREWARM, "false")
+    if prewarm_raw not in ("true", "false"):
+        raise AnnotationError(PREWARM, f"must be true or false, got {prewarm_raw!r}")
     layer = layer_cap
     if MAX_LAYER_SIZE in ours:
         asked = parse_size(ours[MAX_LAYER_SIZE])
@@ -239,7 +246,8 @@ def decide(annotations: dict[str, str], container_name: str,
     elif ON_RESTORE_FAILURE in ours:
         raise AnnotationError(ON_RESTORE_FAILURE, "applies to restore pods only")
     return Intent(role, name, probe, after, timeout, overwrite=overwrite_raw == "true",
-                  named=target_key is not None, max_layer_bytes=layer, on_failure=on_failure)
+                  named=target_key is not None, max_layer_bytes=layer, on_failure=on_failure,
+                  prewarm=prewarm_raw == "true")
 
 
 def role_hint(annotations: dict[str, str]) -> Role | None:

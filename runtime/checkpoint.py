@@ -93,6 +93,7 @@ class CheckpointRequest:
     bulk_min_run: int = bulk.MIN_RUN  # shorter page runs stay with CRIU
     max_layer_bytes: int = overlay.DEFAULT_MAX_LAYER_BYTES  # cap on the captured layer (and /dev/shm)
     capture_timeout: float = 600.0  # seconds for the capture, while the tree is stopped
+    prewarm: bool = False  # recorded in the manifest: nodes warm their cache with it (nri_plugin.prewarm)
 
 
 def capture_excludes(info: ContainerInfo) -> list[str]:
@@ -250,6 +251,7 @@ def checkpoint(req: CheckpointRequest, store: ArtifactStore, key: bytes, *,
             files=(),
             host_files=host_files,
             timings=dict(t),
+            prewarm=req.prewarm,
         )
         with t.phase("publish"):
             published = staging.publish(manifest, key, known=hashed.values())

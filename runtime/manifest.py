@@ -2,13 +2,15 @@
 
 Contract:
 
-- :class:`Manifest` (``format_version`` 3) mirrors docs/design.md "Artifact". Every record is a
+- :class:`Manifest` (``format_version`` 4) mirrors docs/design.md "Artifact". Every record is a
   frozen dataclass validated on construction. :meth:`Manifest.to_json` gives canonical bytes
   (sorted keys, compact separators, UTF-8); :meth:`Manifest.from_json` treats its input as
   untrusted: exact key sets, strict JSON types (a bool is not an int), no duplicate keys, no
   NaN, a size cap, and an unknown ``format_version`` is refused by name. Every parse problem
   raises :class:`ArtifactRejected`. Version 2 (before ``host_files``) is still read: its
-  ``host_files`` is None, "not recorded" (``runtime.hostfiles`` says what a restore does then).
+  ``host_files`` is None, "not recorded" (``runtime.hostfiles`` says what a restore does then);
+  versions 2 and 3 (before ``prewarm``) are read with ``prewarm`` false, and their bytes (the
+  ones signed) are never rewritten.
 - :func:`sign` / :func:`verify`: ``"hmac-sha256:<hex>"`` over the exact manifest bytes.
 - The key itself (reading, creating) lives in ``runtime.store.keys``.
 - The security fingerprint and the privilege check live in ``runtime.security``; the
@@ -34,8 +36,8 @@ from runtime.security import SecurityProfile
 __all__ = ["CriuInfo", "CudaInfo", "FileEntry", "Gpu", "HostFile", "Manifest", "MountInfo", "NodeInfo", "ProcessInfo",
            "Source", "sign", "verify"]
 
-FORMAT_VERSION = 3
-READS_VERSIONS = (2, 3)  # 2: written before host_files existed
+FORMAT_VERSION = 4
+READS_VERSIONS = (2, 3, 4)  # 2: written before host_files existed; 3: before prewarm
 MAX_MANIFEST_BYTES = 16 * 1024 * 1024
 SIG_PREFIX = "hmac-sha256:"
 
@@ -163,6 +165,9 @@ class Manifest:
     # Files from bind mounts the tree maps or holds open, with their digests; None only in a
     # version 2 manifest (recorded by no one).
     host_files: tuple[HostFile, ...] | None = ()
+    # Nodes write their cache entry of each version as it is published (the source pod's
+    # rekindle.dev/prewarm); false in a manifest before format_version 4.
+    prewarm: bool = False
     format_version: int = FORMAT_VERSION
 
     def __post_init__(self) -> None:
@@ -170,6 +175,7 @@ class Manifest:
         _check((self.host_files is None) == (self.format_version == 2),
                "host_files is null exactly in a format_version 2 manifest")
         _check(self.generation >= 0, "generation must not be negative")
+        _check(self.format_version >= 4 or not self.prewarm, "prewarm needs format_version 4")
         try:
             datetime.datetime.fromisoformat(self.created_at)
         except ValueError:
@@ -183,7 +189,10 @@ class Manifest:
 
     def to_json(self) -> bytes:
         """Canonical bytes: sorted keys, compact separators, UTF-8, no NaN."""
-        return strict_json.canonical_json(strict_json.to_obj(self))
+        obj = strict_json.to_obj(self)
+        if self.format_version < 4:  # the bytes an older version had: no prewarm key
+            del obj["prewarm"]
+        return strict_json.canonical_json(obj)
 
     @classmethod
     def from_json(cls, data: bytes, *, artifact: str = "manifest") -> Manifest:
@@ -203,6 +212,10 @@ class Manifest:
             if "host_files" in obj:
                 raise ArtifactRejected(artifact, "invalid manifest: host_files in a format_version 2 manifest")
             obj["host_files"] = None
+        if version < 4:
+            if "prewarm" in obj:
+                raise ArtifactRejected(artifact, f"invalid manifest: prewarm in a format_version {version} manifest")
+            obj["prewarm"] = False
         try:
             return typing.cast(Manifest, strict_json.from_obj(cls, obj, "manifest"))
         except (TypeError, ValueError) as exc:

@@ -43,7 +43,7 @@ import stat
 import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -135,6 +135,12 @@ class EntryInfo:
 
 def entry_key(manifest_id: str, mode: MapMode) -> str:
     return hashlib.sha256(f"rekindle-cache-v1\0{manifest_id}\0{mode.value}".encode()).hexdigest()[:32]
+
+
+def entry_bytes(artifact: Artifact, files: Sequence[BulkFile]) -> int:
+    """What an entry of ``artifact`` with bulk ``files`` takes, at most (the bound's measure)."""
+    others = sum(f.size for f in artifact.manifest.files if not layout.is_bulk_pages(f.path))
+    return sum(artifact.entry(f.path).size for f in files) + others
 
 
 def _seal(fd: int) -> Sealed:
@@ -353,6 +359,8 @@ class NodeCache:
     # Entries being written by this process, and the bytes they will take: each key once.
     _writing: dict[str, int] = field(default_factory=dict, repr=False)
     _building: dict[str, Building] = field(default_factory=dict, repr=False)  # made by streamed restores
+    # Why the last write of an entry was not begun (the key's guard that said no), for its pre-warm.
+    refused: dict[str, str] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self.dir = os.path.join(self.root, VERSION)
@@ -489,10 +497,12 @@ class NodeCache:
     def used_bytes(self) -> int:
         return sum(e.bytes for e in self.entries())
 
-    def _make_room(self, root: int, need: int) -> bool:
+    def _make_room(self, root: int, need: int, label: str = "") -> bool:
         entries = self.entries()
         total = sum(e.bytes for e in entries) + sum(self._writing.values())
-        for e in sorted(entries, key=lambda e: e.last_used):  # least recently used first
+        # Another version of the artifact written now is superseded by it: it goes first, then the
+        # least recently used.
+        for e in sorted(entries, key=lambda e: (e.label != label, e.last_used)):
             if total + need <= self.max_bytes and len(entries) < self.max_entries:
                 break
             if self._drop(root, e.key, wait=False):
@@ -541,15 +551,20 @@ class NodeCache:
         With ``spans``: the :class:`Building` its streamed restores make, registered at once (a
         restore that comes a moment later joins it, once its files are there)."""
         with self._lock:
+            self.refused.pop(key, None)
             if key in self._writing or os.path.exists(os.path.join(self.dir, key, ENTRY)):
+                self.refused[key] = "being written, or written already"
                 return None
-            others = sum(f.size for f in artifact.manifest.files if not layout.is_bulk_pages(f.path))
-            need = sum(artifact.entry(f.path).size for f in files) + others
-            if not self._fits(need):
+            need = entry_bytes(artifact, files)
+            why = self._fits(need)
+            if why is not None:
+                self.refused[key] = why
                 return None
-            if not self._make_room(root, need):
-                log.info("%s: not cached on this node: %.1f MiB past the cache's bounds (%d bytes, %d entries)",
-                         artifact.label, need / 2**20, self.max_bytes, self.max_entries)
+            if not self._make_room(root, need, artifact.label):
+                why = (f"{need / 2**20:.1f} MiB past the cache's bounds ({self.max_bytes} bytes, "
+                       f"{self.max_entries} entries; entries in use are not evicted)")
+                log.info("%s: not cached on this node: %s", artifact.label, why)
+                self.refused[key] = why
                 return None
             tmp = f"{TMP}{key}-{os.getpid()}"
             if os.path.lexists(os.path.join(self.dir, tmp)):
@@ -651,11 +666,14 @@ class NodeCache:
             self._building.pop(key, None)
 
     def write(self, artifact: Artifact, files: Sequence[BulkFile], spans: Sequence[Span], mode: MapMode,
-              threads: int = WORKERS, premade: Building | None = None) -> Record | None:
+              threads: int = WORKERS, premade: Building | None = None,
+              pace: Callable[[int], None] | None = None) -> Record | None:
         """Write ``artifact``'s entry (its bulk ``files``, ``spans`` of them mapped later) unless
         it exists or does not fit; None when not written. Every byte is verified first.
         ``premade``: the entry a streamed restore began and wrote the map files of (no byte of
-        a mapped range is read again): finished here, or removed."""
+        a mapped range is read again): finished here, or removed. ``pace(n)`` is called before
+        each chunk of ``n`` bulk bytes is read (a pre-warm counts them, and waits there while a
+        restore runs)."""
         if not self.enabled:
             if premade is not None:
                 premade.abandon()
@@ -675,7 +693,7 @@ class NodeCache:
                     return None
                 tmp = got[0]
             try:
-                rec = self._write_into(root, tmp, key, artifact, files, spans, mode, threads, premade)
+                rec = self._write_into(root, tmp, key, artifact, files, spans, mode, threads, premade, pace)
                 os.rename(tmp, key, src_dir_fd=root, dst_dir_fd=root)
             except BaseException:
                 self._remove(root, tmp)
@@ -692,20 +710,19 @@ class NodeCache:
         finally:
             os.close(root)
 
-    def _fits(self, need: int) -> bool:
+    def _fits(self, need: int) -> str | None:
+        """None when ``need`` bytes more leave the memory (tmpfs) or disk guard's share free, else why not."""
+        why = None
         try:
             if fs_magic(self.dir) == TMPFS_MAGIC:
                 cg = cgroup_memory()
-                if cg is not None and cg[1] + need > cg[0] - CGROUP_SPARE:
-                    log.info("node cache: %.1f MiB would not fit under this plugin's memory limit (%.1f of %.1f MiB "
-                             "used)", need / 2**20, cg[1] / 2**20, cg[0] / 2**20)
-                    return False
                 mem = meminfo()
-                left = mem.get("MemAvailable", 0) - need
-                if left < self.min_free * mem.get("MemTotal", 0):
-                    log.info("node cache: %.1f MiB would leave too little memory free (%.1f MiB available)",
-                             need / 2**20, mem.get("MemAvailable", 0) / 2**20)
-                    return False
+                if cg is not None and cg[1] + need > cg[0] - CGROUP_SPARE:
+                    why = (f"{need / 2**20:.1f} MiB would not fit under this plugin's memory limit "
+                           f"({cg[1] / 2**20:.1f} of {cg[0] / 2**20:.1f} MiB used)")
+                elif mem.get("MemAvailable", 0) - need < self.min_free * mem.get("MemTotal", 0):
+                    why = (f"{need / 2**20:.1f} MiB would leave too little memory free "
+                           f"({mem.get('MemAvailable', 0) / 2**20:.1f} MiB available)")
             else:
                 st = os.statvfs(self.dir)
                 # df's view: what is used plus what this user may still take (f_blocks also
@@ -713,16 +730,17 @@ class NodeCache:
                 avail = st.f_bavail * st.f_frsize
                 usable = (st.f_blocks - st.f_bfree) * st.f_frsize + avail
                 if avail - need < self.min_free * usable:
-                    log.info("node cache: %.1f MiB would leave less than %d%% of %s free (%.1f of %.1f MiB "
-                             "available)", need / 2**20, round(self.min_free * 100), self.dir, avail / 2**20,
-                             usable / 2**20)
-                    return False
-        except OSError:
-            return False
-        return True
+                    why = (f"{need / 2**20:.1f} MiB would leave less than {round(self.min_free * 100)}% of "
+                           f"{self.dir} free ({avail / 2**20:.1f} of {usable / 2**20:.1f} MiB available)")
+        except OSError as exc:
+            why = f"the cache's file system: {exc}"
+        if why is not None:
+            log.info("node cache: %s", why)
+        return why
 
     def _write_into(self, root: int, tmp: str, key: str, artifact: Artifact, files: Sequence[BulkFile],
-                    spans: Sequence[Span], mode: MapMode, threads: int, premade: Building | None = None) -> Record:
+                    spans: Sequence[Span], mode: MapMode, threads: int, premade: Building | None = None,
+                    pace: Callable[[int], None] | None = None) -> Record:
         dir_fd = os.open(tmp, DIR_FLAGS, dir_fd=root)
         opened: list[int] = []
         try:
@@ -760,7 +778,7 @@ class NodeCache:
                     maps.append((s.offset, s.offset + s.length, m, s.file_offset))
                 for off, length in piece_ranges(size):
                     if length:
-                        jobs.append(_Job(src, sums, off, length, fill, sorted(maps), f.path))
+                        jobs.append(_Job(src, sums, off, length, fill, sorted(maps), f.path, pace))
             with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="rekindle-cache") as pool:
                 list(pool.map(_copy_piece, jobs))
             pause_for_test("cache-write")  # bulk bytes written, no entry.json yet
@@ -809,6 +827,7 @@ class _Job:
     fill: int
     maps: list[tuple[int, int, int, int]]  # (lo, hi, fd, file offset of lo); fd -1: written already
     path: str
+    pace: Callable[[int], None] | None = None
 
 
 def _check_premade(fd: int, span: Span) -> None:
@@ -831,6 +850,8 @@ def _copy_piece(job: _Job) -> None:
         if any(lo <= pos and hi <= top and fd < 0 for lo, top, fd, _at in job.maps):
             pos = hi  # wholly in a range its restore wrote: nothing to read, a hole in the fill file
             continue
+        if job.pace is not None:
+            job.pace(want)
         data = os.pread(job.src, want, pos)
         if len(data) != want:
             raise CacheError(f"{job.path}: shrank while read (at {pos})")

@@ -148,6 +148,7 @@ def test_plugin_command_is_the_cli_contract(default_render):
         "--cache-entries", "8",
         "--cache-tmpfs",
         "--map-ranges", "driver",
+        "--prewarm-interval", "30",
         "--metrics-port", "9464",
         "--metrics-address", "$(POD_IP)",
     ]  # logLevel info: no --verbose; prefetch: no --no-prefetch; events.enabled false: no --events

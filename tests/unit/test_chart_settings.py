@@ -90,6 +90,9 @@ EACH_SETTING = [
     ({"cache": {"tmpfs": True}}, "cache_tmpfs", True, ("--cache-tmpfs",)),
     ({"cache": {"mapRanges": "all"}}, "map_ranges", "all", ("--map-ranges", "all")),
     ({"cache": {"mapRanges": "none"}}, "map_ranges", "none", ("--map-ranges", "none")),
+    ({"prewarm": {"artifacts": ["team-a/llm", "team-b/asr.v2"]}}, "prewarm", ("team-a/llm", "team-b/asr.v2"),
+     ("--prewarm", "team-a/llm,team-b/asr.v2")),
+    ({"prewarm": {"intervalSeconds": 0}}, "prewarm_interval", 0.0, ("--prewarm-interval", "0")),
 ]
 
 
@@ -182,9 +185,10 @@ def test_schema_refuses(values, where):
     ({"extraArgs": ["--cache-entries", "2"]}, "extraArgs: --cache-entries is rendered from settings.cache.entries"),
     ({"extraArgs": ["--cache-tmpfs"]}, "extraArgs: --cache-tmpfs is rendered from settings.cache.tmpfs"),
     ({"extraArgs": ["--map-ranges=all"]}, "extraArgs: --map-ranges is rendered from settings.cache.mapRanges"),
+    ({"extraArgs": ["--prewarm=a/b"]}, "extraArgs: --prewarm is rendered from settings.prewarm.artifacts"),
 ], ids=["env-owned-by-a-setting", "env-set-by-the-chart", "flag-with-value", "bare-flag", "env-cache-bytes",
         "env-cache-entries", "env-cache-tmpfs", "env-map", "env-max-parallel", "flag-cache-bytes", "flag-cache-entries",
-        "flag-cache-tmpfs", "flag-map-ranges"])
+        "flag-cache-tmpfs", "flag-map-ranges", "flag-prewarm"])
 def test_what_a_setting_owns_is_refused_elsewhere(values, words):
     with pytest.raises(RenderError) as exc:
         render(values, namespace=NAMESPACE)

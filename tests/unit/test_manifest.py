@@ -61,15 +61,45 @@ def test_manifest_round_trips_through_canonical_json() -> None:
     assert Manifest.from_json(data) == m
     obj = json.loads(data)
     assert data == json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
-    assert obj["format_version"] == 3 and obj["cuda"]["gpus"][0]["name"] == "NVIDIA H200"
+    assert obj["format_version"] == 4 and obj["prewarm"] is False and obj["cuda"]["gpus"][0]["name"] == "NVIDIA H200"
     assert obj["host_files"][1] == {"mount": "/models", "path": "qwen/tokenizer.json", "size": 9, "digest": SHA}
 
 
 def _version_2() -> dict[str, Any]:
     obj = json.loads(make_manifest().to_json())
-    del obj["host_files"]
+    del obj["host_files"], obj["prewarm"]
     obj["format_version"] = 2
     return obj
+
+
+def _version_3() -> bytes:
+    obj = json.loads(make_manifest().to_json())
+    del obj["prewarm"]
+    obj["format_version"] = 3
+    return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+
+
+def test_a_format_3_manifest_is_read_unmarked_and_keeps_its_signed_bytes() -> None:
+    """Artifacts published before pre-warming existed still verify and restore: their bytes
+    (what the signature covers) are what to_json gives back, with no prewarm key."""
+    data = _version_3()
+    verify(data, sign(data, KEY), KEY)
+    m = Manifest.from_json(data)
+    assert m.format_version == 3 and m.prewarm is False
+    assert m.to_json() == data
+    with pytest.raises(ArtifactRejected, match="prewarm in a format_version 3 manifest"):
+        Manifest.from_json(data.replace(b'"process"', b'"prewarm":false,"process"'))
+
+
+def test_a_marked_manifest_records_prewarm_in_its_signed_bytes() -> None:
+    m = make_manifest(prewarm=True)
+    data = m.to_json()
+    assert json.loads(data)["prewarm"] is True and Manifest.from_json(data).prewarm is True
+    sig = sign(data, KEY)
+    with pytest.raises(ArtifactRejected, match="bad signature"):  # unmarking it breaks the signature
+        verify(data.replace(b'"prewarm":true', b'"prewarm":false'), sig, KEY)
+    with pytest.raises(ValueError, match="prewarm needs format_version 4"):
+        make_manifest(prewarm=True, format_version=3)
 
 
 def test_a_format_2_manifest_is_read_with_its_host_files_not_recorded() -> None:
@@ -99,7 +129,8 @@ def _mutate(path: str, value: Any) -> bytes:
 
 
 @pytest.mark.parametrize("data, needle", [
-    (_mutate("format_version", 4), "unsupported manifest format_version 4 (this build reads 2, 3)"),
+    (_mutate("format_version", 5), "unsupported manifest format_version 5 (this build reads 2, 3, 4)"),
+    (_mutate("prewarm", "true"), "manifest.prewarm: expected bool"),
     (_mutate("host_files", KeyError), "missing keys ['host_files']"),
     (_mutate("host_files", None), "host_files is null exactly in a format_version 2 manifest"),
     (_mutate("host_files.1.path", "../etc/shadow"), "not a normal relative path"),
@@ -126,7 +157,7 @@ def _mutate(path: str, value: Any) -> bytes:
     (b"[1]", "not a JSON object"),
     (b"\xff\xfe", "not valid JSON"),
     (b"x" * (16 * 1024 * 1024 + 1), "larger than"),
-], ids=["future-version", "host-files-missing", "host-files-null", "host-file-dotdot", "host-file-absolute",
+], ids=["future-version", "prewarm-as-string", "host-files-missing", "host-files-null", "host-file-dotdot", "host-file-absolute",
         "host-mount-relative", "host-file-bad-digest", "version-2-with-host-files", "version-as-string", "version-as-bool", "unknown-key", "missing-key",
         "uid-as-string", "bool-as-int", "int-as-bool", "string-for-list", "bad-digest",
         "negative-size", "unsorted-caps", "unknown-seccomp", "negative-timing", "bad-time",

@@ -184,3 +184,14 @@ def test_on_restore_failure_follows_the_named_container():
     assert decide(ann, "sidecar") is None
     intent = decide(ann, "server")
     assert intent is not None and intent.fails_closed
+
+
+def test_prewarm_marks_a_source_and_nothing_else() -> None:
+    intent = decide({"rekindle.dev/checkpoint": "llm", "rekindle.dev/prewarm": "true"}, "app")
+    assert intent is not None and intent.prewarm is True
+    intent = decide({"rekindle.dev/checkpoint": "llm"}, "app")
+    assert intent is not None and intent.prewarm is False
+    with pytest.raises(AnnotationError, match="must be true or false"):
+        decide({"rekindle.dev/checkpoint": "llm", "rekindle.dev/prewarm": "yes"}, "app")
+    with pytest.raises(AnnotationError, match="applies to checkpoint sources only"):
+        decide({"rekindle.dev/restore": "llm", "rekindle.dev/prewarm": "true"}, "app")
