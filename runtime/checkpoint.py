@@ -62,6 +62,7 @@ from runtime.manifest import CriuInfo, CudaInfo, Manifest, MountInfo, NodeInfo, 
 from runtime.procfs import anon_mappings
 from runtime.criu import DumpResult, dump_workload
 from runtime.digests import Hashed
+from runtime.overlay.verified import write_sums as write_layer_sums
 from runtime.pages.tailhash import TailHasher
 from runtime.security import SecurityProfile
 from runtime.store import ArtifactStore
@@ -215,6 +216,10 @@ def checkpoint(req: CheckpointRequest, store: ArtifactStore, key: bytes, *,
                                 + "; ".join(unrepaired), dump.log_path)
             with t.phase("host_files"):
                 host_files = hostfiles.record(images, dump.mount_plan, info.spec_mounts, view_of=info.init_pid)
+            with t.phase("layer_sums"):  # the source runs again: its restore reads the layer unstaged
+                for tar in [layout.ROOTFS_TAR] + ([layout.SHM_TAR] if dump.shm_source else []):
+                    write_layer_sums(os.path.join(staging.path, tar),
+                                     os.path.join(staging.path, layout.layer_sums(tar)))
             files: tuple[layout.BulkFile, ...] = ()
             if req.split:
                 with t.phase("split"):

@@ -50,7 +50,7 @@ import shutil
 import signal
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from runtime import tasks
@@ -64,6 +64,7 @@ from runtime import hostfiles
 from runtime import layout
 from runtime import overlay
 from runtime.overlay import pending as overlay_pending
+from runtime.overlay.verified import VerifiedArchive
 from runtime.compat import NodeFacts, check_compatibility
 from runtime.containers import ContainerInfo, resolve_container
 from runtime.gpu import Checkpointer, build_gpu_map
@@ -163,7 +164,8 @@ def _stage(artifact: Artifact, private: str, path: RestorePath, ahead: str | Non
             log.info("%s: the copy staged ahead cannot be used (%s); staging again", artifact.label, exc)
         shutil.rmtree(ahead, ignore_errors=True)
     if not taken:
-        artifact.materialize(private, skip=layout.is_bulk, source=source)
+        artifact.materialize(private, skip=layout.staged_skip({f.path for f in artifact.manifest.files}),
+                             source=source)
     try:
         with open(os.path.join(private, layout.RESTORE_PLAN), "rb") as f:
             plan = layout.RestorePlan.from_json(f.read())
@@ -179,6 +181,23 @@ def _stage(artifact: Artifact, private: str, path: RestorePath, ahead: str | Non
             artifact.copy_verified(b.path, pages)
             artifact.copy_verified(layout.bulk_pagemap(b.pid), pagemap)
     return plan
+
+
+@contextlib.contextmanager
+def _layer(artifact: Artifact, private: str, tar: str,
+           source: Callable[[str], int] | None) -> Iterator[str | VerifiedArchive]:
+    """The layer archive to apply: its private copy when staging made one (an artifact without
+    its chunk digests, or a copy staged ahead), else the store's (or the node cache's) file read
+    through the chunk digests staged beside it: one read of each byte, verified before use."""
+    copy = os.path.join(private, tar)
+    if os.path.exists(copy):
+        yield copy
+        return
+    with open(os.path.join(private, layout.layer_sums(tar)), "rb") as f:
+        sums = f.read()
+    fd = (source or artifact.open_file)(tar)
+    with VerifiedArchive(fd, artifact.entry(tar).size, sums, f"{artifact.label}: {tar}") as archive:
+        yield archive
 
 
 @dataclass
@@ -388,14 +407,15 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
                 # the next agent after this one died, rolls it back (runtime.overlay.pending).
                 recover_rootfs(undo_root, req.container_id, 0, control)
                 pending.begin()
-                overlay.apply(target.rootfs, os.path.join(private, layout.ROOTFS_TAR),
-                              os.path.join(private, layout.ROOTFS_DELETIONS), max_bytes=req.max_layer_bytes,
-                              journal=pending.journal("rootfs"))
+                layer_from = entry.open_copy if entry is not None else None
+                with _layer(artifact, private, layout.ROOTFS_TAR, layer_from) as tar:
+                    overlay.apply(target.rootfs, tar, os.path.join(private, layout.ROOTFS_DELETIONS),
+                                  max_bytes=req.max_layer_bytes, journal=pending.journal("rootfs"))
                 shm = _shm_dir(target)
                 if plan.shm and shm:
-                    overlay.apply(shm, os.path.join(private, layout.SHM_TAR),
-                                  os.path.join(private, layout.SHM_DELETIONS), max_bytes=req.max_layer_bytes,
-                                  journal=pending.journal("shm"))
+                    with _layer(artifact, private, layout.SHM_TAR, layer_from) as tar:
+                        overlay.apply(shm, tar, os.path.join(private, layout.SHM_DELETIONS),
+                                      max_bytes=req.max_layer_bytes, journal=pending.journal("shm"))
             pause_for_test("applied")
 
             with t.phase("criu_restore"):
