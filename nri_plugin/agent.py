@@ -51,7 +51,7 @@ from .prefetch import Prefetcher
 from .health import HEARTBEAT, Health
 from .jobs import Jobs, Skipped, Work
 from .metrics import BuildInfo, Metrics
-from .outcomes import Reporter
+from .outcomes import COLD_START, Reporter
 from .policy import AfterCheckpoint, ReadyProbe
 from .probes import ProbeSlots
 from .stub import Identity, Stub
@@ -142,7 +142,8 @@ class NodeEngine:
             self.settings, work.container_id, work.namespace, work.artifact, pod=work.pod, pod_uid=work.pod_uid,
             container=work.container, image=work.image, image_ref=self._image_id(work.image),
             exit_after=work.intent.after_checkpoint is AfterCheckpoint.EXIT,
-            max_layer_bytes=min(work.intent.max_layer_bytes, self.settings.max_layer_bytes))
+            max_layer_bytes=min(work.intent.max_layer_bytes, self.settings.max_layer_bytes),
+            cold_start=work.timings.get(COLD_START, 0.0))
         return checkpoint_flow.checkpoint(req, self.store, self.key, control=work.control, cuda=self.cuda,
                                           progress=work.progress, thp=self.thp)
 
@@ -246,7 +247,7 @@ class Node(NamedTuple):
 
 def checkpoint_request(settings: Settings, container_id: str, namespace: str, name: str, *, pod: str = "",
                        pod_uid: str = "", container: str = "", image: str = "", image_ref: str = "",
-                       exit_after: bool = False, max_layer_bytes: int | None = None
+                       exit_after: bool = False, max_layer_bytes: int | None = None, cold_start: float = 0.0
                        ) -> checkpoint_flow.CheckpointRequest:
     """The one place a checkpoint request is built from the settings (the plugin's and the CLI's)."""
     return checkpoint_flow.CheckpointRequest(
@@ -254,7 +255,7 @@ def checkpoint_request(settings: Settings, container_id: str, namespace: str, na
         pod=pod, pod_uid=pod_uid, container=container, image=image, image_ref=image_ref, exit_after=exit_after,
         log_dir=os.path.join(settings.state_dir, "logs"),
         max_layer_bytes=settings.max_layer_bytes if max_layer_bytes is None else max_layer_bytes,
-        capture_timeout=settings.capture_timeout, bulk_min_run=settings.bulk_min_run)
+        capture_timeout=settings.capture_timeout, bulk_min_run=settings.bulk_min_run, cold_start=cold_start)
 
 
 def restore_request(settings: Settings, container_id: str, namespace: str, name: str, *, image: str,

@@ -40,7 +40,7 @@ from importlib import metadata
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
-from .outcomes import Outcome, OutcomeKind
+from .outcomes import NOT_PHASES, Outcome, OutcomeKind
 
 # Process-wide in prometheus_client; nothing of ours wants them.
 disable_created_metrics()  # type: ignore[no-untyped-call]
@@ -146,7 +146,7 @@ class Metrics:
     def _durations(total: Histogram, phases: Histogram, outcome: Outcome) -> None:
         total.observe(outcome.seconds)  # the flow's "total" timing, else the sum of its phases
         for phase, seconds in outcome.timings.items():
-            if phase != "total":
+            if phase not in NOT_PHASES:
                 phases.labels(phase).observe(seconds)
 
     # ------------------------------------------------------------------ stub observer

@@ -92,6 +92,9 @@ class CheckpointRequest:
     bulk_min_run: int = bulk.MIN_RUN  # shorter page runs stay with CRIU
     max_layer_bytes: int = overlay.DEFAULT_MAX_LAYER_BYTES  # cap on the captured layer (and /dev/shm)
     capture_timeout: float = 600.0  # seconds for the capture, while the tree is stopped
+    # Seconds from the source's start to ready, as its caller saw them (0: unknown): kept in the
+    # manifest's timings as ``cold_start``, what a restore of it is compared with.
+    cold_start: float = 0.0
 
 
 def capture_excludes(info: ContainerInfo) -> list[str]:
@@ -249,7 +252,7 @@ def checkpoint(req: CheckpointRequest, store: ArtifactStore, key: bytes, *,
             mounts=tuple(MountInfo(m.key, m.destination, m.type) for m in dump.mount_plan),
             files=(),
             host_files=host_files,
-            timings=dict(t),
+            timings={**t, **({"cold_start": round(req.cold_start, 3)} if req.cold_start > 0 else {})},
         )
         with t.phase("publish"):
             published = staging.publish(manifest, key, known=hashed.values())

@@ -325,6 +325,8 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
             with t.phase("open"):
                 artifact = held.enter_context(store.open(req.namespace, req.name, key, version=req.version or None))
             manifest = artifact.manifest
+            if manifest.timings.get("cold_start", 0) > 0:  # not a phase: what this restore competes with
+                t["source_cold_start"] = float(manifest.timings["cold_start"])
             if generations is not None:
                 generations.check(req.namespace, req.name, manifest.generation)
             with t.phase("inspect"):
