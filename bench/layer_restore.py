@@ -186,11 +186,11 @@ def main() -> None:
         print(f"streamed_vs_staged {med['streamed'] / med['staged']:.2f}  "
               f"streamed_vs_cold_write {med['streamed'] / med['cold_write']:.2f}")
         if args.json:
-            with open(args.json, "w") as f:
+            with open(args.json, "w") as out_f:
                 json.dump({"args": vars(args), "archive_bytes": size, "rounds": results,
                            "median_s": med, "x_cat": {k: v / base for k, v in med.items()},
                            "streamed_vs_staged": med["streamed"] / med["staged"],
-                           "streamed_vs_cold_write": med["streamed"] / med["cold_write"]}, f, indent=1)
+                           "streamed_vs_cold_write": med["streamed"] / med["cold_write"]}, out_f, indent=1)
     finally:
         for d in os.listdir(work):  # a target left mounted by a failed case
             if d.startswith("target-"):
