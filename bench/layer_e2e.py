@@ -106,7 +106,7 @@ def main() -> None:
             rec = {"first_answer_s": round(answered, 3), "phase": st["phase"], "timings": st["timings"],
                    "note": st.get("note", ""), "reason": st.get("reason", "")}
             doc["restored"].append(rec)
-            print(f"round {i}: cold {doc['cold'][-1]['first_answer_s']} s, restored {rec['first_answer_s']} s "
+            print(f"round {i}: cold {doc['cold'][-1]['first_answer_s']} s, restored {rec['first_answer_s']} s {rec['note']} "
                   f"({rec['phase']}; {', '.join(f'{k} {v}' for k, v in rec['timings'].items())})", flush=True)
             stop(b)
         cold = statistics.median(r["first_answer_s"] for r in doc["cold"])

@@ -17,8 +17,11 @@ Steps, each timed (the timings go into the manifest and the container's status):
   6. resume: SIGCONT, then CUDA restore + unlock (unless the source is to exit), on a thread of
      its own beside step 7 (``source_stopped``: from the CUDA lock, or the dump, to here);
   7. host_files: digests of the files the tree uses from bind mounts (runtime.hostfiles);
+     layer_sums: the digest of each 1 MiB of the layer archives, so a restore applies them from
+     the store without staging a copy (runtime.overlay.verified);
      split: the large private anonymous page runs move beside CRIU's images (runtime.pages.bulk);
-  8. publish: manifest (identity, node, CRIU, CUDA, security fingerprint, digests), signed,
+  8. publish: manifest (identity, node, CRIU, CUDA, security fingerprint, digests, timings with
+     the source's ``cold_start`` when the caller measured it), signed,
      published as a new version of the name;
   9. tell the source (``snapshot-complete``) and stop it if asked.
 Progress: ``progress(phase, 0, 0)`` at each phase start and ``("complete", n, n)`` once published,

@@ -8,11 +8,13 @@ The target container runs ``rekindle-init --mode restore`` as PID 1 and waits. S
      capabilities, privileged, seccomp, no_new_privs, LSM, user namespace, masked and read-only
      paths, device cgroup, sysctls) — CRIU restores what the source had; the files the tree
      uses from bind mounts have the checkpoint's content (``runtime.hostfiles``);
-  3. stage: every file but the bulk pages is copied into a private node-local directory while
-     hashed; only those copies are used afterwards (CRIU reads its images from there). The
+  3. stage: every file but the bulk pages and the layer archives whose chunk digests are listed
+     is copied into a private node-local directory while hashed; only those copies are used
+     afterwards (CRIU reads its images from there). The
      prefetch may have done this from RunPodSandbox on: its copies are taken when they are of
      the very version opened in step 1 (version name and manifest bytes);
-  4. rootfs_apply: the writable-layer diff (and /dev/shm) into the target, journaled outside
+  4. rootfs_apply: the writable-layer diff (and /dev/shm) into the target, read from the store
+     chunk by chunk, each verified before use (runtime.overlay.verified), journaled outside
      it (``<undo_dir>/<container id>``, runtime.overlay.pending) until ``restore-complete``: a
      later step that fails rolls it back, and so does the next agent (:func:`recover_rootfs`)
      when this one dies; meanwhile ``rootfs-pending`` tells the init not to start cold on it;
