@@ -1,13 +1,14 @@
 """A big writable layer through containerd and the plugin: restore against the cold start that
 writes the same layer.
 
-    python -m bench.layer_e2e [--mib 1024] [--rounds 3] [--json OUT]
+    python -m bench.layer_e2e [--mib 1024] [--rounds 3] [--source zero|urandom] [--json OUT]
 
 Root; holds the e2e tests' lock (``/run/lock/rekindle-e2e.lock``) and uses their sandbox
 (containerd 1.7, runc, CRIU, CNI) and a ``rekindle plugin`` process of this checkout. The
 workload is the demo's counter server, started by a shell that first writes ``--mib`` MiB into
-16 files under ``/data`` (``dd`` of zeros: the cheapest way a workload can make that layer,
-so the strictest cold start to beat; zeros are still stored, read, hashed and written as data).
+16 files under ``/data``: ``dd`` of zeros by default, the cheapest way a workload can make that
+layer, so the strictest cold start to beat (zeros are still stored, read, hashed and written as
+data); ``--source urandom``: of ``/dev/urandom``, a workload that computes what it writes.
 
 One source pod is checkpointed by annotation, then, interleaved for ``--rounds``: a cold pod
 (no annotation: the same command) and a restored pod (``rekindle.dev/restore``), each timed from
@@ -38,10 +39,10 @@ PORT = 8080
 NAME = "layer-bench"
 
 
-def _command(mib: int) -> list[str]:
+def _command(mib: int, source: str) -> list[str]:
     per = max(1, mib // 16)
     return ["/bin/sh", "-c", "mkdir -p /data && i=0; while [ $i -lt 16 ]; do "
-            f"dd if=/dev/zero of=/data/part-$i bs=1M count={per} 2>/dev/null; i=$((i+1)); done; "
+            f"dd if=/dev/{source} of=/data/part-$i bs=1M count={per} 2>/dev/null; i=$((i+1)); done; "
             f"exec /usr/local/bin/counter-server {PORT}"]
 
 
@@ -63,6 +64,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mib", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--source", choices=("zero", "urandom"), default="zero",
+                    help="what the workload writes: zeros (no cost to make) or /dev/urandom (a workload "
+                         "that computes its data)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     lock = hold_e2e_lock()
@@ -73,7 +77,7 @@ def main() -> None:
     cri = sb.cri(timeout=120.0)
     plugin = gpu_pods.start_plugin(sb, work / "plugin")
     pods: list[Pod] = []
-    doc: dict[str, Any] = {"mib": args.mib, "cold": [], "restored": []}
+    doc: dict[str, Any] = {"mib": args.mib, "source": args.source, "cold": [], "restored": []}
 
     def stop(p: Pod) -> None:
         cri.stop_pod(p.id)
@@ -84,7 +88,7 @@ def main() -> None:
         p = cri.run_pod_sandbox(name, annotations=annotations)
         pods.append(p)
         t0 = time.monotonic()
-        cid = cri.create_container(p, CONTAINER, COUNTER, command=_command(args.mib), env={})
+        cid = cri.create_container(p, CONTAINER, COUNTER, command=_command(args.mib, args.source), env={})
         cri.start_container(cid)
         return p, cid, t0
 
