@@ -104,6 +104,10 @@ def test_counter_server_continues_in_another_pod(sandbox, pod, plugin):
     for phase in ("stage", "rootfs_apply", "criu_restore", "stream_start", "stream"):  # the default path
         assert phase in st["timings"]
     assert "default/counter-a: staged ahead" in plugin.log()  # by the prefetch, from RunPodSandbox on
+    # The source's cold start (its start to ready, in the manifest) beside the restore's total:
+    # a restore no faster says so.
+    cold = st["timings"]["source_cold_start"]
+    assert cold > 0 and bool(st["note"]) == (st["timings"]["total"] >= cold), st
     # The warm-up memory came back (64 MiB beside CRIU, served while it ran), byte for byte.
     assert get(b_ip, "/verify") == warm and "verify=ok" in warm
     # /dev/shm (the pod's shm, an external mount) came along.
