@@ -55,7 +55,7 @@ from .prewarm import DiskGate, start_prewarm
 from .health import HEARTBEAT, Health
 from .jobs import Jobs, Skipped, Work
 from .metrics import BuildInfo, Metrics
-from .outcomes import Reporter
+from .outcomes import COLD_START, Reporter
 from .policy import AfterCheckpoint, ReadyProbe
 from .probes import ProbeSlots
 from .stub import Identity, Stub
@@ -150,7 +150,8 @@ class NodeEngine:
             container=work.container, image=work.image, image_ref=self._image_id(work.image),
             exit_after=work.intent.after_checkpoint is AfterCheckpoint.EXIT,
             max_layer_bytes=min(work.intent.max_layer_bytes, self.settings.max_layer_bytes),
-            prewarm=work.intent.prewarm)
+            prewarm=work.intent.prewarm,
+            cold_start=work.timings.get(COLD_START, 0.0))
         return checkpoint_flow.checkpoint(req, self.store, self.key, control=work.control, cuda=self.cuda,
                                           progress=work.progress, thp=self.thp)
 
@@ -264,7 +265,8 @@ class Node(NamedTuple):
 
 def checkpoint_request(settings: Settings, container_id: str, namespace: str, name: str, *, pod: str = "",
                        pod_uid: str = "", container: str = "", image: str = "", image_ref: str = "",
-                       exit_after: bool = False, max_layer_bytes: int | None = None, prewarm: bool = False
+                       exit_after: bool = False, max_layer_bytes: int | None = None, prewarm: bool = False,
+                       cold_start: float = 0.0
                        ) -> checkpoint_flow.CheckpointRequest:
     """The one place a checkpoint request is built from the settings (the plugin's and the CLI's)."""
     return checkpoint_flow.CheckpointRequest(
@@ -272,7 +274,8 @@ def checkpoint_request(settings: Settings, container_id: str, namespace: str, na
         pod=pod, pod_uid=pod_uid, container=container, image=image, image_ref=image_ref, exit_after=exit_after,
         log_dir=os.path.join(settings.state_dir, "logs"),
         max_layer_bytes=settings.max_layer_bytes if max_layer_bytes is None else max_layer_bytes,
-        capture_timeout=settings.capture_timeout, bulk_min_run=settings.bulk_min_run, prewarm=prewarm)
+        capture_timeout=settings.capture_timeout, bulk_min_run=settings.bulk_min_run, prewarm=prewarm,
+        cold_start=cold_start)
 
 
 def restore_request(settings: Settings, container_id: str, namespace: str, name: str, *, image: str,

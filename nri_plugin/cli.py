@@ -636,7 +636,8 @@ def status_view(state_dir: str, fmt: str) -> str:
         live = f"  <{_progress(r.progress)}>" if r.progress is not None and not r.phase.final else ""
         size = f"  {_bytes(r.bytes)}" if r.bytes else ""
         lines.append(f"{r.namespace}/{r.pod}:{r.container}  {r.role or '-'} {r.artifact or '-'}  {r.phase.value}"
-                     + live + size + (f"  ({r.reason})" if r.reason else "") + (f"  [{timing}]" if timing else ""))
+                     + live + size + (f"  ({r.reason})" if r.reason else "") + (f"  [{timing}]" if timing else "")
+                     + (f"  note: {r.note}" if r.note else ""))
     return "\n".join(_safe(line) for line in lines + warming)
 
 

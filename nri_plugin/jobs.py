@@ -46,6 +46,7 @@ from runtime.status import ContainerStatus, Phase, Progress, StatusBook
 
 from . import logs
 from .policy import Intent, ProbeKind, ReadyProbe, Role
+from .outcomes import COLD_START, slower_than_cold
 from .probes import ProbeSlots
 from .progress import ProgressRecorder
 
@@ -233,6 +234,7 @@ class Jobs:
         t0 = time.monotonic()
         how = await self._wait_ready(work)
         work.timings["wait_ready"] = round(time.monotonic() - t0, 3)
+        work.timings[COLD_START] = round(_running_for(work.pid) or work.timings["wait_ready"], 3)
         log.info("%s: ready (%s) after %.1fs; checkpointing to %s", work.who, how,
                  work.timings["wait_ready"], work.artifact, extra={"phase": "wait_ready",
                                                                    "seconds": work.timings["wait_ready"]})
@@ -280,8 +282,9 @@ class Jobs:
             log.warning("%s: %s", work.who, died, extra={"phase": Phase.RESTORE_EXITED.value})
             self._set(work, Phase.RESTORE_EXITED, died)
             return
-        self._set(work, Phase.RESTORED, "")
-        log.info("%s: restored from %s (%s)", work.who, work.artifact, _fmt(work.timings),
+        note = slower_than_cold(work.timings)
+        self._set(work, Phase.RESTORED, "", note=note)
+        log.info("%s: restored from %s (%s)%s", work.who, work.artifact, _fmt(work.timings), f"; {note}" if note else "",
                  extra={"phase": "restored", "seconds": work.timings.get("total")})
 
     async def _died(self, work: Work, wait: float) -> str | None:
@@ -356,13 +359,13 @@ class Jobs:
         return True
 
     def _set(self, work: Work, phase: Phase, reason: str, progress: Progress | None = None,
-             cause: BaseException | None = None) -> None:
+             cause: BaseException | None = None, note: str = "") -> None:
         kind = reason_of(cause) if cause is not None else None
         self.status.record(ContainerStatus(
             namespace=work.namespace, pod=work.pod, container=work.container,
             role=work.intent.role.value, artifact=work.artifact, phase=phase, reason=reason,
             container_id=work.container_id, pod_uid=work.pod_uid, timings=dict(work.timings),
-            progress=progress, bytes=work.bytes, reason_class=kind.value if kind is not None else ""))
+            progress=progress, bytes=work.bytes, reason_class=kind.value if kind is not None else "", note=note))
 
 
 def _exit_text(code: int | None) -> str:
@@ -374,6 +377,19 @@ def _exit_text(code: int | None) -> str:
         except ValueError:
             pass
     return f"exit status {code}"
+
+
+def _running_for(pid: int) -> float | None:
+    """Seconds since process ``pid`` started (the container's init: its start), None if unknown.
+    Unlike the wait for ready, this counts from the container's start even when the agent
+    restarted meanwhile."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            ticks = int(f.read().rsplit(b")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+    since = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+    return since if since > 0 else None
 
 
 def _fmt(timings: dict[str, float]) -> str:

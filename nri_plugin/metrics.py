@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
-from .outcomes import Outcome, OutcomeKind
+from .outcomes import NOT_PHASES, Outcome, OutcomeKind
 
 if TYPE_CHECKING:
     from .prewarm import Status as PrewarmStatus
@@ -177,7 +177,7 @@ class Metrics:
     def _durations(total: Histogram, phases: Histogram, outcome: Outcome) -> None:
         total.observe(outcome.seconds)  # the flow's "total" timing, else the sum of its phases
         for phase, seconds in outcome.timings.items():
-            if phase != "total":
+            if phase not in NOT_PHASES:
                 phases.labels(phase).observe(seconds)
 
     # ------------------------------------------------------------------ stub observer

@@ -92,6 +92,22 @@ _SHORT = {"criu_restore": "criu", "cuda_restore": "cuda", "criu_dump": "criu", "
           "rootfs_apply": "rootfs", "rootfs_capture": "rootfs", "cuda_resume_source": "cuda resume"}
 # Phases shorter than this are left out of a summary (they are in the status file).
 _SUMMARY_MIN_SECONDS = 0.05
+# Timings that are no phase of the flow: the source's time from its start to ready (a checkpoint's
+# record and manifest), and that figure as a restore read it from its artifact.
+COLD_START = "cold_start"
+SOURCE_COLD_START = "source_cold_start"
+NOT_PHASES = frozenset({"total", COLD_START, SOURCE_COLD_START})
+
+
+def slower_than_cold(timings: Mapping[str, float]) -> str:
+    """A restore that took at least as long as its source's cold start (from the container's
+    start to ready, recorded at checkpoint): the note that says so with both figures, so that the
+    annotation can be dropped. "" when it was faster, or either figure is unknown."""
+    total, cold = timings.get("total", 0.0), timings.get(SOURCE_COLD_START, 0.0)
+    if total <= 0 or cold <= 0 or total < cold:
+        return ""
+    return (f"the restore took {total:.1f} s, no faster than the source's cold start of {cold:.1f} s "
+            "(its start to ready): a cold start would do as well, the restore annotation can be dropped")
 
 
 def _size(n: int) -> str:
@@ -129,12 +145,12 @@ class Outcome:
     def seconds(self) -> float:
         if "total" in self.timings:
             return float(self.timings["total"])
-        return float(sum(v for k, v in self.timings.items() if k != "wait_ready"))
+        return float(sum(v for k, v in self.timings.items() if k != "wait_ready" and k not in NOT_PHASES))
 
     def phases(self) -> str:
         """``stage 0.3 s, criu 2.9 s, fill 0.5 s`` (phases of at least 0.05 s)."""
         parts = [f"{_SHORT.get(k, k)} {v:.1f} s" for k, v in self.timings.items()
-                 if k != "total" and v >= _SUMMARY_MIN_SECONDS]
+                 if k not in NOT_PHASES and v >= _SUMMARY_MIN_SECONDS]
         return ", ".join(parts)
 
     def summary(self) -> str:
@@ -142,7 +158,9 @@ class Outcome:
         label = f"{self.namespace}/{self.artifact}" if self.artifact else "(no artifact)"
         phases = self.phases()
         if self.kind is OutcomeKind.RESTORED:
-            return f"from {label} in {self.seconds:.1f} s" + (f": {phases}" if phases else "")
+            slow = slower_than_cold(self.timings)
+            return (f"from {label} in {self.seconds:.1f} s" + (f": {phases}" if phases else "")
+                    + (f"; {slow}" if slow else ""))
         if self.kind is OutcomeKind.PUBLISHED:
             size = f" ({_size(self.bytes)})" if self.bytes else ""
             return f"{label}{size} in {self.seconds:.1f} s" + (f": {phases}" if phases else "")

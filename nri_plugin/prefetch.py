@@ -157,7 +157,8 @@ class Prefetcher:
         if self.staging_dir is None:
             pod.began.set()
             return
-        size = sum(f.size for f in artifact.manifest.files if not layout.is_bulk(f.path))
+        skipped = layout.staged_skip({f.path for f in artifact.manifest.files})
+        size = sum(f.size for f in artifact.manifest.files if not skipped(f.path))
         with self._lock:
             held = [p for p in self._pods.values() if p.staging and p is not pod]
             own = [p for p in held if p.namespace == pod.namespace]
@@ -180,7 +181,7 @@ class Prefetcher:
                                     dir=self.staging_dir)
             write_owner(work)  # removed by the sweep if this process dies with it
             try:
-                artifact.materialize(os.path.join(work, "private"), skip=layout.is_bulk)
+                artifact.materialize(os.path.join(work, "private"), skip=skipped)
                 staged = _Staged(artifact.version, artifact.manifest_id, work)
             except BaseException:
                 _remove(work)

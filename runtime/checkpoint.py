@@ -17,8 +17,11 @@ Steps, each timed (the timings go into the manifest and the container's status):
   6. resume: SIGCONT, then CUDA restore + unlock (unless the source is to exit), on a thread of
      its own beside step 7 (``source_stopped``: from the CUDA lock, or the dump, to here);
   7. host_files: digests of the files the tree uses from bind mounts (runtime.hostfiles);
+     layer_sums: the digest of each 1 MiB of the layer archives, so a restore applies them from
+     the store without staging a copy (runtime.overlay.verified);
      split: the large private anonymous page runs move beside CRIU's images (runtime.pages.bulk);
-  8. publish: manifest (identity, node, CRIU, CUDA, security fingerprint, digests), signed,
+  8. publish: manifest (identity, node, CRIU, CUDA, security fingerprint, digests, timings with
+     the source's ``cold_start`` when the caller measured it), signed,
      published as a new version of the name;
   9. tell the source (``snapshot-complete``) and stop it if asked.
 Progress: ``progress(phase, 0, 0)`` at each phase start and ``("complete", n, n)`` once published,
@@ -64,6 +67,7 @@ from runtime.manifest import CriuInfo, CudaInfo, Manifest, MountInfo, NodeInfo, 
 from runtime.procfs import anon_mappings
 from runtime.criu import DumpResult, dump_workload
 from runtime.digests import Hashed
+from runtime.overlay.verified import write_sums as write_layer_sums
 from runtime.pages.tailhash import TailHasher
 from runtime.security import SecurityProfile
 from runtime.store import ArtifactStore
@@ -94,6 +98,9 @@ class CheckpointRequest:
     max_layer_bytes: int = overlay.DEFAULT_MAX_LAYER_BYTES  # cap on the captured layer (and /dev/shm)
     capture_timeout: float = 600.0  # seconds for the capture, while the tree is stopped
     prewarm: bool = False  # recorded in the manifest: nodes warm their cache with it (nri_plugin.prewarm)
+    # Seconds from the source's start to ready, as its caller saw them (0: unknown): kept in the
+    # manifest's timings as ``cold_start``, what a restore of it is compared with.
+    cold_start: float = 0.0
 
 
 def capture_excludes(info: ContainerInfo) -> list[str]:
@@ -221,6 +228,10 @@ def checkpoint(req: CheckpointRequest, store: ArtifactStore, key: bytes, *,
                                 + "; ".join(unrepaired), dump.log_path)
             with t.phase("host_files"):
                 host_files = hostfiles.record(images, dump.mount_plan, info.spec_mounts, view_of=info.init_pid)
+            with t.phase("layer_sums"):  # the source runs again: its restore reads the layer unstaged
+                for tar in [layout.ROOTFS_TAR] + ([layout.SHM_TAR] if dump.shm_source else []):
+                    write_layer_sums(os.path.join(staging.path, tar),
+                                     os.path.join(staging.path, layout.layer_sums(tar)))
             files: tuple[layout.BulkFile, ...] = ()
             if req.split:
                 with t.phase("split"):
@@ -250,7 +261,7 @@ def checkpoint(req: CheckpointRequest, store: ArtifactStore, key: bytes, *,
             mounts=tuple(MountInfo(m.key, m.destination, m.type) for m in dump.mount_plan),
             files=(),
             host_files=host_files,
-            timings=dict(t),
+            timings={**t, **({"cold_start": round(req.cold_start, 3)} if req.cold_start > 0 else {})},
             prewarm=req.prewarm,
         )
         with t.phase("publish"):

@@ -65,6 +65,20 @@ def is_bulk(path: str) -> bool:
     return path.startswith(BULK_DIR + "/")
 
 
+def layer_sums(tar: str) -> str:
+    """The chunk digests (one per SUM_CHUNK) of a writable-layer archive: with them listed, a
+    restore reads the archive from the store while applying it instead of staging a copy
+    (runtime.overlay.verified)."""
+    return tar + ".sums"
+
+
+def staged_skip(listed: typing.Collection[str]) -> typing.Callable[[str], bool]:
+    """What staging leaves in the store, of an artifact listing ``listed``: the bulk files, and
+    each layer archive whose chunk digests are listed (artifacts of before them stage it)."""
+    streamed = {t for t in (ROOTFS_TAR, SHM_TAR) if layer_sums(t) in listed}
+    return lambda path: is_bulk(path) or path in streamed
+
+
 def is_bulk_pages(path: str) -> bool:
     """A bulk file itself (not its chunk digests or pagemap)."""
     return is_bulk(path) and path.endswith(".bulk")

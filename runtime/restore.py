@@ -8,11 +8,13 @@ The target container runs ``rekindle-init --mode restore`` as PID 1 and waits. S
      capabilities, privileged, seccomp, no_new_privs, LSM, user namespace, masked and read-only
      paths, device cgroup, sysctls) — CRIU restores what the source had; the files the tree
      uses from bind mounts have the checkpoint's content (``runtime.hostfiles``);
-  3. stage: every file but the bulk pages is copied into a private node-local directory while
-     hashed; only those copies are used afterwards (CRIU reads its images from there). The
+  3. stage: every file but the bulk pages and the layer archives whose chunk digests are listed
+     is copied into a private node-local directory while hashed; only those copies are used
+     afterwards (CRIU reads its images from there). The
      prefetch may have done this from RunPodSandbox on: its copies are taken when they are of
      the very version opened in step 1 (version name and manifest bytes);
-  4. rootfs_apply: the writable-layer diff (and /dev/shm) into the target, journaled outside
+  4. rootfs_apply: the writable-layer diff (and /dev/shm) into the target, read from the store
+     chunk by chunk, each verified before use (runtime.overlay.verified), journaled outside
      it (``<undo_dir>/<container id>``, runtime.overlay.pending) until ``restore-complete``: a
      later step that fails rolls it back, and so does the next agent (:func:`recover_rootfs`)
      when this one dies; meanwhile ``rootfs-pending`` tells the init not to start cold on it;
@@ -48,7 +50,8 @@ import os
 import shutil
 import signal
 import tempfile
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from runtime import tasks
@@ -62,6 +65,7 @@ from runtime import hostfiles
 from runtime import layout
 from runtime import overlay
 from runtime.overlay import pending as overlay_pending
+from runtime.overlay.verified import VerifiedArchive
 from runtime.compat import NodeFacts, check_compatibility
 from runtime.containers import ContainerInfo, resolve_container
 from runtime.gpu import Checkpointer, build_gpu_map
@@ -159,7 +163,8 @@ def _stage(artifact: Artifact, private: str, path: RestorePath, ahead: str | Non
             log.info("%s: the copy staged ahead cannot be used (%s); staging again", artifact.label, exc)
         shutil.rmtree(ahead, ignore_errors=True)
     if not taken:
-        artifact.materialize(private, skip=layout.is_bulk, source=source)
+        artifact.materialize(private, skip=layout.staged_skip({f.path for f in artifact.manifest.files}),
+                             source=source)
     try:
         with open(os.path.join(private, layout.RESTORE_PLAN), "rb") as f:
             plan = layout.RestorePlan.from_json(f.read())
@@ -175,6 +180,23 @@ def _stage(artifact: Artifact, private: str, path: RestorePath, ahead: str | Non
             artifact.copy_verified(b.path, pages)
             artifact.copy_verified(layout.bulk_pagemap(b.pid), pagemap)
     return plan
+
+
+@contextlib.contextmanager
+def _layer(artifact: Artifact, private: str, tar: str,
+           source: Callable[[str], int] | None) -> Iterator[str | VerifiedArchive]:
+    """The layer archive to apply: its private copy when staging made one (an artifact without
+    its chunk digests, or a copy staged ahead), else the store's (or the node cache's) file read
+    through the chunk digests staged beside it: one read of each byte, verified before use."""
+    copy = os.path.join(private, tar)
+    if os.path.exists(copy):
+        yield copy
+        return
+    with open(os.path.join(private, layout.layer_sums(tar)), "rb") as f:
+        sums = f.read()
+    fd = (source or artifact.open_file)(tar)
+    with VerifiedArchive(fd, artifact.entry(tar).size, sums, f"{artifact.label}: {tar}") as archive:
+        yield archive
 
 
 @dataclass
@@ -312,6 +334,8 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
             with t.phase("open"):
                 artifact = held.enter_context(store.open(req.namespace, req.name, key, version=req.version or None))
             manifest = artifact.manifest
+            if manifest.timings.get("cold_start", 0) > 0:  # not a phase: what this restore competes with
+                t["source_cold_start"] = float(manifest.timings["cold_start"])
             if generations is not None:
                 generations.check(req.namespace, req.name, manifest.generation)
             with t.phase("inspect"):
@@ -403,14 +427,15 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
                 # the next agent after this one died, rolls it back (runtime.overlay.pending).
                 recover_rootfs(undo_root, req.container_id, 0, control)
                 pending.begin()
-                overlay.apply(target.rootfs, os.path.join(private, layout.ROOTFS_TAR),
-                              os.path.join(private, layout.ROOTFS_DELETIONS), max_bytes=req.max_layer_bytes,
-                              journal=pending.journal("rootfs"))
+                layer_from = entry.open_copy if entry is not None else None
+                with _layer(artifact, private, layout.ROOTFS_TAR, layer_from) as tar:
+                    overlay.apply(target.rootfs, tar, os.path.join(private, layout.ROOTFS_DELETIONS),
+                                  max_bytes=req.max_layer_bytes, journal=pending.journal("rootfs"))
                 shm = _shm_dir(target)
                 if plan.shm and shm:
-                    overlay.apply(shm, os.path.join(private, layout.SHM_TAR),
-                                  os.path.join(private, layout.SHM_DELETIONS), max_bytes=req.max_layer_bytes,
-                                  journal=pending.journal("shm"))
+                    with _layer(artifact, private, layout.SHM_TAR, layer_from) as tar:
+                        overlay.apply(shm, tar, os.path.join(private, layout.SHM_DELETIONS),
+                                      max_bytes=req.max_layer_bytes, journal=pending.journal("shm"))
             pause_for_test("applied")
 
             with t.phase("criu_restore"):

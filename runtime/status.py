@@ -85,6 +85,7 @@ class ContainerStatus:
     progress: Progress | None = None   # only while checkpointing or restoring
     bytes: int = 0                     # the artifact's size, once published or restored
     reason_class: str = ""             # runtime.errors.Reason of a failure, when its error said ("": by its words)
+    note: str = ""                     # a remark on a success (a restore no faster than a cold start)
 
     def to_json(self) -> str:
         d = asdict(self)

@@ -49,6 +49,7 @@ Contract:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -56,7 +57,7 @@ import posixpath
 import shutil
 import stat
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import IO
 
@@ -67,6 +68,7 @@ from runtime.overlay.fs import DIR_FLAGS, copy_range, lstat_at, open_dir, write_
 from runtime.overlay.tar import Member, TarWriter, members
 from runtime.overlay import undo as overlay_undo
 from runtime.overlay.undo import Undo
+from runtime.overlay.verified import VerifiedArchive
 from runtime.testpause import pause_for_test
 
 log = logging.getLogger(__name__)
@@ -162,16 +164,19 @@ def _normalise_exclude(path: str) -> str:
 
 # --- apply -------------------------------------------------------------------------------------
 
-def apply(rootfs: str, tar_path: str, deletions_json: str, *,
+def apply(rootfs: str, tar: str | VerifiedArchive, deletions_json: str, *,
           max_bytes: int = DEFAULT_MAX_LAYER_BYTES, journal: str | None = None) -> ApplyStats:
     """Apply a captured layer to ``rootfs`` (the target container's merged overlay mount), all or
-    nothing. ``max_bytes``: the largest archive accepted (default 8 GiB); every member's stored
+    nothing. ``tar``: the archive's path (a private copy), or the store's file read through its
+    chunk digests (:class:`runtime.overlay.verified.VerifiedArchive`: every byte is verified
+    before it is parsed or written; the caller keeps and closes it). ``max_bytes``: the largest archive accepted (default 8 GiB); every member's stored
     data must end below it, so it also bounds what is written. ``journal``: a new directory
     outside the rootfs for the undo journal (:mod:`runtime.overlay.undo`), left there when the
     apply succeeds so that the caller can still roll it back (``runtime.overlay.undo.roll_back``) or
     drop it (``runtime.overlay.undo.discard``); removed when the apply fails (after its rollback). None:
     a private temporary journal, dropped at the end."""
     stats = ApplyStats()
+    tar_path = tar if isinstance(tar, str) else "the store's archive"
     deletions = load_deletions(deletions_json)
     try:
         root = os.open(rootfs, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -181,7 +186,7 @@ def apply(rootfs: str, tar_path: str, deletions_json: str, *,
     try:
         if journal is None:
             journal = os.path.join(tempfile.mkdtemp(prefix="rekindle-undo-"), "journal")
-        with open(tar_path, "rb", buffering=256 << 10) as f:
+        with _opened(tar) as f:
             check = MemberCheck(max_bytes=max_bytes)
             for m in members(f):
                 check.check(m)
@@ -232,6 +237,15 @@ def apply(rootfs: str, tar_path: str, deletions_json: str, *,
     return stats
 
 
+@contextlib.contextmanager
+def _opened(tar: str | VerifiedArchive) -> Iterator[IO[bytes] | VerifiedArchive]:
+    if isinstance(tar, str):
+        with open(tar, "rb", buffering=256 << 10) as f:
+            yield f
+    else:
+        yield tar
+
+
 def _delete(root: int, parts: list[str], kind: str, undo: Undo, stats: ApplyStats) -> None:
     parent = open_dir(root, parts[:-1], "/".join(parts), missing_ok=True)
     if parent < 0:
@@ -254,7 +268,7 @@ def _delete(root: int, parts: list[str], kind: str, undo: Undo, stats: ApplyStat
         os.close(parent)
 
 
-def _write_members(root: int, f: IO[bytes], check: MemberCheck, undo: Undo,
+def _write_members(root: int, f: IO[bytes] | VerifiedArchive, check: MemberCheck, undo: Undo,
                    stats: ApplyStats) -> None:
     # Directories of the archive whose subtree is being written, innermost last, with their
     # mtimes: set once the walk has left them (capture writes a directory, then its subtree).
@@ -264,7 +278,7 @@ def _write_members(root: int, f: IO[bytes], check: MemberCheck, undo: Undo,
         _leave_dirs(root, open_dirs, m.name)
         if i == PAUSE_AT_MEMBER:
             pause_for_test("member")
-        _write(root, f.fileno(), m, parts, undo, stats)
+        _write(root, f, m, parts, undo, stats)
         if m.isdir():
             open_dirs.append((parts, m.mtime_ns))
     _leave_dirs(root, open_dirs, None)
@@ -287,7 +301,7 @@ def _set_meta(fd: int, m: Member) -> None:
         os.setxattr(fd, name, value)
 
 
-def _write(root: int, archive: int, m: Member, parts: list[str], undo: Undo,
+def _write(root: int, archive: IO[bytes] | VerifiedArchive, m: Member, parts: list[str], undo: Undo,
            stats: ApplyStats) -> None:
     leaf = parts[-1]
     parent = open_dir(root, parts[:-1], m.name)
@@ -352,15 +366,22 @@ def _write(root: int, archive: int, m: Member, parts: list[str], undo: Undo,
         os.close(parent)
 
 
-def _write_data(archive: int, fd: int, m: Member) -> int:
+def _write_data(archive: IO[bytes] | VerifiedArchive, fd: int, m: Member) -> int:
     """Copy ``m``'s data from the archive into ``fd``, holes left as holes; the bytes written."""
     what = f"entry {m.name!r}"
+
+    def copy(src_off: int, dst_off: int, count: int) -> None:
+        if isinstance(archive, VerifiedArchive):
+            archive.copy_to(src_off, fd, dst_off, count)
+        else:
+            copy_range(archive.fileno(), src_off, fd, dst_off, count, what)
+
     if m.sparse is None:
-        copy_range(archive, m.offset_data, fd, 0, m.size, what)
+        copy(m.offset_data, 0, m.size)
         return int(m.size)
     pos = m.offset_data
     for offset, length in m.sparse:
-        copy_range(archive, pos, fd, offset, length, what)
+        copy(pos, offset, length)
         pos += length
     os.ftruncate(fd, m.size)
     return pos - m.offset_data

@@ -30,7 +30,7 @@ import os
 import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import IO
+from typing import Protocol
 
 from runtime.errors import OverlayError
 from runtime.overlay.fs import check_deadline, copy_range, write_all
@@ -85,6 +85,14 @@ def data_extents(fd: int, size: int, budget: int) -> list[tuple[int, int]] | Non
             return None
         pos = end
     return [(s, e - s) for s, e in extents]
+
+
+class Source(Protocol):
+    """What the reader needs of an archive: an open file, or a verified view of one."""
+
+    def read(self, n: int = -1, /) -> bytes: ...
+
+    def seek(self, offset: int, whence: int = 0, /) -> int: ...
 
 
 class TarWriter:
@@ -266,7 +274,7 @@ def _pax_records(data: bytes, at: int) -> dict[str, bytes]:
     return out
 
 
-def _sparse_map(f: IO[bytes], stored: int, at: int) -> tuple[tuple[tuple[int, int], ...], int]:
+def _sparse_map(f: Source, stored: int, at: int) -> tuple[tuple[tuple[int, int], ...], int]:
     """A 1.0 map at ``f``'s position, read only within the member's ``stored`` bytes; the map
     and the bytes it took (whole blocks)."""
     numbers: list[int] = []
@@ -291,13 +299,13 @@ def _sparse_map(f: IO[bytes], stored: int, at: int) -> tuple[tuple[tuple[int, in
     return tuple(zip(numbers[::2], numbers[1::2])), read
 
 
-def members(f: IO[bytes]) -> Iterator[Member]:
+def members(f: Source) -> Iterator[Member]:
     """Each member of the archive open as ``f`` (from its start), parsed with every allocation
     bounded: extended headers by MAX_HEADER_BYTES, sparse maps by MAX_SPARSE_EXTENTS and the
     member's stored bytes. Refuses (OverlayError) a bad checksum, a truncated archive, and the
     header kinds this module never writes (global headers, GNU long names, other sparse formats)."""
+    size = f.seek(0, os.SEEK_END)  # a file, or a runtime.overlay.verified.VerifiedArchive
     f.seek(0)
-    size = os.fstat(f.fileno()).st_size
     offset = 0
     pax: dict[str, bytes] | None = None
     while True:
@@ -340,7 +348,7 @@ def members(f: IO[bytes]) -> Iterator[Member]:
 
 
 def _member(block: bytes, kind: bytes, stored: int, pax: dict[str, bytes], offset: int,
-            f: IO[bytes], at: int) -> Member:
+            f: Source, at: int) -> Member:
     def text(key: str, field: bytes) -> str:
         return pax[key].decode("utf-8", "surrogateescape") if key in pax else _text(field)
 

@@ -108,6 +108,10 @@ def test_counter_server_continues_in_another_pod(sandbox, pod, plugin):
     route = json.loads((plugin.control_dir(b.uid, "server") / "timings.json").read_text())["route"]
     assert (route["path"], route["kind"]) == ("bulk", "bulk") and "64 MiB of pages" in route["reason"], route
     assert "default/counter-a: staged ahead" in plugin.log()  # by the prefetch, from RunPodSandbox on
+    # The source's cold start (its start to ready, in the manifest) beside the restore's total:
+    # a restore no faster says so.
+    cold = st["timings"]["source_cold_start"]
+    assert cold > 0 and bool(st["note"]) == (st["timings"]["total"] >= cold), st
     # The warm-up memory came back (64 MiB beside CRIU), byte for byte.
     assert get(b_ip, "/verify") == warm and "verify=ok" in warm
     # /dev/shm (the pod's shm, an external mount) came along.
@@ -180,6 +184,19 @@ def test_flipped_byte_in_artifact_gives_cold_start(sandbox, pod, plugin):
     assert_cold(sandbox, plugin, b, cid, ip, "content changed")
     # The init ran the original command once, and says why.
     assert "content changed" in (plugin.control_dir(b.uid, "server") / "cold-start").read_text()
+
+
+def test_a_byte_flipped_in_the_writable_layer_gives_a_cold_start(sandbox, pod, plugin):
+    """The layer is read from the store while it is applied (neither the prefetch nor the stage
+    copies it): a changed chunk is refused before any of it is used, and the pod starts cold."""
+    checkpoint_source(sandbox, pod, plugin, "flipped-layer")
+    layer = plugin.store / "default" / "flipped-layer" / "rootfs-diff.tar"
+    assert (layer.parent / "rootfs-diff.tar.sums").is_file()
+    data = bytearray(layer.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    layer.write_bytes(bytes(data))
+    b, cid, ip = restore_pod(sandbox, pod, plugin, "flipped-layer", "dst-flipped-layer")
+    assert_cold(sandbox, plugin, b, cid, ip, "rootfs-diff.tar: chunk 0 does not match its digest")
 
 
 def test_tampered_manifest_is_refused(sandbox, pod, plugin):
@@ -324,8 +341,14 @@ def _resign(plugin: PluginProcess, artifact_dir, replace: dict[str, bytes]) -> N
     from runtime.manifest import Manifest, sign
     from runtime.digests import hash_fd
     manifest = Manifest.from_json((artifact_dir / "manifest.json").read_bytes())
+    from runtime import layout
+    from runtime.overlay.verified import write_sums
     for rel, data in replace.items():
         (artifact_dir / rel).write_bytes(data)
+        sums = artifact_dir / layout.layer_sums(rel)
+        if sums.exists():  # a layer's chunk digests, made again as the signer would
+            sums.unlink()
+            write_sums(str(artifact_dir / rel), str(sums))
     files = []
     for f in manifest.files:
         fd = os.open(artifact_dir / f.path, os.O_RDONLY)

@@ -87,7 +87,7 @@ def test_checkpoint_waits_for_ready_then_publishes(tmp_path):
         return await outcome(status)
     st = run_jobs(status, engine, body)
     assert st.phase is Phase.PUBLISHED and st.reason == ""
-    assert set(st.timings) == {"wait_ready", "criu_dump", "total"}
+    assert set(st.timings) == {"wait_ready", "cold_start", "criu_dump", "total"}
     assert engine.calls == [("checkpoint", "c1")]
     assert not work.control.exists(control.CHECKPOINT_FAILED)
 
