@@ -31,9 +31,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bench.llm_restore import drop_caches
+from runtime.digests import PIECE  # the fill works piece by piece
 from runtime.pages import bulk
 from runtime.store import readahead
-from runtime.digests import PIECE  # the fill works piece by piece
 
 GB = 1e9
 FILL_READ = bulk.CHUNK

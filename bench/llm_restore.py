@@ -40,7 +40,6 @@ from typing import Any
 from bench.gpu_restore import GB, GIB, _read_file, measure_h2d, pick_image_root
 from devtools.cri import Mount, Pod
 from devtools.sandbox import Runtime, Sandbox, SandboxConfig
-
 from tests.gpu import gpu_pods
 
 REPO = Path(__file__).resolve().parents[1]

@@ -53,11 +53,10 @@ from typing import Any
 from bench.gpu_restore import GB, GIB, measure_h2d, pick_image_root
 from bench.llm_restore import drop_caches
 from devtools import phases
-from runtime import control
-from runtime.store import readahead
 from devtools.cri import Mount, Pod
 from devtools.sandbox import Runtime, Sandbox, SandboxConfig
-
+from runtime import control
+from runtime.store import readahead
 from tests.gpu import gpu_pods
 from tests.gpu.workloads import gpu_holder  # client helpers; torch is not imported
 

@@ -35,11 +35,9 @@ from dataclasses import asdict, dataclass
 
 import blake3
 
-from runtime.pages import bulk
-from runtime.pages import stream
-from runtime.pages import uffd
 from runtime.digests import PIECE
 from runtime.layout import SUM_CHUNK, BulkFile, BulkRange, bulk_file
+from runtime.pages import bulk, stream, uffd
 
 GB = 1e9
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

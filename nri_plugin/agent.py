@@ -20,43 +20,39 @@ import signal
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 from runtime import checkpoint as checkpoint_flow
-from runtime.route import RestorePath
-from runtime import hostfiles, housekeeping
-from runtime.overlay import pending as overlay_pending
-from runtime.store import gc as store_gc
-from runtime import control
+from runtime import control, hostfiles, housekeeping, thp
 from runtime import restore as restore_flow
 from runtime.compat import NodeFacts
 from runtime.containerd.cri_lookup import CRIError
-from runtime.gpu import Checkpointer
-from runtime.gpu import node_cuda
-from runtime.store import load_key
+from runtime.gpu import Checkpointer, node_cuda
+from runtime.overlay import pending as overlay_pending
 from runtime.pages import NodeCache
 from runtime.probe import probe as run_probe
 from runtime.rollback import GenerationBook
+from runtime.route import RestorePath
 from runtime.status import StatusBook
-from runtime import thp
+from runtime.store import ArtifactStore, load_key
+from runtime.store import gc as store_gc
 from runtime.thp import ThpSwitch
-from runtime.store import ArtifactStore
 
 from . import guards
 from .cache import CacheWriter, cache_bytes, cache_dir, map_mode, open_cache
 from .config import Settings
 from .handlers import ImageRef, RekindlePlugin
-from .imageids import ImageIds
-from .prefetch import Prefetcher
-from .prewarm import DiskGate, start_prewarm
 from .health import HEARTBEAT, Health
+from .imageids import ImageIds
 from .jobs import Jobs, Skipped, Work
 from .metrics import BuildInfo, Metrics
 from .outcomes import COLD_START, Reporter
 from .policy import AfterCheckpoint, ReadyProbe
+from .prefetch import Prefetcher
+from .prewarm import DiskGate, start_prewarm
 from .probes import ProbeSlots
 from .stub import Identity, Stub
 from .swap import SpecAccess

@@ -18,9 +18,8 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from runtime.pages import nodecache
-from runtime.pages import MapMode
 from runtime.errors import RekindleError
+from runtime.pages import MapMode, nodecache
 from runtime.restore import CacheWork
 from runtime.store import ArtifactStore
 

@@ -27,9 +27,9 @@ Only ``plugin --create-key`` may create it; anywhere else a missing key is one e
 
 from __future__ import annotations
 
-import dataclasses
 import argparse
 import contextvars
+import dataclasses
 import json
 import logging
 import math
@@ -497,8 +497,8 @@ def _age(seconds: float) -> str:
 
 
 def cmd_artifacts(args: argparse.Namespace) -> int:
-    from runtime.store import gc as store_gc
     from runtime.store import ArtifactStore
+    from runtime.store import gc as store_gc
     settings = _settings(args)
     store = ArtifactStore(settings.store)
     if args.action == "list":
@@ -554,6 +554,7 @@ def cmd_artifacts(args: argparse.Namespace) -> int:
 def _cached(args: argparse.Namespace) -> dict[tuple[str, str], int]:
     """(label, version) -> bytes of each entry of this node's cache."""
     from runtime.pages import NodeCache
+
     from .cache import cache_dir
     return {(e.label, e.version): e.bytes for e in NodeCache(cache_dir(_settings(args)), 1).entries()}
 
@@ -686,6 +687,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_doctor(args: argparse.Namespace) -> int:
     from runtime.doctor import check_cache
+
     from .cache import cache_bytes, cache_dir
     from .preflight import run_checks
     settings = _settings(args)

@@ -10,8 +10,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from runtime.errors import ConfigError
 from runtime.containerd.defaults import DEFAULT_CONFIG, DEFAULT_SOCKET
+from runtime.errors import ConfigError
 
 from .policy import parse_decimal
 

@@ -40,29 +40,46 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from runtime import control
-from runtime.errors import (AlreadyAttempted, AnnotationError, Incompatible, LessPrivileged, RekindleError,
-                            SharedPidNamespace, reason_of)
 from runtime.compat import NodeFacts, check_compatibility
-from runtime.manifest import Manifest
-from runtime.security import LsmSupport, SecurityProfile, check_privilege
+from runtime.errors import (
+    AlreadyAttempted,
+    AnnotationError,
+    Incompatible,
+    LessPrivileged,
+    RekindleError,
+    SharedPidNamespace,
+    reason_of,
+)
 from runtime.gpu import facts_for_devices
+from runtime.manifest import Manifest
 from runtime.rollback import GenerationBook
+from runtime.security import LsmSupport, SecurityProfile, check_privilege
 from runtime.status import ContainerStatus, Phase, StatusBook
 from runtime.store import ArtifactStore
 
 from . import guards, logs
 from .config import Settings
 from .events import RuntimeInfo
-from .handler_types import (ConfigureHandler, CreateContainerHandler, HandlerErrorHandler, PostCreateContainerHandler,
-                            PostStartContainerHandler, RemoveContainerHandler, RemovePodSandboxHandler,
-                            RunPodSandboxHandler, StopContainerHandler, StopPodSandboxHandler, SynchronizeHandler)
+from .handler_types import (
+    ConfigureHandler,
+    CreateContainerHandler,
+    HandlerErrorHandler,
+    PostCreateContainerHandler,
+    PostStartContainerHandler,
+    RemoveContainerHandler,
+    RemovePodSandboxHandler,
+    RunPodSandboxHandler,
+    StopContainerHandler,
+    StopPodSandboxHandler,
+    SynchronizeHandler,
+)
 from .jobs import Jobs, Skipped, Work, restore_failure_phase
-from .prefetch import Prefetcher
 from .policy import Intent, Role, decide, role_hint
+from .prefetch import Prefetcher
 from .proto import nri_api_pb2 as api
 from .stub import HandlerOverrun, Reply
 from .swap import SpecAccess, Strategy, choose, init_command, is_swapped, swap_by_spec_update

@@ -45,8 +45,8 @@ from runtime.errors import RekindleError, reason_of
 from runtime.status import ContainerStatus, Phase, Progress, StatusBook
 
 from . import logs
-from .policy import Intent, ProbeKind, ReadyProbe, Role
 from .outcomes import COLD_START, slower_than_cold
+from .policy import Intent, ProbeKind, ReadyProbe, Role
 from .probes import ProbeSlots
 from .progress import ProgressRecorder
 

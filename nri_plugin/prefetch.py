@@ -17,18 +17,16 @@ import logging
 import os
 import tempfile
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from runtime import layout, names
-from runtime.store import readahead
-from runtime.store import Artifact
 from runtime.errors import RekindleError
 from runtime.fdfs import remove_tree_path
 from runtime.housekeeping import STAGED_PREFIX  # swept like a restore's copies once its owner is dead
 from runtime.owner import write_owner
-from runtime.store import ArtifactStore
+from runtime.store import Artifact, ArtifactStore, readahead
 
 log = logging.getLogger(__name__)
 

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import os
+
 from runtime.doctor import Check, DoctorSettings
 from runtime.doctor import run_checks as node_checks
 
 from .stub import RUNTIME_SERVICE
-from .transport.rpc_errors import Code, RpcError, TransportError
 from .transport.mux import RUNTIME_SERVICE_CONN, MuxTrunk
+from .transport.rpc_errors import Code, RpcError, TransportError
 from .transport.ttrpc import TtrpcClient
 
 PROBE_METHOD = "RekindleDoctor"  # not a method of the runtime's service, on purpose

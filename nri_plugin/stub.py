@@ -57,16 +57,25 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
-from runtime.errors import RekindleError
 from runtime.containerd.defaults import DEFAULT_SOCKET
+from runtime.errors import RekindleError
 
 from . import logs
-from .handler_types import (CONFIGURE, DISCONNECT, HANDLER_ERROR, REQUEST_HANDLERS, SHUTDOWN, STATE_HANDLERS,
-                            SYNCHRONIZE, EventHandler, subscribed_events)
 from .events import Event, RuntimeInfo, describe_mask, event_mask
+from .handler_types import (
+    CONFIGURE,
+    DISCONNECT,
+    HANDLER_ERROR,
+    REQUEST_HANDLERS,
+    SHUTDOWN,
+    STATE_HANDLERS,
+    SYNCHRONIZE,
+    EventHandler,
+    subscribed_events,
+)
 from .proto import nri_api_pb2 as api
-from .transport.rpc_errors import Code, ConnectionClosed, LocalProtocolError, RpcError, TransportError
 from .transport.mux import PLUGIN_SERVICE_CONN, RUNTIME_SERVICE_CONN, MuxTrunk
+from .transport.rpc_errors import Code, ConnectionClosed, LocalProtocolError, RpcError, TransportError
 from .transport.ttrpc import MAX_MESSAGE, Handler, TtrpcClient, TtrpcServer
 
 log = logging.getLogger(__name__)

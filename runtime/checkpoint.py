@@ -46,29 +46,30 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from runtime import tasks
-from runtime.pages import bulk
-from runtime import control as control_mod
-from runtime import frozen
-from runtime import hostfiles
-from runtime import layout
-from runtime import overlay
 from runtime import checkpointable as preflight
-from runtime import tcpmode
+from runtime import control as control_mod
+from runtime import frozen, hostfiles, layout, overlay, tasks, tcpmode
 from runtime.containers import ContainerInfo, ns_pids, process_tree, resolve_container, workload_root
-from runtime.gpu import Checkpointer
-from runtime.gpu.cuda import ProcessState
-from runtime.errors import (CheckpointRefused, CriuError, CudaStuck, ImageUnknown, RekindleError, SharedPidNamespace,
-                            SourceResumeFailed)
-from runtime.namespaces import pid_namespace_shared
-from runtime.gpu import source_gpus
-from runtime.owner import write_owner
-from runtime.manifest import CriuInfo, CudaInfo, Manifest, MountInfo, NodeInfo, ProcessInfo, Source
-from runtime.procfs import anon_mappings
 from runtime.criu import DumpResult, dump_workload
 from runtime.digests import Hashed
+from runtime.errors import (
+    CheckpointRefused,
+    CriuError,
+    CudaStuck,
+    ImageUnknown,
+    RekindleError,
+    SharedPidNamespace,
+    SourceResumeFailed,
+)
+from runtime.gpu import Checkpointer, source_gpus
+from runtime.gpu.cuda import ProcessState
+from runtime.manifest import CriuInfo, CudaInfo, Manifest, MountInfo, NodeInfo, ProcessInfo, Source
+from runtime.namespaces import pid_namespace_shared
 from runtime.overlay.verified import write_sums as write_layer_sums
+from runtime.owner import write_owner
+from runtime.pages import bulk
 from runtime.pages.tailhash import TailHasher
+from runtime.procfs import anon_mappings
 from runtime.security import SecurityProfile
 from runtime.store import ArtifactStore
 from runtime.thp import ThpSwitch

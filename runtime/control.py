@@ -19,8 +19,7 @@ import os
 import secrets
 from pathlib import Path
 
-from runtime import oci
-from runtime import names
+from runtime import names, oci
 from runtime.errors import AnnotationError
 
 CONTAINER_PATH = "/rekindle"

@@ -29,6 +29,7 @@ class Hashed:
     """A file hashed while it was written (runtime.pages.tailhash): stands for a hash of the very
     inode at the very size and modification time only (its maker holds the inode open until it
     is used, so the number is not reused meanwhile)."""
+
     dev: int
     ino: int
     size: int

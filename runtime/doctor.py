@@ -21,11 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from runtime.containerd.defaults import DEFAULT_SOCKET, NRI_PLUGIN
 from runtime.criu import CRIU, MIN_VERSION, parse_version, version_tuple
 from runtime.errors import ConfigError, KeyMissing
 from runtime.store import read_key
 from runtime.thp import read_mode
-from runtime.containerd.defaults import DEFAULT_SOCKET, NRI_PLUGIN
 
 
 @dataclass(frozen=True)

@@ -107,6 +107,7 @@ def open_in_root(root_fd: int, path: str, flags: int) -> int:
 @dataclass(frozen=True)
 class Userland:
     """The plugin's own files that run CRIU in another view (paths in the plugin's view)."""
+
     helper: str
     shims: str
     loader: str

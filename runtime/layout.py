@@ -25,8 +25,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import typing
-from typing import Any
 from dataclasses import dataclass
+from typing import Any
 
 from runtime import strict_json
 

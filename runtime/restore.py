@@ -50,36 +50,27 @@ import os
 import shutil
 import signal
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from runtime import tasks
-from runtime.pages import bulk
-from runtime.pages import mapping as bulk_map
-from runtime.pages import nodecache
-from runtime.pages import stream
 from runtime import control as control_mod
-from runtime.criu import image_files
-from runtime import hostfiles
-from runtime import layout
-from runtime import overlay
-from runtime.overlay import pending as overlay_pending
-from runtime.overlay.verified import VerifiedArchive
+from runtime import hostfiles, layout, overlay, tasks
 from runtime.compat import NodeFacts, check_compatibility
 from runtime.containers import ContainerInfo, resolve_container
-from runtime.gpu import Checkpointer, build_gpu_map
+from runtime.criu import image_files, restore_into
 from runtime.errors import ArtifactRejected, Reason, RekindleError, SharedPidNamespace
-from runtime.gpu import cuda_restore, ensure_device_nodes, target_facts
-from runtime.criu import restore_into
+from runtime.gpu import Checkpointer, build_gpu_map, cuda_restore, ensure_device_nodes, target_facts
 from runtime.namespaces import host_pid_of, pid_namespace_shared
+from runtime.overlay import pending as overlay_pending
+from runtime.overlay.verified import VerifiedArchive
+from runtime.owner import write_owner
+from runtime.pages import bulk, nodecache, stream
+from runtime.pages import mapping as bulk_map
 from runtime.rollback import GenerationBook
 from runtime.route import RestorePath, Route, RouteFacts
 from runtime.route import choose as choose_route
 from runtime.security import LsmSupport, SecurityProfile, check_privilege, lsm_options
-from runtime.store import Artifact
-from runtime.owner import write_owner
-from runtime.store import ArtifactStore
+from runtime.store import Artifact, ArtifactStore
 from runtime.testpause import pause_for_test
 from runtime.timings import Timings
 

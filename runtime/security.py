@@ -148,6 +148,7 @@ class SecurityProfile:
 @dataclass(frozen=True, slots=True)
 class LsmSupport:
     """Which LSM the node's kernel enforces, as CRIU sees it (it checks AppArmor first)."""
+
     apparmor: bool = False
     selinux: bool = False
 
@@ -161,6 +162,7 @@ class LsmSupport:
 @dataclass(frozen=True, slots=True)
 class LsmOptions:
     """What CRIU restore is told so that the restored tree carries the TARGET's labels."""
+
     profile: str | None = None  # --lsm-profile value, "apparmor:<p>" or "selinux:<label>"
     mount_context: str | None = None  # --lsm-mount-context value
 

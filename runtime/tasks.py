@@ -12,6 +12,7 @@ from collections.abc import Iterable
 
 from runtime.errors import CriuError
 
+
 def stopped(pids: Iterable[int]) -> set[int]:
     """The processes of ``pids`` stopped now (every thread in ``T``: SIGSTOP, job control)."""
     return {p for p in pids if (states := _task_states(p)) and all(s == "T" for s in states)}

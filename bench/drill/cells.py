@@ -23,8 +23,8 @@ from bench.drill import observe
 from bench.drill.faults import Fault, heal, inject
 from bench.drill.rig import CONTAINER, PodRun, Rig, Workload, count_of, fields, http, same_start
 from runtime import control, housekeeping
-from runtime.store import gc as store_gc
 from runtime.status import Phase
+from runtime.store import gc as store_gc
 
 CHECKPOINT_PHASES = ("inspect", "criu_dump", "rootfs_capture", "shm_capture", "split", "publish")
 # A restore's phases on each path (--restore-path): the bulk path fills the stopped tree, the

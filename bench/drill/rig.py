@@ -25,12 +25,10 @@ from pathlib import Path
 from bench.drill import observe
 from bench.drill.faults import StoreDisk
 from devtools.cri import CRIClient, Pod
-from runtime.containers import resolve_container
-from runtime.store import read_key
 from devtools.sandbox import Runtime, Sandbox, SandboxConfig
+from runtime.containers import resolve_container
 from runtime.status import ContainerStatus, Phase, StatusBook
-from runtime.store import ArtifactStore
-
+from runtime.store import ArtifactStore, read_key
 from tests.e2e.plugin_process import PluginProcess, build_native
 
 REPO = Path(__file__).resolve().parents[2]

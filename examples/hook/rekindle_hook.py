@@ -44,7 +44,6 @@ import secrets
 import signal
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request

@@ -36,9 +36,9 @@ import tomlkit
 import tomlkit.exceptions
 from tomlkit.items import Table
 
+from nri_plugin.node.host import HostView, check_not_managed
 from runtime.containerd.defaults import DEFAULT_CONFIG, DEFAULT_SOCKET, NRI_PLUGIN
 from runtime.errors import ConfigError
-from nri_plugin.node.host import HostView, check_not_managed
 
 log = logging.getLogger(__name__)
 

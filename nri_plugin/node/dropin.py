@@ -35,9 +35,9 @@ import tomlkit
 from tomlkit.items import Table
 
 from nri_plugin.node import containerd_config
+from nri_plugin.node.host import HostView, check_not_managed
 from runtime.containerd import defaults
 from runtime.errors import ConfigError
-from nri_plugin.node.host import HostView, check_not_managed
 
 log = logging.getLogger(__name__)
 

@@ -21,14 +21,12 @@ import stat
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
-from typing import Sequence
+from typing import Any, Sequence
 
-from nri_plugin.node import containerd_config
-from nri_plugin.node import dropin
+from nri_plugin.node import containerd_config, dropin
+from nri_plugin.node.host import HostView
 from runtime.containerd import defaults
 from runtime.errors import ConfigError
-from nri_plugin.node.host import HostView
 
 
 def nri_live(view: HostView, socket_path: str) -> bool:

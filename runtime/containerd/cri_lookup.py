@@ -18,7 +18,6 @@ from typing import Any
 import grpc
 
 from runtime.containerd import RECONNECT_OPTIONS
-
 from runtime.containerd.proto import cri_api_pb2 as pb
 from runtime.containerd.proto import cri_api_pb2_grpc as pb_grpc
 from runtime.errors import Reason, RekindleError

@@ -5,8 +5,15 @@ their protobuf types in ``proto``), and its log (``log``).
 The flows use the names below; the page and restore modules read images through
 ``runtime.criu.image_files``. Nothing here imports a flow or another wing."""
 
-from runtime.criu.command import (CRIU, MIN_VERSION, DumpOptions, RestoreOptions, criu_version, parse_version,
-                                  version_tuple)
+from runtime.criu.command import (
+    CRIU,
+    MIN_VERSION,
+    DumpOptions,
+    RestoreOptions,
+    criu_version,
+    parse_version,
+    version_tuple,
+)
 from runtime.criu.executor import DumpResult, dump_workload, restore_into
 
 __all__ = ["CRIU", "MIN_VERSION", "DumpOptions", "DumpResult", "RestoreOptions", "criu_version", "dump_workload",

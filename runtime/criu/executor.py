@@ -41,19 +41,19 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from runtime.criu import command as criu_mod
 from runtime import hostview
 from runtime import namespaces as ns
-from runtime.criu.image_files import image_is_shell_job, image_pids
-from runtime.criu.log import unexpected_errors
-from runtime.mount_plan import map_mounts, plan_external_mounts
 from runtime.confine import confine
 from runtime.containers import ContainerInfo, Pid, process_tree, read_mountinfo, read_stdio, workload_root
-from runtime.tasks import descendants, kill_all, wait_stopped
+from runtime.criu import command as criu_mod
 from runtime.criu.command import DumpOptions, RestoreOptions
+from runtime.criu.image_files import image_is_shell_job, image_pids
+from runtime.criu.log import unexpected_errors
 from runtime.errors import CriuError, NamespaceError
 from runtime.layout import MountPlanEntry
+from runtime.mount_plan import map_mounts, plan_external_mounts
 from runtime.security import LsmOptions
+from runtime.tasks import descendants, kill_all, wait_stopped
 
 log = logging.getLogger(__name__)
 

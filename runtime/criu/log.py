@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import re
 
-
 # Error lines CRIU logs on every run of these nodes although nothing failed (no CAP_SYS_RESOURCE
 # to raise its own RLIMIT_NOFILE).
 HARMLESS_ERRORS = (re.compile(r"rlimit: Can't setup RLIMIT_NOFILE for self"),)

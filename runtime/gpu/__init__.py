@@ -6,7 +6,14 @@ nodes, the node facts). ``nri_plugin.cuda_checkpoint`` is the same API as a comm
 The flows use the names below."""
 
 from runtime.gpu.cuda import Checkpointer, CudaCheckpointer, build_gpu_map
-from runtime.gpu.target import cuda_restore, ensure_device_nodes, facts_for_devices, node_cuda, source_gpus, target_facts
+from runtime.gpu.target import (
+    cuda_restore,
+    ensure_device_nodes,
+    facts_for_devices,
+    node_cuda,
+    source_gpus,
+    target_facts,
+)
 
 __all__ = ["Checkpointer", "CudaCheckpointer", "build_gpu_map", "cuda_restore", "ensure_device_nodes",
            "facts_for_devices", "node_cuda", "source_gpus", "target_facts"]

@@ -54,8 +54,8 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Protocol, TypeVar
 
-from runtime.gpu.driver import Driver, format_uuid, nvml_driver_version, parse_uuid, proc_driver_version
 from runtime.errors import CudaError, CudaStuck, CudaUnavailable, Reason, RekindleError
+from runtime.gpu.driver import Driver, format_uuid, nvml_driver_version, parse_uuid, proc_driver_version
 from runtime.manifest import Gpu
 
 log = logging.getLogger(__name__)

@@ -26,6 +26,7 @@ from runtime import strict_json
 from runtime.errors import OverlayError
 from runtime.overlay.fs import ALLOWED_XATTRS, OVERLAY_XATTRS
 from runtime.overlay.tar import MAX_SPARSE_EXTENTS, Member
+
 MAX_DELETIONS_BYTES = 64 * 1024 * 1024
 _MAX_ID = 2**32 - 2  # (uid_t)-1 means "unchanged" to chown
 

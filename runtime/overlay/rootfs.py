@@ -62,11 +62,11 @@ from dataclasses import dataclass
 from typing import IO
 
 from runtime.errors import OverlayError
+from runtime.overlay import undo as overlay_undo
 from runtime.overlay.capture import CaptureStats, Walk, walk
 from runtime.overlay.check import MAX_DELETIONS_BYTES, MemberCheck, load_deletions
 from runtime.overlay.fs import DIR_FLAGS, copy_range, lstat_at, open_dir, write_all
 from runtime.overlay.tar import Member, TarWriter, members
-from runtime.overlay import undo as overlay_undo
 from runtime.overlay.undo import Undo
 from runtime.overlay.verified import VerifiedArchive
 from runtime.testpause import pause_for_test

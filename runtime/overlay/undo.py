@@ -47,8 +47,7 @@ import typing
 from array import array
 
 from runtime.errors import OverlayError
-from runtime.overlay.fs import (DIR_FLAGS, Meta, copy_range, kept_xattr, lstat_at, open_dir, remove,
-                                times)
+from runtime.overlay.fs import DIR_FLAGS, Meta, copy_range, kept_xattr, lstat_at, open_dir, remove, times
 from runtime.overlay.tar import data_extents
 
 log = logging.getLogger(__name__)

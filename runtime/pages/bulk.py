@@ -48,16 +48,24 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from runtime import digests, layout
 from runtime.criu import image_files as img
-from runtime.errors import Reason, RekindleError
-from runtime import layout
-from runtime.layout import (BULK_DIR, CRIU_DIR, DIGEST_BYTES, SUM_CHUNK, BulkFile, BulkRange, bulk_file,
-                            bulk_pagemap, bulk_sums)
-from runtime.store import Artifact
-from runtime import digests
 from runtime.digests import WORKERS, Hashed, new_hash, piece_ranges
+from runtime.errors import Reason, RekindleError
+from runtime.layout import (
+    BULK_DIR,
+    CRIU_DIR,
+    DIGEST_BYTES,
+    SUM_CHUNK,
+    BulkFile,
+    BulkRange,
+    bulk_file,
+    bulk_pagemap,
+    bulk_sums,
+)
 from runtime.pagecache import is_cached
 from runtime.pages.filemap import FileMap
+from runtime.store import Artifact
 
 log = logging.getLogger(__name__)
 

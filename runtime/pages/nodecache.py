@@ -48,15 +48,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from runtime import layout, strict_json
-from runtime.pages import bulk, uffd
-from runtime.store import Artifact
-from runtime.pages.mapping import MapMode, Span
-from runtime.pages.stream import MappedBook
 from runtime.digests import WORKERS, new_hash, piece_ranges
 from runtime.errors import Reason, RekindleError
 from runtime.fdfs import remove_tree, safe_parts
 from runtime.layout import DIGEST_BYTES, SUM_CHUNK, BulkFile
 from runtime.owner import read_owner, write_owner_at
+from runtime.pages import bulk, uffd
+from runtime.pages.mapping import MapMode, Span
+from runtime.pages.stream import MappedBook
+from runtime.store import Artifact
 from runtime.testpause import pause_for_test
 
 log = logging.getLogger(__name__)

@@ -52,8 +52,8 @@ from __future__ import annotations
 
 import bisect
 import collections
-import functools
 import ctypes
+import functools
 import logging
 import mmap
 import os
@@ -66,20 +66,20 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from runtime.criu import image_files as img
-from runtime.pages import holder as holder_mod
-from runtime.pages import uffd
-from runtime.pages.filemap import FileMap
-from runtime.pages.mapping import Span
 from runtime.containers import ContainerInfo
-from runtime.criu import CRIU
-from runtime.criu.proto import pagemap_pb2
 from runtime.control import ControlDir
+from runtime.criu import CRIU
+from runtime.criu import image_files as img
+from runtime.criu.proto import pagemap_pb2
 from runtime.digests import WORKERS, new_hash
 from runtime.errors import Reason, RekindleError
 from runtime.layout import DIGEST_BYTES, SUM_CHUNK, BulkFile
 from runtime.namespaces import enter_cgroups_argv
 from runtime.pagecache import is_cached
+from runtime.pages import holder as holder_mod
+from runtime.pages import uffd
+from runtime.pages.filemap import FileMap
+from runtime.pages.mapping import Span
 
 log = logging.getLogger(__name__)
 
@@ -398,6 +398,7 @@ class _Target:
     by address (a fault) and by file offset (a piece) through two sorted indexes, rebuilt only
     when the space changes (an event): a restored process has thousands of ranges, and both
     look-ups run once per piece or fault."""
+
     fd: int
     ranges: list[tuple[int, int, int, int]]  # (vaddr, length, file, file offset), by vaddr
     pending: set[int]  # pieces not yet installed here

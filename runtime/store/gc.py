@@ -25,8 +25,17 @@ from dataclasses import dataclass
 from runtime.errors import ArtifactRejected, RekindleError, StoreError, TreeTooLarge
 from runtime.fdfs import DIR_FLAGS, remove_tree, tree_bytes
 from runtime.owner import Owner, read_owner
-from runtime.store.volume import (LINK_PREFIX, STAGING_PREFIX, TRASH_PREFIX, VERSION_PREFIX, VERSION_RE, ArtifactStore,
-                           generation_of, is_valid_name, validate_namespace)
+from runtime.store.volume import (
+    LINK_PREFIX,
+    STAGING_PREFIX,
+    TRASH_PREFIX,
+    VERSION_PREFIX,
+    VERSION_RE,
+    ArtifactStore,
+    generation_of,
+    is_valid_name,
+    validate_namespace,
+)
 
 log = logging.getLogger(__name__)
 

@@ -24,8 +24,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from runtime.store.artifact import Artifact
 from runtime.pagecache import is_cached
+from runtime.store.artifact import Artifact
 
 log = logging.getLogger(__name__)
 

@@ -51,19 +51,31 @@ import shutil
 import stat
 import tempfile
 import time
-from dataclasses import dataclass
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from types import TracebackType
 
 from runtime import layout, names
-from runtime.store.artifact import Artifact, Vanished
 from runtime.digests import Hashed, hash_fd
-from runtime.fdfs import (DIR_FLAGS, FILE_FLAGS, exclusive, ofd_lock, open_regular, read_capped, remove_tree,
-                          rename_noreplace, same_inode, walk_files_path, why, write_file)
 from runtime.errors import ArtifactNotFound, ArtifactRejected, RekindleError, StoreError
+from runtime.fdfs import (
+    DIR_FLAGS,
+    FILE_FLAGS,
+    exclusive,
+    ofd_lock,
+    open_regular,
+    read_capped,
+    remove_tree,
+    rename_noreplace,
+    same_inode,
+    walk_files_path,
+    why,
+    write_file,
+)
 from runtime.manifest import MAX_MANIFEST_BYTES as MAX_MANIFEST
 from runtime.manifest import FileEntry, Manifest, sign, verify
 from runtime.owner import OWNER, write_owner_at
+from runtime.store.artifact import Artifact, Vanished
 
 log = logging.getLogger(__name__)
 

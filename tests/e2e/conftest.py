@@ -43,10 +43,10 @@ from typing import Any
 
 import pytest
 
-from runtime.containerd.client import ContainerdClient
 from devtools.cri import CRIClient, NamespaceMode, Pod
-from runtime.errors import RekindleError
 from devtools.sandbox import DEFAULT_DIR, Runtime, Sandbox, SandboxConfig
+from runtime.containerd.client import ContainerdClient
+from runtime.errors import RekindleError
 from tests.e2e.plugin_process import PluginProcess, build_native
 
 log = logging.getLogger(__name__)

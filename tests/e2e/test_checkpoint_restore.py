@@ -338,8 +338,8 @@ def test_two_restores_of_one_artifact_at_once(sandbox, pod, plugin):
 def _resign(plugin: PluginProcess, artifact_dir, replace: dict[str, bytes]) -> None:
     """Swap files in an artifact and re-sign it with the node's key: an artifact that passes the
     signature and digest checks but carries a hostile payload (defence in depth)."""
-    from runtime.manifest import Manifest, sign
     from runtime.digests import hash_fd
+    from runtime.manifest import Manifest, sign
     manifest = Manifest.from_json((artifact_dir / "manifest.json").read_bytes())
     from runtime import layout
     from runtime.overlay.verified import write_sums

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import time
 
-
 from tests.waiting import wait_for
 
 BUSYBOX = "localhost/rekindle/busybox:1"

@@ -23,12 +23,12 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from runtime.criu import command as criu_mod
 from runtime.containers import ContainerInfo, inspect_bundle, ns_pids, process_tree, workload_root
-from runtime.layout import MountPlanEntry
-from runtime.errors import CriuError
-from runtime.tasks import signal_all
+from runtime.criu import command as criu_mod
 from runtime.criu.executor import DumpResult, dump_workload, restore_into
+from runtime.errors import CriuError
+from runtime.layout import MountPlanEntry
+from runtime.tasks import signal_all
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.e2e

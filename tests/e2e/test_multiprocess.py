@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.plugin_process import PluginProcess
 from devtools.cri import ContainerState, Mount
 from devtools.gpu import host_python_mounts
 from runtime.status import Phase, StatusBook
+from tests.e2e.plugin_process import PluginProcess
 from tests.nccl_forge import FORGE_PROXY_SOCKET
 from tests.waiting import wait_for
 

@@ -30,7 +30,6 @@ import pytest
 
 from devtools.cri import ContainerState, Mount, NamespaceMode, Pod, SecurityContext
 from runtime.containerd.proto import cri_api_pb2 as pb
-
 from tests.e2e.kubelet_volumes import KUBELET_DEFAULT_MODE, project
 from tests.unit import chart_render
 from tests.waiting import WaitTimeout, wait_for

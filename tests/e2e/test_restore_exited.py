@@ -44,6 +44,7 @@ def plugin(sandbox, tmp_path_factory, api):  # noqa: F811 - the fake API server 
 def settled(plugin: PluginProcess, pod: str, container: str, timeout: float = 60.0) -> dict:
     """The status record once it leaves restore-pending/restoring (phases as plain strings)."""
     import json
+
     from runtime.status import StatusBook
 
     def done() -> dict | None:

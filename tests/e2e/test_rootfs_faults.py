@@ -19,7 +19,6 @@ import os
 import signal
 import stat
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from devtools.cri import NamespaceMode
-from tests.e2e.test_checkpoint_restore import (COUNTER, SERVER, assert_cold, checkpoint_source, wait_status)
+from tests.e2e.test_checkpoint_restore import COUNTER, SERVER, assert_cold, checkpoint_source, wait_status
 
 BUSYBOX = "localhost/rekindle/busybox:1"
 

@@ -8,7 +8,6 @@ import subprocess
 import time
 import urllib.request
 
-
 from tests.e2e.plugin_process import PluginProcess
 
 COUNTER = "localhost/rekindle/counter:1"

@@ -9,8 +9,7 @@ import time
 
 import pytest
 
-from tests.e2e.test_checkpoint_restore import (COUNTER, READY, SERVER, fields, get, wait_http, wait_status,
-                                               warm_up)
+from tests.e2e.test_checkpoint_restore import COUNTER, READY, SERVER, fields, get, wait_http, wait_status, warm_up
 from tests.waiting import wait_for
 
 
@@ -141,6 +140,7 @@ while True:
 
 def test_a_tree_that_forks_after_a_streamed_restore_gets_its_memory_in_the_child_too(sandbox, pod, streaming):
     import sys
+
     from devtools.gpu import host_python_mounts
     plugin = streaming
     plugin.kill()
@@ -323,6 +323,7 @@ def test_fork_and_mremap_storms_of_restored_tenants_end_their_serves_and_leave_o
     pod started cold with the reason), the plugin's fds come back, and an unrelated restore
     beside them gets a job slot and is restored (its time is printed beside its time alone)."""
     import sys
+
     from devtools.gpu import host_python_mounts
     plugin = streaming
     host_usr, mib = "localhost/rekindle/host-usr:1", 96
@@ -383,6 +384,7 @@ def test_a_fork_storm_while_every_page_is_owed_fails_the_serve_closed_at_the_for
     children pass the limit, and the serve fails closed (before: after some 560 forks the holder
     and then the agent blocked in their sends, the serve wedged and the pod stayed restoring)."""
     import sys
+
     from devtools.gpu import host_python_mounts
     plugin = streaming
     plugin.kill()

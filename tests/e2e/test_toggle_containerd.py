@@ -21,9 +21,8 @@ from pathlib import Path
 import pytest
 import tomlkit
 
-from nri_plugin.node import containerd_config
-from nri_plugin.node import dropin
 from devtools.sandbox import Runtime
+from nri_plugin.node import containerd_config, dropin
 
 BOOTED = "containerd successfully booted"
 NRI_ON_LOG = ("created NRI interface", 'Registered namespace \\"k8s.io\\" with NRI')

@@ -69,8 +69,8 @@ def checkpoint(sandbox, pod, plugin, name: str, pod_name: str, requests: int,  #
 
 def test_no_container_binary_runs_with_the_plugins_privileges(sandbox, pod, plugin):
     from runtime.containers import resolve_container
-    from runtime.namespaces import host_pid_of
     from runtime.gpu.target import ensure_device_nodes
+    from runtime.namespaces import host_pid_of
     from runtime.status import Phase, StatusBook
 
     plant = (f"/bin/busybox rm -f /bin/sh && /bin/busybox printf '%s' '{RECORDER}' > /bin/sh && "
@@ -229,8 +229,8 @@ def _host_files_source(sandbox, pod, plugin, tmp_path: Path, name: str):  # type
 
 def test_a_restore_with_the_same_host_files_runs_warm_and_reads_them(sandbox, pod, plugin, tmp_path):
     from runtime.digests import new_hash
-    from runtime.store.keys import read_key
     from runtime.status import Phase, StatusBook
+    from runtime.store.keys import read_key
     from runtime.store.volume import ArtifactStore
     _lib, mount = _host_files_source(sandbox, pod, plugin, tmp_path, "hostlib-same")
     with ArtifactStore(str(plugin.store)).open("default", "hostlib-same",
@@ -359,8 +359,8 @@ class StoreWriter:
 
 @pytest.mark.parametrize("mode", ["symlinks", "criu-symlink", "swap"])
 def test_a_store_writer_racing_the_checkpoint_never_gets_a_host_file_written(sandbox, pod, plugin, tmp_path, mode):
-    from runtime.store.keys import read_key
     from runtime.status import Phase, StatusBook
+    from runtime.store.keys import read_key
     from runtime.store.volume import ArtifactStore
 
     host = tmp_path / "host"  # host files outside the store, as /root/.ssh/authorized_keys would be

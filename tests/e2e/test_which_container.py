@@ -4,7 +4,6 @@ is published does not checkpoint again, unless the pod asks to overwrite."""
 
 from __future__ import annotations
 
-
 from runtime.store.volume import ArtifactStore
 from tests.e2e.test_checkpoint_restore import COUNTER, SERVER, checkpoint_source, wait_status
 

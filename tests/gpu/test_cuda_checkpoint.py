@@ -19,8 +19,8 @@ from types import ModuleType
 
 import pytest
 
-from runtime.gpu.cuda import CudaCheckpointer, ProcessState, default_library
 from runtime.errors import CudaError, CudaUnavailable
+from runtime.gpu.cuda import CudaCheckpointer, ProcessState, default_library
 
 pytestmark = pytest.mark.gpu
 

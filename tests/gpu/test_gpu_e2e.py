@@ -28,11 +28,10 @@ from typing import Any
 
 import pytest
 
-from tests.gpu.node_check import why_skip
-
 from devtools.cri import ContainerState, Mount, Pod
-from runtime.gpu.devices import node_gpus
 from devtools.sandbox import Runtime, Sandbox, SandboxConfig
+from runtime.gpu.devices import node_gpus
+from tests.gpu.node_check import why_skip
 
 pytestmark = pytest.mark.gpu
 
@@ -52,9 +51,7 @@ if _SKIP:
 
 from tests.gpu import gpu_pods  # noqa: E402
 from tests.gpu.gpu_pods import PluginProcess, container_logs, gpu_memory, running, wait_file  # noqa: E402
-
 from tests.gpu.workloads import gpu_holder  # noqa: E402  (client helpers only; torch is not imported)
-
 
 # --- fixtures -------------------------------------------------------------------------------
 

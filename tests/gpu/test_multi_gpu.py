@@ -40,11 +40,10 @@ from typing import Any
 
 import pytest
 
-from tests.gpu.node_check import why_skip
-
 from devtools.cri import ContainerState, Mount, Pod
-from runtime.gpu.devices import node_gpus
 from devtools.sandbox import Runtime, Sandbox, SandboxConfig
+from runtime.gpu.devices import node_gpus
+from tests.gpu.node_check import why_skip
 
 pytestmark = pytest.mark.gpu
 

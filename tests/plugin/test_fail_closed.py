@@ -7,10 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 
-import pytest
-
 from nri_plugin.outcomes import OutcomeKind, outcome_of
-from nri_plugin.proto import nri_api_pb2 as api
 from runtime.status import ContainerStatus, Phase
 
 from .test_handlers import CountingSpecs, _create, _req, make_plugin  # noqa: F401 - fixture
@@ -77,8 +74,9 @@ def test_the_outcome_is_a_failed_restore_not_a_cold_start():
     assert outcome is not None and outcome.kind is OutcomeKind.RESTORE_FAILED
     assert outcome.reason_class.value == "incompatible"
     assert "failed closed" in outcome.summary() and "did not run" in outcome.summary()
-    from nri_plugin.events_k8s import condition_patch, reports_for
     import datetime
+
+    from nri_plugin.events_k8s import condition_patch, reports_for
     now = datetime.datetime.now(datetime.timezone.utc)
     assert condition_patch(outcome, now)["status"]["conditions"][0]["status"] == "False"
     assert any("RestoreFailed" in str(r) for r in reports_for(outcome, "node", now))

@@ -128,8 +128,7 @@ def test_restore_precheck_compares_gpus_the_container_was_given(monkeypatch):
     """A node with two GPUs, a container given one: an artifact from a one-GPU container fits."""
     from runtime.gpu import devices as gpus_mod
     from runtime.gpu.target import target_facts
-    from runtime.manifest import Gpu
-    from runtime.manifest import CudaInfo
+    from runtime.manifest import CudaInfo, Gpu
     monkeypatch.setattr(gpus_mod, "node_gpus", lambda proc_gpus=None: {
         0: Gpu("GPU-aaaaaaaa-0000-0000-0000-000000000000", "H200"),
         1: Gpu("GPU-bbbbbbbb-0000-0000-0000-000000000000", "H200")})

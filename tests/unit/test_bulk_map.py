@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from runtime.pages import mapping as bulk_map
 from runtime.criu import image_files as img
-from runtime.pages.mapping import MapError, MapMode, Span
 from runtime.criu.proto import mm_pb2, pagemap_pb2
 from runtime.layout import BulkFile, BulkRange, bulk_file
+from runtime.pages import mapping as bulk_map
+from runtime.pages.mapping import MapError, MapMode, Span
 from tests.unit.test_bulk_plan import ANON, _image, vma
 
 M = 1 << 20

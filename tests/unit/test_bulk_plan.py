@@ -11,10 +11,10 @@ from typing import Any
 import blake3
 import pytest
 
-from runtime.pages import bulk
 from runtime.criu import image_files as img
 from runtime.criu.proto import core_pb2, mm_pb2, pagemap_pb2, pstree_pb2, vma_pb2
 from runtime.layout import CRIU_DIR, BulkFile, BulkRange, RestorePlan, bulk_file, bulk_sums
+from runtime.pages import bulk
 
 P = img.PAGE
 ANON = img.VMA_AREA_REGULAR | img.VMA_ANON_PRIVATE

@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from runtime.criu import command as criu_mod
-from runtime.containers import ContainerInfo, NsRef, overlay_upperdir, parse_cgroup_paths, parse_mountinfo
 from runtime import mount_plan
+from runtime.containers import ContainerInfo, NsRef, overlay_upperdir, parse_cgroup_paths, parse_mountinfo
+from runtime.criu import command as criu_mod
 from runtime.criu import image_files
 from runtime.criu import log as criu_log
 from runtime.criu.command import DumpOptions, RestoreOptions
-from runtime.layout import MountPlanEntry
 from runtime.errors import CriuError, NamespaceError
+from runtime.layout import MountPlanEntry
 
 HOST_V1 = """\
 27 1 254:0 / / rw,relatime - ext4 /dev/vda rw

@@ -10,8 +10,8 @@ import time
 import pytest
 
 from nri_plugin import cuda_checkpoint
-from runtime.gpu.cuda import CudaCheckpointer, ProcessState
 from runtime.errors import CudaError, CudaStuck, CudaUnavailable
+from runtime.gpu.cuda import CudaCheckpointer, ProcessState
 
 U0 = "GPU-00000000-0000-0000-0000-000000000000"
 U1 = "GPU-11111111-1111-1111-1111-111111111111"

@@ -11,9 +11,9 @@ from collections.abc import Iterator
 import pytest
 
 from runtime import checkpoint
-from runtime.gpu import target
 from runtime.containers import process_tree
 from runtime.errors import CudaError, CudaStuck, SourceResumeFailed
+from runtime.gpu import target
 from runtime.gpu.cuda import ProcessState
 from tests.waiting import wait_for
 

@@ -17,10 +17,10 @@ from typing import TypeVar
 import pytest
 
 from runtime import checkpoint
-from runtime.gpu import cuda
 from runtime.containers import process_tree
-from runtime.gpu.cuda import CudaCheckpointer, CudaTimeout, ProcessState
 from runtime.errors import CudaError, CudaStuck, CudaUnavailable
+from runtime.gpu import cuda
+from runtime.gpu.cuda import CudaCheckpointer, CudaTimeout, ProcessState
 from tests.waiting import wait_for
 
 T = TypeVar("T")

@@ -8,8 +8,7 @@ import signal
 import subprocess
 from pathlib import Path
 
-from runtime import tasks
-from runtime import frozen
+from runtime import frozen, tasks
 from tests.waiting import wait_for
 
 

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from runtime.gpu import devices as gpus
 from runtime.compat import NodeFacts
+from runtime.gpu import devices as gpus
 from runtime.gpu.target import source_gpus, target_facts
-from runtime.manifest import Gpu
-from runtime.manifest import CudaInfo
+from runtime.manifest import CudaInfo, Gpu
 
 A = "GPU-aaaaaaaa-1111-2222-3333-444444444444"
 B = "GPU-bbbbbbbb-1111-2222-3333-444444444444"

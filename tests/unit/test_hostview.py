@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from runtime.criu import command as criu_mod
 from runtime import hostfiles, hostview
+from runtime.criu import command as criu_mod
 from runtime.criu.command import RestoreOptions
 
 REPO = Path(__file__).resolve().parents[2]

@@ -9,11 +9,21 @@ from typing import Any
 
 import pytest
 
-from runtime.errors import ArtifactRejected
 from runtime.compat import NodeFacts, check_compatibility
+from runtime.errors import ArtifactRejected
 from runtime.manifest import (
-    CriuInfo, CudaInfo, FileEntry, Gpu, HostFile, Manifest, MountInfo, NodeInfo, ProcessInfo, Source,
-    sign, verify,
+    CriuInfo,
+    CudaInfo,
+    FileEntry,
+    Gpu,
+    HostFile,
+    Manifest,
+    MountInfo,
+    NodeInfo,
+    ProcessInfo,
+    Source,
+    sign,
+    verify,
 )
 from runtime.security import LsmSupport, SecurityProfile, check_privilege
 

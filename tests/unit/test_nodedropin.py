@@ -9,12 +9,10 @@ from pathlib import Path, PurePosixPath
 
 import pytest
 
-from nri_plugin.node import containerd_config
-from nri_plugin.node import dropin
-from nri_plugin.node import toggle
+from nri_plugin.node import containerd_config, dropin, toggle
+from nri_plugin.node.host import HostView
 from runtime.containerd import defaults
 from runtime.errors import ConfigError, ManagedContainerd
-from nri_plugin.node.host import HostView
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 NRI = defaults.NRI_PLUGIN

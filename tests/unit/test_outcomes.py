@@ -19,8 +19,8 @@ def _existing() -> str:
     """The reason ``guards.existing_artifact`` gives for a published artifact."""
     import tempfile
 
-    from tests.unit.test_store import KEY, publish
     from runtime.store.volume import ArtifactStore
+    from tests.unit.test_store import KEY, publish
     with tempfile.TemporaryDirectory() as tmp:
         store = ArtifactStore(tmp)
         publish(store, "team-a", "m")

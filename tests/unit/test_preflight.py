@@ -8,16 +8,15 @@ import socket
 import subprocess
 import sys
 import textwrap
-
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.nccl_forge import FORGE_HELPERS, FORGE_PROXY_SOCKET
-from runtime import procfs, unixdiag
 from runtime import checkpointable as preflight
+from runtime import procfs, unixdiag
 from runtime.checkpointable import Kind, NcclTransport
+from tests.nccl_forge import FORGE_HELPERS, FORGE_PROXY_SOCKET
 
 NCCL_SOCK_INODE = 5001
 

@@ -15,7 +15,7 @@ from runtime.manifest import Manifest
 from runtime.pages import nodecache
 from runtime.pages.mapping import MapMode
 from runtime.store.volume import ArtifactStore
-from tests.unit.test_store import KEY, publish, resign
+from tests.unit.test_store import KEY, publish
 
 
 class _Cache:

@@ -159,9 +159,10 @@ def test_http_probe_resets_its_connection_when_the_server_keeps_it_open():
 
 
 def test_sock_diag_answers_are_read_strictly():
-    from runtime import probe as p
     import errno
     import struct
+
+    from runtime import probe as p
     req = p.diag_request(socket.AF_INET, ("10.0.0.1", 8080), ("10.0.0.2", 40000))
     assert len(req) == 16 + 56 and struct.unpack_from("=IH", req) == (72, p.SOCK_DIAG_BY_FAMILY)
     err = struct.pack("=IHHII", 36, p.NLMSG_ERROR, 0, 1, 0) + struct.pack("=i", -errno.ENOENT) + bytes(16)

@@ -12,9 +12,8 @@ import pytest
 from runtime import security
 from runtime.devrules import DeviceRule
 from runtime.errors import ArtifactRejected
-from runtime.manifest import (CriuInfo, FileEntry, Manifest, NodeInfo, ProcessInfo, Source)
-from runtime.security import (IdMapping, LsmOptions, LsmSupport, SecurityProfile, Sysctl,
-                              check_privilege, lsm_options)
+from runtime.manifest import CriuInfo, FileEntry, Manifest, NodeInfo, ProcessInfo, Source
+from runtime.security import IdMapping, LsmOptions, LsmSupport, SecurityProfile, Sysctl, check_privilege, lsm_options
 
 NO_LSM, APPARMOR, SELINUX = LsmSupport(), LsmSupport(apparmor=True), LsmSupport(selinux=True)
 SPC = "system_u:system_r:spc_t:s0"

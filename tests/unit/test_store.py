@@ -4,7 +4,6 @@ locks against removal while read, list, delete, prune and sweep of leftovers."""
 from __future__ import annotations
 
 import dataclasses
-import blake3
 import json
 import os
 import shutil
@@ -12,16 +11,24 @@ import stat
 import threading
 from pathlib import Path
 
+import blake3
 import pytest
 
 from runtime import digests
-from runtime.store import gc as store_gc
-from runtime.owner import Owner
 from runtime.errors import ArtifactNotFound, ArtifactRejected, StoreError
 from runtime.manifest import (
-    CriuInfo, FileEntry, Manifest, NodeInfo, ProcessInfo, SecurityProfile, Source, sign,
+    CriuInfo,
+    FileEntry,
+    Manifest,
+    NodeInfo,
+    ProcessInfo,
+    SecurityProfile,
+    Source,
+    sign,
 )
+from runtime.owner import Owner
 from runtime.rollback import GenerationBook
+from runtime.store import gc as store_gc
 from runtime.store.volume import ArtifactStore, validate_name, validate_namespace
 
 KEY = b"s" * 32

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from runtime.store import gc as store_gc
 from runtime.owner import OWNER, Owner
+from runtime.store import gc as store_gc
 from runtime.store.volume import ArtifactStore
 from tests.unit.test_store import KEY, publish
 

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from runtime.pages import stream
 from runtime.control import ControlDir
+from runtime.pages import stream
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root and unshare")

@@ -9,14 +9,12 @@ import socket
 import subprocess
 import sys
 import textwrap
-import time
 
 import blake3
 import pytest
 
-from runtime.pages import stream
-from runtime.pages import uffd
 from runtime.layout import SUM_CHUNK, BulkFile, BulkRange, bulk_file
+from runtime.pages import stream, uffd
 from runtime.pages.stream import PIECE
 
 pytestmark = pytest.mark.skipif(uffd.probe() is not None, reason=f"no userfaultfd: {uffd.probe()}")

@@ -12,8 +12,7 @@ import threading
 import blake3
 import pytest
 
-from runtime.pages import stream
-from runtime.pages import uffd
+from runtime.pages import stream, uffd
 from runtime.pages.stream import PIECE
 from tests.unit.test_stream_server import Child, _bulk
 from tests.waiting import wait_for
