@@ -10,7 +10,8 @@ The target is the tenant's, so a call is made like a ready probe (``runtime.prob
 is made in the pod's netns by a fresh thread that ends at once, the host is an IP address (the
 policy refuses names), the connect, the request and the status line run under one deadline,
 and the connection ends with a reset once the workload closed it (or a short wait), so it never
-reaches a checkpoint. A call succeeds on a 2xx status; anything else is a ``HookFailed`` with
+reaches a checkpoint. The body is an empty JSON object: vLLM's endpoints read their query,
+SGLang's a JSON body (``{}``: every kind of memory). A call succeeds on a 2xx status; anything else is a ``HookFailed`` with
 the reason. ``run`` is blocking (the engine's threads): it runs the call on a loop of its own.
 """
 
@@ -55,7 +56,7 @@ async def _call(netns: str, call: Call) -> int:
     sock: socket.socket | None = None
     host = f"[{call.host}]" if ":" in call.host else call.host
     request = (f"POST {call.target} HTTP/1.1\r\nHost: {host}:{call.port}\r\nUser-Agent: rekindle\r\n"
-               "Content-Length: 0\r\nConnection: close\r\n\r\n").encode()
+               "Content-Type: application/json\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}").encode()
     try:
         async with asyncio.timeout(call.timeout):
             sock = await probe.socket_in_netns(netns, family)

@@ -32,6 +32,7 @@ class H(BaseHTTPRequestHandler):
     def do_GET(self):
         self.answer(200, json.dumps(state).encode())
     def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
         path = self.path.partition("?")[0]
         if path in ("/sleep", "/sleep_hang", "/sleep_fail"):
             state["awake"] = False

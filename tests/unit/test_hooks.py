@@ -60,7 +60,8 @@ class _Engine(BaseHTTPRequestHandler):
     seen: list[tuple[str, str]] = []
 
     def do_POST(self) -> None:  # noqa: N802 - http.server's name
-        self.seen.append((self.command, self.path))
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        self.seen.append((self.command, self.path, self.headers["Content-Type"], body))
         code = self.answers.get(self.path.partition("?")[0], 200)
         if code == 0:
             time.sleep(3)  # never in time
@@ -90,7 +91,7 @@ def engine():
 def test_a_2xx_answer_is_a_call_that_worked(engine):
     took = hooks.run("", hooks.Call("127.0.0.1", engine, "/sleep?level=1", 5), "before-checkpoint")
     assert 0 <= took < 5
-    assert _Engine.seen == [("POST", "/sleep?level=1")]
+    assert _Engine.seen == [("POST", "/sleep?level=1", "application/json", b"{}")]
 
 
 def test_a_failing_answer_names_the_status(engine):
