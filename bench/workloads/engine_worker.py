@@ -246,17 +246,15 @@ def handler(engine: Engine, jobs: queue.Queue[Job]) -> type[BaseHTTPRequestHandl
     return Handler
 
 
-def run_jobs(jobs: queue.Queue[Job], forever: bool = True) -> None:
-    """The main thread's loop: run what the HTTP threads queued."""
-    while True:
+def run_jobs(jobs: queue.Queue[Job], until: threading.Event | None = None) -> None:
+    """The main thread's loop: run what the HTTP threads queued (until ``until`` is set)."""
+    while until is None or not until.is_set():
         fn, done, box = jobs.get()
         try:
             box["value"] = fn()
         except Exception as exc:  # noqa: BLE001 - the client gets the error
             box["error"] = f"{type(exc).__name__}: {exc}"
         done.set()
-        if not forever:
-            return
 
 
 def serve(engine: Engine, port: int, address: str = "0.0.0.0") -> ThreadingHTTPServer:  # noqa: S104 - the pod's

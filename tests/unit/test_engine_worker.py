@@ -82,14 +82,21 @@ def served():
     engine = FakeEngine()
     jobs: queue.Queue[ew.Job] = queue.Queue()
     server = ThreadingHTTPServer(("127.0.0.1", 0), ew.handler(engine, jobs))
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    threading.Thread(target=ew.run_jobs, args=(jobs,), name="gpu-main", daemon=True).start()
+    server.daemon_threads = False  # server_close joins the handlers: no thread outlives the test
+    serving = threading.Thread(target=server.serve_forever)
+    serving.start()
+    stop = threading.Event()
+    main = threading.Thread(target=ew.run_jobs, args=(jobs, stop), name="gpu-main")
+    main.start()
     try:
         yield engine, server.server_address[1]
     finally:
         server.shutdown()
         server.server_close()
+        serving.join()
+        stop.set()
+        jobs.put((lambda: None, threading.Event(), {}))  # wakes the loop, which then ends
+        main.join()
 
 
 def test_sleep_and_wake_up_with_vllms_meaning(served):

@@ -57,6 +57,7 @@ def test_before_checkpoint_is_for_sources_only():
 
 class _Engine(BaseHTTPRequestHandler):
     answers: dict[str, int] = {}
+    release = threading.Event()
     seen: list[tuple[str, str]] = []
 
     def do_POST(self) -> None:  # noqa: N802 - http.server's name
@@ -64,7 +65,7 @@ class _Engine(BaseHTTPRequestHandler):
         self.seen.append((self.command, self.path, self.headers["Content-Type"], body))
         code = self.answers.get(self.path.partition("?")[0], 200)
         if code == 0:
-            time.sleep(3)  # never in time
+            self.release.wait(10)  # never in time: until the test ends
             return
         self.send_response(code)
         self.send_header("Content-Length", "0")
@@ -78,14 +79,18 @@ class _Engine(BaseHTTPRequestHandler):
 def engine():
     _Engine.answers = {"/fail": 500, "/hang": 0}
     _Engine.seen = []
+    _Engine.release = threading.Event()
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Engine)
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server.daemon_threads = False  # server_close joins the handlers: no thread outlives the test
+    serving = threading.Thread(target=server.serve_forever)
+    serving.start()
     try:
         yield server.server_address[1]
     finally:
+        _Engine.release.set()
         server.shutdown()
         server.server_close()
+        serving.join()
 
 
 def test_a_2xx_answer_is_a_call_that_worked(engine):
