@@ -9,6 +9,7 @@ import json
 import sys
 import urllib.request
 
+from devtools.cri import ContainerState
 from devtools.gpu import host_python_mounts
 from tests.e2e.test_checkpoint_restore import wait_status
 from tests.waiting import wait_for
@@ -107,6 +108,16 @@ def test_the_source_sleeps_for_its_checkpoint_and_is_woken_and_so_is_the_restore
     fresh = serving(c_ip)
     assert fresh["history"] == [] and fresh["awake"], fresh
     assert any("serving" in line for line in sandbox.cri.logs(c_cid))
+
+    d = pod("engine-d", annotations={"rekindle.dev/restore": "engine-a", "rekindle.dev/on-restore-failure": "fail",
+                                     "rekindle.dev/after-restore": "http://127.0.0.1:8000/broken"})
+    d_cid, _d_ip = run_engine(sandbox, d)
+    st = wait_status(plugin, "default", d.name, "engine", {"restored", "restore-failed", "cold-start"}, timeout=90)
+    assert st["phase"] == "restore-failed", st  # fails closed: the engine's command never runs
+    assert "after-restore POST http://127.0.0.1:8000/broken answered HTTP 500" in st["reason"], st["reason"]
+    exited = sandbox.cri.wait_container(d_cid, states=(ContainerState.EXITED,), timeout=60)
+    assert exited.exit_code == 75, exited  # the init's fail-closed status
+    assert not any("serving" in line for line in sandbox.cri.logs(d_cid))
 
 
 def test_a_failed_before_call_refuses_the_checkpoint_and_the_source_is_woken(sandbox, pod, plugin):
