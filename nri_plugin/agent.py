@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 from runtime import checkpoint as checkpoint_flow
-from runtime import control, hostfiles, housekeeping, thp
+from runtime import control, hooks, hostfiles, housekeeping, thp
 from runtime import restore as restore_flow
 from runtime.compat import NodeFacts
 from runtime.containerd.cri_lookup import CRIError
@@ -141,6 +141,39 @@ class NodeEngine:
 
     def checkpoint(self, work: Work) -> dict[str, float]:
         self._source_rules(work)
+        before = work.intent.before_checkpoint
+        if before is None:
+            return self._checkpoint(work)
+        # The release path: the engine sleeps for the checkpoint, and is woken whatever happens
+        # unless it is to exit (its timings go straight to the record: a failure keeps them too).
+        try:
+            work.timings["before_checkpoint"] = hooks.run(work.netns, before, "before-checkpoint")
+        except hooks.HookFailed as exc:
+            woke = self._wake_source(work)
+            raise hooks.HookFailed(f"{exc}; no checkpoint taken{woke}") from None
+        done = False
+        try:
+            timings = self._checkpoint(work)
+            done = True
+        finally:
+            if not (done and work.intent.after_checkpoint is AfterCheckpoint.EXIT):
+                self._wake_source(work)
+        return timings
+
+    def _wake_source(self, work: Work) -> str:
+        """Wake a source put to sleep for its checkpoint (rekindle.dev/after-restore, if set);
+        what became of it, for a reason."""
+        wake = work.intent.after_restore
+        if wake is None:
+            return "; the source was not woken (no rekindle.dev/after-restore)"
+        try:
+            work.timings["wake_source"] = hooks.run(work.netns, wake, "after-restore")
+        except hooks.HookFailed as exc:
+            log.warning("%s: waking the source after its checkpoint failed: %s", work.who, exc)
+            return f"; waking the source failed too: {exc}"
+        return "; the source was woken"
+
+    def _checkpoint(self, work: Work) -> dict[str, float]:
         req = checkpoint_request(
             self.settings, work.container_id, work.namespace, work.artifact, pod=work.pod, pod_uid=work.pod_uid,
             container=work.container, image=work.image, image_ref=self._image_id(work.image),
@@ -167,10 +200,19 @@ class NodeEngine:
                 return restore_flow.restore(req, self.store, self.key, self.facts, control=work.control,
                                             cuda=self.cuda, generations=self.generations, progress=work.progress,
                                             staged=staged, cache=self.cache, map_mode=map_mode(self.settings),
-                                            on_cold=writer.submit if writer is not None else None)
+                                            on_cold=writer.submit if writer is not None else None,
+                                            after_restore=self._after_restore(work))
         finally:
             with self._restores_lock:
                 self._restores -= 1
+
+    @staticmethod
+    def _after_restore(work: Work) -> Callable[[], object] | None:
+        """The restored engine's wake-up (rekindle.dev/after-restore): failing, the restore fails."""
+        wake = work.intent.after_restore
+        if wake is None:
+            return None
+        return lambda: hooks.run(work.netns, wake, "after-restore")
 
     def recover(self, work: Work) -> list[str] | None:
         return restore_flow.recover_rootfs(undo_dir(self.settings), work.container_id, work.pid, work.control)

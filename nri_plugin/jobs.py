@@ -42,6 +42,7 @@ from typing import Protocol
 
 from runtime import control
 from runtime.errors import RekindleError, reason_of
+from runtime.probe import release as release_probes
 from runtime.status import ContainerStatus, Phase, Progress, StatusBook
 
 from . import logs
@@ -246,14 +247,17 @@ class Jobs:
 
     async def _wait_ready(self, work: Work) -> str:
         probe = work.intent.ready_probe
-        while True:
-            if probe.kind is ProbeKind.FILE:
-                found = work.control.ready()
-                if found:
-                    return found
-            elif await self._probe(work, probe):
-                return str(probe)
-            await asyncio.sleep(READY_POLL if probe.kind is ProbeKind.FILE else PROBE_INTERVAL)
+        try:
+            while True:
+                if probe.kind is ProbeKind.FILE:
+                    found = work.control.ready()
+                    if found:
+                        return found
+                elif await self._probe(work, probe):
+                    return str(probe)
+                await asyncio.sleep(READY_POLL if probe.kind is ProbeKind.FILE else PROBE_INTERVAL)
+        finally:
+            release_probes(work.netns)  # connections a cut-short wait still holds (none once ready)
 
     async def _probe(self, work: Work, probe: ReadyProbe) -> bool:
         async with self._probes.slot(work.pod_uid):

@@ -21,6 +21,13 @@ Keys (pod annotations, documented in the README):
                                 the container exits with the reason (the init's status 75) and
                                 its original command never runs; a restarted container tries the
                                 restore again (restore pods only)
+  rekindle.dev/before-checkpoint http://[host]:PORT[/path][?query]: POSTed in the pod before the
+                                checkpoint (an engine's sleep); not 2xx in time: no checkpoint
+  rekindle.dev/after-restore    http://[host]:PORT[/path][?query]: POSTed in the pod once the
+                                restored process runs (its wake-up; not 2xx in time: a failed
+                                restore), and in a source put to sleep once its checkpoint ends
+  rekindle.dev/before-checkpoint-timeout, rekindle.dev/after-restore-timeout
+                                seconds (1..3600, default 120) for each call, all of it
 Unknown ``rekindle.dev/`` keys are errors (typos must not silently disable a restore).
 
 Which container: ``rekindle.dev/container``, else kubectl's ``kubectl.kubernetes.io/default-container``
@@ -41,7 +48,7 @@ from dataclasses import dataclass
 from enum import Enum
 from urllib.parse import urlsplit
 
-from runtime import names
+from runtime import hooks, names
 from runtime.errors import AnnotationError
 
 PREFIX = "rekindle.dev/"
@@ -55,9 +62,14 @@ OVERWRITE = PREFIX + "overwrite"
 MAX_LAYER_SIZE = PREFIX + "max-layer-size"
 ON_RESTORE_FAILURE = PREFIX + "on-restore-failure"
 PREWARM = PREFIX + "prewarm"
+BEFORE_CHECKPOINT = PREFIX + "before-checkpoint"
+AFTER_RESTORE = PREFIX + "after-restore"
+HOOK_TIMEOUT = "-timeout"  # BEFORE_CHECKPOINT or AFTER_RESTORE + this: that call's deadline
 KNOWN_KEYS = {CHECKPOINT, RESTORE, CONTAINER, READY_PROBE, AFTER_CHECKPOINT, RESTORE_TIMEOUT, OVERWRITE,
-              MAX_LAYER_SIZE, ON_RESTORE_FAILURE, PREWARM}
-SOURCE_ONLY_KEYS = (READY_PROBE, AFTER_CHECKPOINT, OVERWRITE, MAX_LAYER_SIZE, PREWARM)
+              MAX_LAYER_SIZE, ON_RESTORE_FAILURE, PREWARM, BEFORE_CHECKPOINT, BEFORE_CHECKPOINT + HOOK_TIMEOUT,
+              AFTER_RESTORE, AFTER_RESTORE + HOOK_TIMEOUT}
+SOURCE_ONLY_KEYS = (READY_PROBE, AFTER_CHECKPOINT, OVERWRITE, MAX_LAYER_SIZE, PREWARM, BEFORE_CHECKPOINT,
+                    BEFORE_CHECKPOINT + HOOK_TIMEOUT)
 DEFAULT_LAYER_CAP = 8 << 30  # the node's cap on a writable layer in an artifact (--max-layer-bytes)
 _UNITS = {"": 1, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40}
 # kubectl's default container of a pod (kubectl logs/exec); Istio's injector sets it too.
@@ -115,6 +127,8 @@ class Intent:
     named: bool = False      # an annotation named this container (else: one of possibly many)
     on_failure: OnRestoreFailure = OnRestoreFailure.COLD_START  # rekindle.dev/on-restore-failure
     prewarm: bool = False  # nodes warm their cache with each published version (rekindle.dev/prewarm)
+    before_checkpoint: hooks.Call | None = None  # rekindle.dev/before-checkpoint (an engine's sleep)
+    after_restore: hooks.Call | None = None      # rekindle.dev/after-restore (its wake-up)
 
     @property
     def fails_closed(self) -> bool:
@@ -168,7 +182,44 @@ def parse_probe(value: str) -> ReadyProbe:
     return ReadyProbe(ProbeKind(parts.scheme), host, port, parts.path or "/")
 
 
-def _probe_host(raw: str) -> str:
+def parse_hook(key: str, value: str, timeout_raw: str | None) -> hooks.Call:
+    """``http://[host]:PORT[/path][?query]`` with the ready probe's rules for the host (an
+    address, never a name), and its deadline in whole seconds."""
+    try:
+        parts = urlsplit(value)
+    except ValueError as exc:
+        raise AnnotationError(key, f"not a URL: {exc}") from None
+    if parts.scheme != "http":
+        raise AnnotationError(key, f"must be an http:// URL, got {value!r}")
+    hostport = parts.netloc
+    raw_port = hostport.rpartition(":")[2] if ":" in hostport and not hostport.endswith("]") else ""
+    port = parse_decimal(raw_port)
+    if port is None or not 1 <= port <= 65535:
+        raise AnnotationError(key, f"needs a port in 1..65535: {value!r}")
+    if parts.fragment or "@" in hostport:
+        raise AnnotationError(key, "no fragment or credentials allowed")
+    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    if not target.isascii() or any(c.isspace() or not c.isprintable() for c in target):
+        raise AnnotationError(key, f"the path and query must be printable ASCII without spaces: {value!r}")
+    timeout = hooks.DEFAULT_TIMEOUT
+    if timeout_raw is not None:
+        parsed = parse_decimal(timeout_raw)
+        if parsed is None or not 1 <= parsed <= hooks.MAX_TIMEOUT:
+            raise AnnotationError(key + HOOK_TIMEOUT,
+                                  f"must be whole seconds in 1..{hooks.MAX_TIMEOUT}, got {timeout_raw!r}")
+        timeout = parsed
+    return hooks.Call(_probe_host(hostport[: -len(raw_port) - 1], key), port, target, timeout)
+
+
+def _hook(ours: dict[str, str], key: str) -> hooks.Call | None:
+    if key not in ours:
+        if key + HOOK_TIMEOUT in ours:
+            raise AnnotationError(key + HOOK_TIMEOUT, f"needs {key} beside it")
+        return None
+    return parse_hook(key, ours[key], ours.get(key + HOOK_TIMEOUT))
+
+
+def _probe_host(raw: str, key: str = READY_PROBE) -> str:
     """An IP address (IPv6 without its brackets); empty and ``localhost`` mean 127.0.0.1."""
     if raw.lower() in ("", "localhost"):
         return "127.0.0.1"
@@ -178,7 +229,7 @@ def _probe_host(raw: str) -> str:
             raise ValueError(literal)
         return str(ipaddress.ip_address(literal))
     except ValueError:
-        raise AnnotationError(READY_PROBE, f"host must be an IP address or localhost, got {raw!r}") from None
+        raise AnnotationError(key, f"host must be an IP address or localhost, got {raw!r}") from None
 
 
 def decide(annotations: dict[str, str], container_name: str,
@@ -239,6 +290,8 @@ def decide(annotations: dict[str, str], container_name: str,
         on_failure = OnRestoreFailure(on_failure_raw)
     except ValueError:
         raise AnnotationError(ON_RESTORE_FAILURE, f"must be cold-start or fail, got {on_failure_raw!r}") from None
+    before = _hook(ours, BEFORE_CHECKPOINT)
+    after_restore = _hook(ours, AFTER_RESTORE)
     if role is Role.RESTORE:
         for source_key in SOURCE_ONLY_KEYS:
             if source_key in ours:
@@ -247,7 +300,8 @@ def decide(annotations: dict[str, str], container_name: str,
         raise AnnotationError(ON_RESTORE_FAILURE, "applies to restore pods only")
     return Intent(role, name, probe, after, timeout, overwrite=overwrite_raw == "true",
                   named=target_key is not None, max_layer_bytes=layer, on_failure=on_failure,
-                  prewarm=prewarm_raw == "true")
+                  prewarm=prewarm_raw == "true", before_checkpoint=before,
+                  after_restore=after_restore)
 
 
 def role_hint(annotations: dict[str, str]) -> Role | None:

@@ -15,10 +15,17 @@ connection: the TCP probe then asks the pod's sock_diag (netlink, made in the po
 the TCP socket) about the server's side of it, which gets an inode only when ``accept()`` hands
 it to the workload; the HTTP probe has its answer, and reads on until the workload closes (or a
 short wait). Every probe socket is closed with SO_LINGER 0, a reset, so that the workload's side
-is closed too, not left established or half-closed (CRIU would refuse either). A probe that ran
-out of time leaves its reset connection queued until the workload accepts it; accept queues are
-first in, first out, so a later probe that succeeds proves every earlier one was taken too, and
-the checkpoint that follows a success finds none of them.
+is closed too, not left established or half-closed (CRIU would refuse either).
+A TCP connection is never reset while it waits in an accept queue: a reset one stays queued but
+leaves the tables sock_diag looks in, so nothing could tell when it was gone. Accept queues are
+not one queue either: a prefork server's workers each listen with SO_REUSEPORT and the kernel
+hashes each connection to one of them, so a later connection taken by a quick worker says
+nothing of an earlier one waiting for a busy worker (measured: 4 checkpoints in 20 failed that
+way under load). So a TCP probe that runs out of time parks its connection, still open, and
+every later probe of that network namespace looks it up again: it is ready only once its own
+connection and every parked one were accepted (or are gone); each is reset once accepted. At
+most ``MAX_PARKED`` per namespace (a probe finding them all still queued connects no more);
+``release(netns)`` resets what is left when nobody probes that pod any more.
 
 ``probe()`` is a coroutine; callers bound how many run at once (nri_plugin.probes).
 """
@@ -34,6 +41,7 @@ import os
 import socket
 import struct
 import threading
+from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +50,7 @@ MAX_STATUS_LINE = 4096
 MAX_DRAIN = 64 * 1024   # bytes of an HTTP answer read while waiting for the workload to close
 DRAIN_WAIT = 0.2        # how long an HTTP probe waits, after the status line, for that close
 ACCEPT_POLL = 0.02      # how often a TCP probe asks whether its connection was accepted
+MAX_PARKED = 8          # connections a namespace's TCP probes keep open while they wait in a queue
 
 # sock_diag (linux/sock_diag.h, linux/inet_diag.h)
 NETLINK_SOCK_DIAG = 4
@@ -49,6 +58,9 @@ SOCK_DIAG_BY_FAMILY = 20
 NLM_F_REQUEST = 1
 NLMSG_ERROR = 2
 TCP_ESTABLISHED = 1
+# The workload's side closing first (FIN_WAIT1, FIN_WAIT2, TIME_WAIT, CLOSING): only a socket it
+# accepted can; a queued one is reset, never closed with a FIN.
+CLOSED_BY_WORKLOAD = frozenset({4, 5, 6, 11})
 INET_DIAG_NOCOOKIE = 0xFFFFFFFF
 _NLMSG = struct.Struct("=IHHII")                  # nlmsghdr
 _REQ = struct.Struct("=BBBxI")                    # inet_diag_req_v2 up to its sockid
@@ -147,26 +159,74 @@ def diag_answer(data: bytes, peer_port: int) -> tuple[int, int] | None:
     return state, inode
 
 
-async def _accepted(diag: socket.socket, family: int, server: tuple[str, int], client: tuple[str, int]) -> bool:
-    """Wait until the workload accepted our connection (its side has an inode: a file of the
-    workload's); False once that side is gone without it. The caller's deadline bounds it."""
+@dataclass(eq=False)
+class _Conn:
+    """A TCP probe's connection, addressed as the pod's sock_diag sees the workload's side."""
+
+    sock: socket.socket
+    server: tuple[str, int]
+    client: tuple[str, int]
+
+
+# netns -> TCP probe connections not yet seen accepted (never reset while they may be queued)
+_parked: dict[str, list[_Conn]] = {}
+
+
+def release(netns: str) -> None:
+    """Reset what the probes of ``netns`` still hold (its wait for ready ended)."""
+    for conn in _parked.pop(netns, []):
+        _reset(conn.sock)
+
+
+async def _lookup(diag: socket.socket, conn: _Conn, seq: int) -> tuple[int, int] | None:
     loop = asyncio.get_running_loop()
+    await loop.sock_sendall(diag, diag_request(conn.sock.family, conn.server, conn.client, seq))
+    return diag_answer(await loop.sock_recv(diag, 8192), conn.client[1])
+
+
+async def _tcp(sock: socket.socket, host: str, port: int, netns: str) -> bool:
+    """Connect; ready once the workload accepted this connection and every parked one of
+    ``netns`` (its side has an inode: a file of the workload's), or they are gone. This one
+    stays parked until then, also when the caller's deadline ends the wait."""
+    loop = asyncio.get_running_loop()
+    parked = _parked.setdefault(netns, [])
+    diag = await socket_in_netns(netns, socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_SOCK_DIAG)
     seq = 0
-    while True:
-        seq += 1
-        await loop.sock_sendall(diag, diag_request(family, server, client, seq))
-        try:
-            found = diag_answer(await loop.sock_recv(diag, 8192), client[1])
-        except OSError as exc:
-            # A kernel without TCP sock_diag: the connect is all we can know (as before).
-            log.warning("cannot tell whether %s:%d accepted the probe's connection (%s); "
-                        "taking the connect as ready", server[0], server[1], exc)
-            return True
-        if found is None or found[0] != TCP_ESTABLISHED:
-            return False
-        if found[1] != 0:
-            return True
-        await asyncio.sleep(ACCEPT_POLL)
+    try:
+        mine: _Conn | None = None
+        while True:
+            for conn in list(parked):
+                seq += 1
+                try:
+                    found = await _lookup(diag, conn, seq)
+                except OSError as exc:
+                    # A kernel without TCP sock_diag: the connect is all we can know (as before).
+                    log.warning("cannot tell whether %s:%d accepted the probe's connection (%s); "
+                                "taking the connect as ready", host, port, exc)
+                    release(netns)
+                    return mine is not None
+                if found is not None and found[0] == TCP_ESTABLISHED and found[1] == 0:
+                    continue  # still in an accept queue
+                parked.remove(conn)
+                taken = found is not None and (found[0] in CLOSED_BY_WORKLOAD or found[1] != 0)
+                if conn is mine and not taken:
+                    return False  # refused or reset before the workload took it
+                if conn is not mine:
+                    _reset(conn.sock)
+            if mine is not None and not parked:
+                return True
+            if mine is None:
+                if len(parked) >= MAX_PARKED:
+                    return False  # the workload takes none of them: no more connections to it
+                await loop.sock_connect(sock, (host, port))
+                mine = _Conn(sock, sock.getpeername()[:2], sock.getsockname()[:2])
+                parked.append(mine)
+                continue
+            await asyncio.sleep(ACCEPT_POLL)
+    finally:
+        diag.close()
+        if not parked:
+            _parked.pop(netns, None)
 
 
 async def _drain(sock: socket.socket) -> None:
@@ -196,16 +256,9 @@ def _reset(sock: socket.socket) -> None:
 
 async def _exchange(sock: socket.socket, kind: str, host: str, port: int, path: str, netns: str) -> bool:
     loop = asyncio.get_running_loop()
-    await loop.sock_connect(sock, (host, port))
     if kind == "tcp":
-        family = sock.family
-        diag = await socket_in_netns(netns, socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_SOCK_DIAG)
-        try:
-            server = sock.getpeername()[:2]
-            client = sock.getsockname()[:2]
-            return await _accepted(diag, family, server, client)
-        finally:
-            diag.close()
+        return await _tcp(sock, host, port, netns)
+    await loop.sock_connect(sock, (host, port))
     hostname = f"[{host}]" if ":" in host else host
     request = (f"GET {path} HTTP/1.1\r\nHost: {hostname}:{port}\r\nUser-Agent: rekindle-probe\r\n"
                "Connection: close\r\n\r\n").encode()
@@ -241,5 +294,5 @@ async def probe(netns: str, kind: str, host: str, port: int, path: str = "/", ti
             await _drain(sock)
         return ok
     finally:
-        if sock is not None:
+        if sock is not None and not any(c.sock is sock for c in _parked.get(netns, ())):
             _reset(sock)

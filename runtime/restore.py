@@ -28,7 +28,9 @@ The target container runs ``rekindle-init --mode restore`` as PID 1 and waits. S
      (remapped by UUID onto the GPUs this container was given) of every CUDA process, then
      unlock of every one; any failure kills the restored tree (a process left locked, or a rank
      whose peer failed, would never go on);
-  8. ``restore-pid`` + ``restore-complete`` for the init.
+  8. after_restore (only when asked): the workload's wake-up call (``runtime.hooks``), while
+     the stream goes on; not answered 2xx in time, the restore fails;
+  9. ``restore-pid`` + ``restore-complete`` for the init.
 Progress: ``progress(phase, 0, 0)`` at each phase start, ``("fill", done, total)`` bytes during
 the fill (from the fill's threads), and ``("complete", n, n)`` at the end, n the artifact's bytes.
 Any failure raises: a restored tree that never ran is killed, and once the rootfs was touched
@@ -294,7 +296,8 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
             progress: Progress | None = None,
             staged: Callable[[Artifact], str | None] | None = None,
             cache: nodecache.NodeCache | None = None, map_mode: bulk_map.MapMode = bulk_map.MapMode.DRIVER,
-            on_cold: Callable[[CacheWork], object] | None = None) -> dict[str, float]:
+            on_cold: Callable[[CacheWork], object] | None = None,
+            after_restore: Callable[[], object] | None = None) -> dict[str, float]:
     """Restore ``req``; ``staged(artifact)`` may hand over a work dir with this version's
     verified copies, staged ahead (``nri_plugin.prefetch``). With a ``cache`` whose entry of
     this version is complete, the chosen bulk ranges (``map_mode``) are mapped from it and the
@@ -473,6 +476,11 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
                 cuda_restore(cuda, host_pids, gpu_map, result.host_pid, result.tree)
             log.info("CUDA restored for %d process(es)%s", len(host_pids),
                      f", remapped {gpu_map}" if gpu_map else "")
+        if after_restore is not None:
+            # The engine's wake-up (runtime.hooks), beside the stream: its failure is the
+            # restore's, and the tree that ran is ended like any other after CRIU.
+            with t.phase("after_restore"):
+                after_restore()
         served: dict[str, object] = {}
         if streamed is not None:
             with t.phase("stream"):  # until the last piece is in: then the uffds are closed

@@ -25,6 +25,9 @@ Contract:
   once ``snapshot-complete`` is there (``rekindle.dev/after-checkpoint: exit``) also exits 0.
   Waits count the time between polls, capped per step, so the time a process spent frozen
   between checkpoint and restore does not count.
+- ``--release plugin``: the hook neither quiesces nor resumes; the pod's
+  ``rekindle.dev/before-checkpoint`` and ``rekindle.dev/after-restore`` annotations have the
+  plugin make those calls (a failed one refuses the checkpoint or fails the restore).
 - Serve role (no ``$REKINDLE_CHECKPOINT``): nothing is released; the engine just runs.
 - Once the engine serves (healthy and resumed), the file ``/tmp/rekindle-engine-serving``
   (``$REKINDLE_HOOK_MARKER``) is written; ``probe`` checks for it. It lives in the container's
@@ -146,6 +149,18 @@ class SGLang(Engine):
 
     def resume(self, http: Http) -> None:
         http.post("/resume_memory_occupation", {"tags": list(self.tags)})
+
+
+@dataclass(frozen=True)
+class ByPlugin(Engine):
+    """``--release plugin``: the plugin makes the calls (``rekindle.dev/before-checkpoint`` and
+    ``rekindle.dev/after-restore`` on the pod); the hook only says when to checkpoint."""
+
+    def quiesce(self, http: Http) -> None:
+        pass
+
+    def resume(self, http: Http) -> None:
+        pass
 
 
 # --- the control dir ---------------------------------------------------------------------------------
@@ -271,7 +286,8 @@ def _status(rc: int) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    engine: Engine = (VLLM(keep_weights_on_gpu=not args.release_weights) if args.engine == "vllm"
+    engine: Engine = (ByPlugin(args.engine) if args.release == "plugin"
+                      else VLLM(keep_weights_on_gpu=not args.release_weights) if args.engine == "vllm"
                       else SGLang(tags=tuple(args.release_tags.split(","))))
     got_signal: list = []
     proc = subprocess.Popen(args.command)
@@ -331,6 +347,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     r.add_argument("--checkpoint-timeout", type=float, default=1800.0,
                    help="seconds a source waits for its checkpoint before it gives up")
     r.add_argument("--after-checkpoint", choices=["exit", "serve"], default="exit")
+    r.add_argument("--release", choices=["hook", "plugin"], default="hook",
+                   help="who releases and takes back the engine's memory: this hook, or the plugin through "
+                        "the pod's rekindle.dev/before-checkpoint and after-restore annotations")
     r.add_argument("--release-weights", action="store_true",
                    help="vLLM: leave the weights in host memory too (level-1 sleep as is)")
     r.add_argument("--release-tags", default="kv_cache", help="SGLang: tags to release (comma-separated)")

@@ -92,7 +92,7 @@ def test_plan_external_mounts(tmp_path: Path) -> None:
     assert argv[:4] == [criu_mod.CRIU, "dump", "-t", "7"]
     for frag in ("net[42]:extnet", "mnt[/run/secrets]:m4", "mnt[/data]:m0"):
         assert frag in argv
-    for flag in ("--leave-running", "--tcp-close", "--file-locks", "--manage-cgroups=ignore", "-v4"):
+    for flag in ("--leave-running", "--tcp-close", "--file-locks", "--manage-cgroups=ignore", "-v4", "--skip-in-flight"):
         assert flag in argv
     assert argv[argv.index("--network-lock") + 1] == "skip"
     assert argv[argv.index("-o") + 1] == "/img/dump.log"

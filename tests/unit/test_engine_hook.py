@@ -316,3 +316,14 @@ def test_the_marker_is_never_in_the_control_dir_or_a_volume():
             for d in yaml.safe_load_all((HOOK.parents[1] / engine / f).read_text()):
                 for c in (d.get("spec", {}).get("template", {}).get("spec", {}).get("containers", [])):
                     assert not any(marker.is_relative_to(m["mountPath"]) for m in c.get("volumeMounts", []))
+
+
+def test_release_by_the_plugin_leaves_the_engine_to_the_annotations(engine, control, marker):
+    """--release plugin: the plugin's before-checkpoint and after-restore calls do the release;
+    the hook only says when to checkpoint and when the engine serves."""
+    t, res = start(lifecycle(engine, control, marker, eng=hook.ByPlugin("vllm")))
+    wait_for(lambda: (control / hook.READY).exists(), DEADLINE, "ready-for-checkpoint")
+    assert engine.calls() == []
+    (control / hook.RESTORE_COMPLETE).write_text("")
+    assert finish(t, res) is hook.Outcome.RESTORED
+    assert engine.calls() == [] and marker.read_text() == "vllm\n"

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from runtime.probe import probe
+from runtime.probe import MAX_PARKED, probe, release
 
 
 async def _server(mode: str) -> tuple[asyncio.base_events.Server, int]:
@@ -106,11 +106,85 @@ def test_tcp_probe_is_not_ready_while_its_connection_waits_in_the_accept_queue()
         t0 = time.monotonic()
         assert asyncio.run(probe("", "tcp", "127.0.0.1", port, timeout=0.3)) is False
         assert time.monotonic() - t0 < 1.0
-        # The connection it gave up on was reset, not closed with a FIN: once the workload takes
-        # it, its side is closed (CRIU dumps that), not half-open (CRIU refuses that).
+        # The connection it gave up on stays open while queued (a reset one would leave the
+        # tables the next probe looks in); released, it is reset, not closed with a FIN: once the
+        # workload takes it, its side is closed (CRIU dumps that), not half-open (CRIU refuses that).
         conn, _ = ls.accept()
-        with conn, pytest.raises(ConnectionResetError):
-            conn.recv(1)
+        with conn:
+            conn.setblocking(False)
+            with pytest.raises(BlockingIOError):
+                conn.recv(1)  # open: nothing to read, no end
+            release("")
+            conn.setblocking(True)
+            with pytest.raises(ConnectionResetError):
+                conn.recv(1)
+
+
+def test_tcp_probe_waits_for_a_connection_parked_in_a_busy_reuseport_listener():
+    """A prefork server's two SO_REUSEPORT listeners: a probe connection hashed to the busy one
+    waits there while later ones are taken by the quick one; no probe is ready until it is taken."""
+    quick = socket.socket()
+    busy = socket.socket()
+    for ls in (quick, busy):
+        ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    quick.bind(("127.0.0.1", 0))
+    port = quick.getsockname()[1]
+    busy.bind(("127.0.0.1", port))
+    stop = threading.Event()
+
+    def take_quickly(ls: socket.socket, until: threading.Event) -> None:
+        ls.settimeout(0.05)
+        while not until.is_set():
+            try:
+                ls.accept()[0].close()
+            except TimeoutError:
+                pass
+
+    with quick, busy:
+        quick.listen(16)
+        busy.listen(16)
+        t = threading.Thread(target=take_quickly, args=(quick, stop))
+        t.start()
+        try:
+            for _ in range(40):  # until one lands in the busy listener (1 in 2 each)
+                if not asyncio.run(probe("", "tcp", "127.0.0.1", port, timeout=0.3)):
+                    break
+            else:
+                pytest.fail("no probe connection was hashed to the busy listener")
+            for _ in range(4):  # whichever listener takes the next ones, the parked one holds them back
+                assert asyncio.run(probe("", "tcp", "127.0.0.1", port, timeout=0.3)) is False
+            freed = threading.Event()  # the busy worker is free now: it takes what waited for it
+            b = threading.Thread(target=take_quickly, args=(busy, freed))
+            b.start()
+            try:
+                assert asyncio.run(probe("", "tcp", "127.0.0.1", port, timeout=2.0)) is True
+            finally:
+                freed.set()
+                b.join()
+            busy.setblocking(False)
+            with pytest.raises(BlockingIOError):
+                busy.accept()  # nothing of the probes' left in the busy queue
+        finally:
+            stop.set()
+            t.join()
+            release("")
+
+
+def test_tcp_probes_of_a_workload_that_never_accepts_hold_a_bounded_number_of_connections():
+    ls, port = _listener()
+    with ls:
+        try:
+            for _ in range(MAX_PARKED + 3):
+                assert asyncio.run(probe("", "tcp", "127.0.0.1", port, timeout=0.2)) is False
+            ls.setblocking(False)
+            queued = 0
+            with pytest.raises(BlockingIOError):
+                while True:
+                    ls.accept()[0].close()
+                    queued += 1
+            assert queued == MAX_PARKED
+        finally:
+            release("")
 
 
 def test_tcp_probe_is_ready_once_the_workload_accepted_and_leaves_nothing_queued():

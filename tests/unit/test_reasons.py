@@ -32,6 +32,7 @@ EXPECTED = {
     "runtime.errors.Incompatible": Reason.INCOMPATIBLE, "runtime.errors.LessPrivileged": Reason.PRIVILEGE,
     "runtime.errors.SharedPidNamespace": Reason.INCOMPATIBLE,
     "runtime.containerd.client.ContainerdError": Reason.RUNTIME,
+    "runtime.hooks.HookFailed": Reason.RUNTIME,  # the workload did not answer its release-path call
     "runtime.containerd.cri_lookup.CRIError": Reason.RUNTIME,
     "runtime.pages.stream.StreamError": Reason.CRIU, "runtime.pages.stream.StreamIntegrityError": Reason.INTEGRITY,
     "runtime.restore.RestoreRolledBackBadly": Reason.RUNTIME, "runtime.pages.bulk.FillError": Reason.INTEGRITY,

@@ -1,0 +1,310 @@
+"""An inference engine's memory shape, for the benches: the 7.6 B weights plus a KV cache that
+fills a fraction of the GPU, with the engine's sleep and wake-up endpoints (vLLM's meaning).
+
+Usage: ``MODEL_DIR=/model GPU_FRACTION=0.4 python engine_worker.py`` (in a pod: the node's Python
+with torch and transformers; the model made by ``bench.llm_restore``'s ``make_model``).
+
+What it is, on top of bench/workloads/llm_worker.py's ``Worker`` (load, greedy generate with a
+static KV cache, the decode step compiled with CUDA graphs, ``COMPILE_MODE`` reduce-overhead):
+- the KV cache: the static cache the decode uses plus a block pool allocated zero-filled
+  (``torch.zeros``, as vLLM allocates its KV blocks) so that the process holds ``GPU_FRACTION``
+  of the GPU (vLLM's ``gpu_memory_utilization``: what the device reports used, all of it). An
+  idle engine's blocks are zero; so are these, never written;
+- ``POST /sleep?level=1``: the weights copied to one pinned host buffer (their GPU memory freed)
+  and the KV cache freed (pool and static cache, given back to the driver); ``POST /wake_up``:
+  the weights back on the GPU, the pool allocated zero-filled again, the static cache at the
+  next decode. vLLM keeps its virtual addresses across a sleep (its allocator remaps them), so
+  its CUDA graphs stay valid; here the tensors are new, so the first decode after a wake-up
+  records its graphs again (``first_decode_after_wake_s`` says what that costs);
+- ``POST /v1/completions`` and ``GET /generate``: the fixed prompt's greedy tokens
+  (``{"tokens": [...], "seconds": s, "pid": p}``); 503 while asleep. ``GET /is_sleeping``,
+  ``GET /healthz``, ``GET /startup`` (the start-up record), ``GET /memory`` (bytes per part).
+All GPU work runs on the main thread (CUDA graph trees are per thread); the HTTP threads queue.
+Like llm_worker it writes ``worker-startup.json`` and ``ready-for-checkpoint`` in
+``$REKINDLE_CONTROL_DIR`` once warm. Environment: llm_worker's, ``GPU_FRACTION`` (0.4).
+
+The client helpers and ``pool_bytes`` import without torch (the bench's host side, the tests).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any, Protocol
+from urllib.parse import parse_qs, urlsplit
+
+try:  # run as a script in a pod: its own directory is on the path
+    from llm_worker import Worker, atomic_write  # type: ignore[import-not-found,no-redef]
+except ImportError:
+    from bench.workloads.llm_worker import Worker, atomic_write
+
+DEFAULT_FRACTION = 0.4
+PORT = 8080
+
+
+def pool_bytes(fraction: float, total: int, used: int, align: int = 2 << 20) -> int:
+    """Bytes of KV blocks that bring the device's use from ``used`` to ``fraction`` of ``total``
+    (none when it is there already), in whole ``align`` pieces."""
+    if not 0 < fraction <= 1:
+        raise ValueError(f"GPU_FRACTION must be in (0, 1], got {fraction}")
+    return max(0, int(total * fraction) - used) // align * align
+
+
+def host_layout(sizes: list[int], align: int = 64) -> list[tuple[int, int]]:
+    """(offset, size) of each tensor in one host buffer, every offset aligned (a dtype view of a
+    byte buffer needs its offset to be a multiple of the element size)."""
+    places, at = [], 0
+    for n in sizes:
+        places.append((at, n))
+        at += -(-n // align) * align
+    return places
+
+
+def sleep_level(query: str) -> int:
+    """The level of ``/sleep?level=N`` (1 when absent); ValueError for any other than 1: level 2
+    (weights discarded) has no meaning for random weights that cannot be reloaded."""
+    values = parse_qs(query).get("level", ["1"])
+    if values != ["1"]:
+        raise ValueError(f"only level=1 is supported, got {values}")
+    return 1
+
+
+class Engine(Protocol):
+    rec: dict[str, Any]
+
+    @property
+    def sleeping(self) -> bool: ...
+    def generate(self) -> list[int]: ...
+    def sleep(self) -> dict[str, Any]: ...
+    def wake_up(self) -> dict[str, Any]: ...
+    def memory(self) -> dict[str, int]: ...
+
+
+class EngineWorker:
+    """llm_worker's model and decode, with a KV block pool and sleep/wake-up."""
+
+    def __init__(self, worker: Worker, fraction: float) -> None:
+        self.w = worker
+        self.torch = worker.torch
+        self.fraction = fraction
+        self.rec = worker.rec
+        self.rec["gpu_fraction"] = fraction
+        self._pool: Any = None
+        self._host: Any = None  # the weights' pinned host copy while asleep
+        self._after_wake = False
+        t = time.monotonic()
+        self._allocate_pool()
+        self.rec["phases_s"]["kv_pool"] = round(time.monotonic() - t, 3)
+        self.rec["memory"] = self.memory()
+
+    @property
+    def sleeping(self) -> bool:
+        return self._host is not None
+
+    def _allocate_pool(self) -> None:
+        torch = self.torch
+        free, total = torch.cuda.mem_get_info()
+        size = pool_bytes(self.fraction, total, total - free)
+        self._pool = torch.zeros(size, dtype=torch.uint8, device="cuda:0")
+        torch.cuda.synchronize()
+
+    def _params(self) -> list[Any]:
+        return list(self.w.model.parameters()) + list(self.w.model.buffers())
+
+    def generate(self) -> list[int]:
+        t = time.monotonic()
+        tokens = self.w.generate()
+        if self._after_wake:
+            self._after_wake = False
+            self.rec["first_decode_after_wake_s"] = round(time.monotonic() - t, 3)
+        return tokens
+
+    def sleep(self) -> dict[str, Any]:
+        """Level 1: weights to pinned host memory, KV cache freed."""
+        if self.sleeping:
+            return {"already": True}
+        torch = self.torch
+        t = time.monotonic()
+        tensors = self._params()
+        places = host_layout([p.numel() * p.element_size() for p in tensors])
+        total = places[-1][0] + places[-1][1] if places else 0
+        host = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+        views = [host[at:at + n].view(p.dtype).view(p.shape) for p, (at, n) in zip(tensors, places)]
+        for p, view in zip(tensors, views):
+            view.copy_(p.data, non_blocking=True)
+        torch.cuda.synchronize()
+        for p, view in zip(tensors, views):  # the GPU copies go: each tensor lives in the pinned buffer
+            p.data = view
+        self._host = host
+        self._pool = None
+        if hasattr(self.w.model, "_cache"):  # transformers' static cache: made again at the next decode
+            del self.w.model._cache
+        torch.cuda.empty_cache()  # back to the driver, as an engine's sleep frees it
+        took = round(time.monotonic() - t, 3)
+        self.rec["sleep_s"] = took
+        return {"seconds": took, "weights_bytes": total, "memory": self.memory()}
+
+    def wake_up(self) -> dict[str, Any]:
+        """Weights back on the GPU, KV cache allocated again (zero-filled)."""
+        if not self.sleeping:
+            return {"already": True}
+        torch = self.torch
+        t = time.monotonic()
+        for p in self._params():
+            p.data = p.data.to("cuda:0", non_blocking=True)
+        torch.cuda.synchronize()
+        self._host = None  # the pinned copy goes once the weights are back
+        self._allocate_pool()
+        self._after_wake = True
+        took = round(time.monotonic() - t, 3)
+        self.rec["wake_up_s"] = took
+        return {"seconds": took, "memory": self.memory()}
+
+    def memory(self) -> dict[str, int]:
+        torch = self.torch
+        free, total = torch.cuda.mem_get_info()
+        return {"device_total": total, "device_used": total - free,
+                "allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved(),
+                "kv_pool": 0 if self._pool is None else self._pool.numel(),
+                "pinned_weights": 0 if self._host is None else self._host.numel()}
+
+
+Job = tuple[Callable[[], Any], threading.Event, dict[str, Any]]
+
+
+def handler(engine: Engine, jobs: queue.Queue[Job]) -> type[BaseHTTPRequestHandler]:
+    """The HTTP routes; whatever touches the GPU is queued for the main thread."""
+
+    def on_main(fn: Callable[[], Any]) -> tuple[int, Any]:
+        done: threading.Event = threading.Event()
+        box: dict[str, Any] = {}
+        jobs.put((fn, done, box))
+        if not done.wait(600):
+            return 504, {"error": "the main thread did not answer in 600 s"}
+        return (200, box["value"]) if "value" in box else (500, {"error": box.get("error", "unknown")})
+
+    def completion() -> tuple[int, Any]:
+        if engine.sleeping:
+            return 503, {"error": "sleeping"}
+        t = time.monotonic()
+        code, got = on_main(engine.generate)
+        if code != 200:
+            return code, got
+        return 200, {"tokens": got, "seconds": round(time.monotonic() - t, 4), "pid": os.getpid()}
+
+    class Handler(BaseHTTPRequestHandler):
+        def _answer(self, code: int, value: Any) -> None:
+            body = (json.dumps(value) + "\n").encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            path = urlsplit(self.path).path
+            if path == "/generate":
+                self._answer(*completion())
+            elif path in ("/healthz", "/health"):
+                self._answer(200, "ok")
+            elif path == "/is_sleeping":
+                self._answer(200, {"is_sleeping": engine.sleeping})
+            elif path == "/startup":
+                self._answer(200, engine.rec)
+            elif path == "/memory":
+                self._answer(*on_main(engine.memory))
+            else:
+                self._answer(404, {"error": "not found"})
+
+        def do_POST(self) -> None:  # noqa: N802
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            url = urlsplit(self.path)
+            if url.path == "/v1/completions":
+                self._answer(*completion())
+            elif url.path == "/sleep":
+                try:
+                    sleep_level(url.query)
+                except ValueError as exc:
+                    self._answer(400, {"error": str(exc)})
+                    return
+                self._answer(*on_main(engine.sleep))
+            elif url.path == "/wake_up":
+                self._answer(*on_main(engine.wake_up))
+            else:
+                self._answer(404, {"error": "not found"})
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    return Handler
+
+
+def run_jobs(jobs: queue.Queue[Job], until: threading.Event | None = None) -> None:
+    """The main thread's loop: run what the HTTP threads queued (until ``until`` is set)."""
+    while until is None or not until.is_set():
+        fn, done, box = jobs.get()
+        try:
+            box["value"] = fn()
+        except Exception as exc:  # noqa: BLE001 - the client gets the error
+            box["error"] = f"{type(exc).__name__}: {exc}"
+        done.set()
+
+
+def serve(engine: Engine, port: int, address: str = "0.0.0.0") -> ThreadingHTTPServer:  # noqa: S104 - the pod's
+    jobs: queue.Queue[Job] = queue.Queue()
+    server = ThreadingHTTPServer((address, port), handler(engine, jobs))
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
+    run_jobs(jobs)
+    return server
+
+
+# --- client helpers (the bench's side: no torch) ----------------------------------------------
+
+def call(ip: str, path: str, method: str = "GET", port: int = PORT, timeout: float = 600) -> dict[str, Any]:
+    data = b"{}" if method == "POST" else None
+    req = urllib.request.Request(f"http://{ip}:{port}{path}", data=data, method=method,
+                                 headers={"Content-Type": "application/json"} if data else {})
+    with urllib.request.urlopen(req, timeout=timeout) as r:  # noqa: S310 - the pod's own address
+        value: dict[str, Any] = json.loads(r.read())
+        return value
+
+
+def completion(ip: str, port: int = PORT, timeout: float = 600) -> dict[str, Any]:
+    return call(ip, "/v1/completions", "POST", port, timeout)
+
+
+def sleep(ip: str, port: int = PORT, timeout: float = 600) -> dict[str, Any]:
+    return call(ip, "/sleep?level=1", "POST", port, timeout)
+
+
+def wake_up(ip: str, port: int = PORT, timeout: float = 600) -> dict[str, Any]:
+    return call(ip, "/wake_up", "POST", port, timeout)
+
+
+def main() -> int:
+    t0 = time.monotonic()
+    worker = Worker(os.environ["MODEL_DIR"], os.environ.get("COMPILE_MODE", "reduce-overhead"),
+                    int(os.environ.get("NEW_TOKENS", "32")), int(os.environ.get("WARMUP_CALLS", "3")))
+    engine = EngineWorker(worker, float(os.environ.get("GPU_FRACTION", str(DEFAULT_FRACTION))))
+    engine.rec["phases_s"] = {k: round(v, 3) for k, v in engine.rec["phases_s"].items()}
+    engine.rec["startup_s"] = round(time.monotonic() - t0, 3)
+    text = json.dumps(engine.rec)
+    print(text, flush=True)
+    control = os.environ.get("REKINDLE_CONTROL_DIR")
+    if control:
+        atomic_write(Path(control) / "worker-startup.json", text)
+        atomic_write(Path(control) / "ready-for-checkpoint", f"{os.getpid()}\n")
+    serve(engine, int(os.environ.get("PORT", str(PORT))))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
