@@ -7,7 +7,9 @@ node (no containerd, no plugin), one fresh worker per variant, each in the plugi
   to a tree before its parasite, and nothing else);
 - ``criu``: ``criu dump --leave-running`` of the process (what the plugin runs);
 - ``criu-norseq``: the same, the worker started with glibc's rseq registration off;
-- ``criu-stopped``: ``criu dump --leave-stopped``, then SIGCONT before the restore.
+- ``criu-stopped``: ``criu dump --leave-stopped``, then SIGCONT before the restore;
+- ``criu-after-stop``: the worker stopped and continued (SIGSTOP, SIGCONT) before the lock, so
+  a timed wait goes on as restart_syscall, then as ``criu``.
 
 For each: the seconds of each step, whether the process lives and the driver's state for it
 after the step, the answer before and after, the threads (name, state, syscall) as the step
@@ -36,7 +38,7 @@ from runtime.gpu.cuda import CudaCheckpointer
 
 PTRACE_DETACH, PTRACE_SEIZE, PTRACE_INTERRUPT = 17, 0x4206, 0x4207
 WALL = 0x40000000
-VARIANTS = ("driver", "seize", "criu", "criu-norseq", "criu-stopped")
+VARIANTS = ("driver", "seize", "criu", "criu-norseq", "criu-stopped", "criu-after-stop")
 
 
 def threads(pid: int) -> list[dict[str, str]]:
@@ -134,6 +136,12 @@ def run_variant(name: str, worker: list[str], env: dict[str, str], work: Path, c
         res["ready"] = ready
         if not ready or not ready.startswith("ready"):
             return res
+        if name == "criu-after-stop":
+            os.kill(pid, signal.SIGSTOP)
+            time.sleep(0.5)
+            os.kill(pid, signal.SIGCONT)
+            time.sleep(0.5)
+            res["threads_after_stop"] = threads(pid)
         step("lock", lambda: cuda.lock([pid], 10_000))
         step("checkpoint", lambda: cuda.checkpoint([pid]))
         res["threads_after_checkpoint"] = threads(pid)
