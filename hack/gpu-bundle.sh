@@ -71,7 +71,8 @@ if [ -n "${REKINDLE_WHEELS:-}" ]; then
 else
   "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-    --platform any -d "$stage/wheels" "${wheels[@]}"
+    --platform any -d "$stage/wheels" "${wheels[@]}" \
+    || { echo "gpu-bundle: pip could not download ${wheels[*]}; put them in a folder and name it in REKINDLE_WHEELS" >&2; exit 1; }
 fi
 
 strip --strip-unneeded "$stage"/bin/* "$stage"/cni/* "$stage"/build/* "$stage"/lib/* 2>/dev/null || true

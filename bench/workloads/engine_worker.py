@@ -157,15 +157,23 @@ class EngineWorker:
             return {"already": True}
         torch = self.torch
         t = time.monotonic()
+        # Whether the host copy is still page-locked (after a restore too: the driver must have
+        # registered the restored pages again), and the copy's rate, which says the same in GB/s
+        pinned = bool(self._host.is_pinned())
         for p in self._params():
             p.data = p.data.to("cuda:0", non_blocking=True)
         torch.cuda.synchronize()
+        copy_s = time.monotonic() - t
+        moved = self._host.numel()
         self._host = None  # the pinned copy goes once the weights are back
         self._allocate_pool()
         self._after_wake = True
         took = round(time.monotonic() - t, 3)
         self.rec["wake_up_s"] = took
-        return {"seconds": took, "memory": self.memory()}
+        wake = {"seconds": took, "host_pinned": pinned, "copy_s": round(copy_s, 3),
+                "copy_gbps": round(moved / copy_s / 1e9, 2) if copy_s > 0 else None, "pid": os.getpid()}
+        self.rec.setdefault("wakes", []).append(wake)
+        return {**wake, "memory": self.memory()}
 
     def memory(self) -> dict[str, int]:
         torch = self.torch

@@ -1,0 +1,137 @@
+"""The engine-shaped worker (bench/workloads/engine_worker.py) through the real sandbox and the real
+plugin on a GPU node: the release path. The source reserves ``GPU_FRACTION`` of the GPU (the 7.6 B
+weights plus a zero-filled KV block pool, as vLLM's ``gpu_memory_utilization``); its checkpoint
+calls ``/sleep?level=1`` first (weights to pinned host memory, KV cache freed), so the artifact
+holds the weights and not the reservation; the plugin wakes the source once the checkpoint ends,
+and wakes the restored process before it calls the restore done. Checked: the source's tokens
+after its checkpoint and the restored pod's equal the source's first ones; the weights' host copy
+is still page-locked after the restore (``is_pinned`` and the wake-up's copy rate, against the
+source's own wake-up in the same run).
+
+``REKINDLE_ENGINE_FRACTIONS`` (default ``0.4``) lists the fractions run, one case each. The
+transparent path (no sleep) is not run here: its artifact is the whole reservation, more than
+this test's store can hold past about 0.2 of an H200. Each case writes
+``$REKINDLE_GPU_E2E_OUT/engine-release-<fraction>.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.gpu.node_check import why_skip
+
+_SKIP = why_skip("the engine release-path test")
+if _SKIP:
+    pytest.skip(_SKIP, allow_module_level=True)
+
+from devtools.cri import ContainerState, Mount  # noqa: E402
+from tests.gpu import gpu_pods  # noqa: E402
+from tests.gpu.test_gpu_e2e import OUT, REPO, cri, plugin, pods, sandbox  # noqa: E402,F401 - fixtures
+
+pytestmark = pytest.mark.gpu
+
+CONTAINER = "engine"
+PORT = 8080
+MODEL_DIR = Path(os.environ.get("REKINDLE_LLM_MODEL_DIR", "/var/tmp/rekindle-llm-model"))
+FRACTIONS = [f for f in os.environ.get("REKINDLE_ENGINE_FRACTIONS", "0.4").split(",") if f]
+ANNOTATIONS = {"rekindle.dev/before-checkpoint": f"http://127.0.0.1:{PORT}/sleep?level=1",
+               "rekindle.dev/after-restore": f"http://127.0.0.1:{PORT}/wake_up"}
+
+
+@pytest.fixture(scope="module")
+def model() -> Path:
+    r = subprocess.run([sys.executable, "-m", "bench.llm_restore", "make-model", "--model-dir", str(MODEL_DIR)],
+                       cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    print(r.stdout.strip())
+    return MODEL_DIR
+
+
+def _get(ip: str, path: str, method: str = "GET", timeout: float = 120) -> dict[str, Any]:
+    req = urllib.request.Request(f"http://{ip}:{PORT}{path}", data=b"{}" if method == "POST" else None,
+                                 method=method)
+    with urllib.request.urlopen(req, timeout=timeout) as r:  # noqa: S310 - the pod's own address
+        doc: dict[str, Any] = json.loads(r.read())
+        return doc
+
+
+def _start(cri: Any, pod: Any, model: Path, fraction: str) -> str:
+    mounts = [Mount("/workload", str(REPO / "bench" / "workloads"), readonly=True),
+              Mount("/model", str(model), readonly=True)]
+    mounts += [Mount(d, d, readonly=True) for d in ("/usr/include", "/usr/libexec") if os.path.isdir(d)]
+    env = {"MODEL_DIR": "/model", "GPU_FRACTION": fraction, "PORT": str(PORT)}
+    return gpu_pods.run_gpu_container(cri, pod, 0, [sys.executable, "/workload/engine_worker.py"], mounts,
+                                      CONTAINER, env)
+
+
+@pytest.mark.parametrize("fraction", FRACTIONS)
+def test_engine_release_path_restores_awake_with_its_weights_pinned(cri, plugin, pods, model, fraction: str) -> None:
+    name = f"engine-{fraction.replace('.', '')}"
+    rec: dict[str, Any] = {"case": "release", "gpu_fraction": float(fraction)}
+    try:
+        a = cri.run_pod_sandbox(f"{name}-src", annotations={"rekindle.dev/checkpoint": name, **ANNOTATIONS})
+        pods.append(a)
+        t0 = time.monotonic()
+        a_cid = _start(cri, a, model, fraction)
+        a_dir = plugin.control_dir(a.uid, CONTAINER)
+        try:
+            rec["cold_start_s"] = round(gpu_pods.wait_file(a_dir / "worker-startup.json", 600,
+                                                           gpu_pods.running(cri, a_cid)), 3)
+        except AssertionError:
+            print(gpu_pods.container_logs(cri, a_cid)[-8000:], file=sys.stderr)
+            raise
+        startup = json.loads((a_dir / "worker-startup.json").read_text())
+        ref = startup["reference_tokens"]
+        rec["source_memory"] = startup.get("memory")
+        rec["gpu_memory_mib_source"] = gpu_pods.gpu_memory()
+        st = gpu_pods.wait_status(plugin, a, CONTAINER, {"published", "checkpoint-failed"}, 600)
+        rec["checkpoint_status_s"] = round(time.monotonic() - t0, 3)
+        rec["checkpoint"] = {"phase": st["phase"], "reason": st.get("reason"), "timings": st.get("timings")}
+        assert st["phase"] == "published", st
+        artifact = plugin.store / "default" / name
+        rec["artifact_bytes"] = sum(f.stat().st_size for f in artifact.rglob("*") if f.is_file())
+        a_ip = cri.pod_ip(a.id)
+        src = _get(a_ip, "/generate")
+        rec["source_after_checkpoint"] = {"same_tokens": src["tokens"] == ref, "seconds": src["seconds"]}
+        rec["source_wakes"] = _get(a_ip, "/startup").get("wakes")
+        assert src["tokens"] == ref, (src, ref)
+        assert not _get(a_ip, "/is_sleeping")["is_sleeping"]
+
+        b = cri.run_pod_sandbox(f"{name}-dst", annotations={"rekindle.dev/restore": name, **ANNOTATIONS})
+        pods.append(b)
+        t1 = time.monotonic()
+        b_cid = _start(cri, b, model, fraction)
+        st = gpu_pods.wait_status(plugin, b, CONTAINER, {"restored", "cold-start"}, 600)
+        rec["restore_status_s"] = round(time.monotonic() - t1, 3)
+        rec["restore"] = {"phase": st["phase"], "reason": st.get("reason"), "timings": st.get("timings")}
+        assert st["phase"] == "restored", st
+        b_ip = cri.pod_ip(b.id)
+        got = _get(b_ip, "/generate")
+        rec["restore_to_first_answer_s"] = round(time.monotonic() - t1, 3)
+        rec["restored_tokens_match"] = got["tokens"] == ref
+        b_rec = _get(b_ip, "/startup")
+        rec["restored_wakes"] = b_rec.get("wakes")
+        rec["restored_memory"] = _get(b_ip, "/memory")
+        rec["first_decode_after_wake_s"] = b_rec.get("first_decode_after_wake_s")
+        rec["gpu_memory_mib_both"] = gpu_pods.gpu_memory()
+        assert got["tokens"] == ref, (got, ref)
+        assert cri.container_status(b_cid).state is ContainerState.RUNNING
+        # the artifact was taken asleep, before any wake-up: the one wake the restored process
+        # records is the plugin's after-restore call, made in it
+        assert len(rec["restored_wakes"] or []) == 1, rec["restored_wakes"]
+        assert rec["restored_wakes"][0].get("host_pinned") is True, rec["restored_wakes"]
+    finally:
+        OUT.mkdir(parents=True, exist_ok=True)
+        (OUT / f"engine-release-{fraction}.json").write_text(json.dumps(rec, indent=1) + "\n")
+        print(json.dumps(rec, indent=1))
+    from runtime.store.volume import ArtifactStore  # noqa: PLC0415
+    ArtifactStore(str(plugin.store)).delete("default", name)  # the store is in memory
