@@ -86,7 +86,8 @@ class CacheWriter:
 
     def submit(self, work: CacheWork) -> bool:
         """Queue ``work`` unless its entry exists or is queued already. An entry its restore
-        began (``work.premade``: the cache holds its key for it alone) is always taken."""
+        began (``work.premade``: the cache holds its key for it alone) is always taken, unless it
+        was abandoned already: it is the writer's from its :meth:`runtime.pages.entry.EntryBuild.claim` on."""
         if work.premade is None:
             if not self.cache.enabled or self.cache.has(work.manifest_id, work.mode):
                 return False
@@ -94,9 +95,13 @@ class CacheWriter:
                 if work.manifest_id in self._queued:
                     return False
                 self._queued.add(work.manifest_id)
+        elif not work.premade.claim():
+            return False
         try:
             self._pool.submit(self._write, work)
         except RuntimeError:  # shut down
+            if work.premade is not None:
+                work.premade.abandon()  # the writer's: nobody else removes it
             with self._lock:
                 self._queued.discard(work.manifest_id)
             return False

@@ -68,6 +68,7 @@ from runtime.overlay.verified import VerifiedArchive
 from runtime.owner import write_owner
 from runtime.pages import bulk, nodecache, stream
 from runtime.pages import mapping as bulk_map
+from runtime.pages.entry import EntryBuild, Left, Share
 from runtime.rollback import GenerationBook
 from runtime.route import RestorePath, Route, RouteFacts
 from runtime.route import choose as choose_route
@@ -114,8 +115,8 @@ class CacheWork:
     spans: tuple[bulk_map.Span, ...]
     mode: bulk_map.MapMode
     # The entry the restore began and whose map files its serve wrote (a streamed restore on a
-    # tmpfs cache): the writer finishes it, or removes it.
-    premade: nodecache.Building | None = None
+    # tmpfs cache): the writer claims it and seals it, or abandons it.
+    premade: EntryBuild | None = None
 
 
 @dataclass(frozen=True)
@@ -236,7 +237,7 @@ class _Building:
 
 
 def _share_entry(cache: nodecache.NodeCache | None, artifact: Artifact, plan: layout.RestorePlan, cold: CacheWork,
-                 mode: bulk_map.MapMode) -> nodecache.Share | None:
+                 mode: bulk_map.MapMode) -> Share | None:
     """No entry of this version yet, and the restore streams: a share of the entry it makes as it
     runs, or of the one another restore of the version is making now (None: it streams by copy)."""
     if cache is None or not cold.spans or stream.unsupported() is not None:
@@ -244,20 +245,20 @@ def _share_entry(cache: nodecache.NodeCache | None, artifact: Artifact, plan: la
     return cache.begin(artifact, plan.bulk, cold.spans, mode) or cache.join(artifact, cold.spans, mode)
 
 
-def _map_building(share: nodecache.Share, images: str, plan: layout.RestorePlan) -> _Building:
+def _map_building(share: Share, images: str, plan: layout.RestorePlan) -> _Building:
     """CRIU's images rewritten to map the ranges of the entry being made from its map files."""
-    spans, key = list(share.building.spans), share.building.key
+    spans, key = list(share.build.spans), share.build.key
     bulk_map.rewrite_images(images, spans, key, {sp.name: sp.file_size for sp in spans})
     return _Building(bulk_map.remainder(plan.bulk, spans),
                      [(share.ro(sp.name), bulk_map.inherit_key(sp, key)) for sp in spans])
 
 
-def _mapped_check(share: nodecache.Share | None, pidns: int) -> Callable[[], None] | None:
+def _mapped_check(share: Share | None, pidns: int) -> Callable[[], None] | None:
     """Once the mapped ranges are registered (the tree still stopped): each is a mapping of
     exactly its file, and no page of it is there yet (another restore may have written it)."""
     if share is None:
         return None
-    spans = list(share.building.spans)
+    spans = list(share.build.spans)
 
     def check() -> None:
         pids = {sp.pid: host_pid_of(pidns, sp.pid) for sp in spans}
@@ -318,8 +319,8 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
     entry: nodecache.Held | None = None
     use = CacheUse("off")
     cold_work: CacheWork | None = None
-    share: nodecache.Share | None = None  # of the entry this restore makes as it streams
-    handed: nodecache.Building | None = None  # that entry, once this restore hands it to the writer
+    share: Share | None = None  # of the entry this restore makes as it streams
+    handed: EntryBuild | None = None  # that entry, once this restore holds it for the writer
     inherit: list[tuple[int, str]] = []  # its map files, for CRIU
     try:
         # Who made them: if this process dies mid-restore, housekeeping removes them.
@@ -376,8 +377,8 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
                         made = _map_building(share, images, plan)
                         bulk_files, inherit = made.bulk_files, made.inherit
                         use = dataclasses.replace(use, state="building" if share.first else "joined",
-                                                  entry=share.building.key,
-                                                  mapped_bytes=sum(sp.length for sp in share.building.spans))
+                                                  entry=share.build.key,
+                                                  mapped_bytes=sum(sp.length for sp in share.build.spans))
                         route = route.feeding(share.first)
                 if path is RestorePath.STREAM and (bulk_files or share is not None):
                     why = stream.prepare(bulk_files, images)
@@ -407,12 +408,12 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
                 if (fill_bulk or share is not None) and path is RestorePath.STREAM:  # faults served from CRIU's hand-off on
                     first = (stream.driver_spans(images, manifest.cuda.pids)  # mapped ones are no piece's
                              if manifest.cuda is not None and not cached.spans else [])
-                    mapped = ([stream.Mapped(sp, share.out(sp.name)) for sp in share.building.spans]
+                    mapped = ([stream.Mapped(sp, share.out(sp.name)) for sp in share.build.spans]
                               if share is not None else [])
                     streamed = stream.Session.begin(work, target, control, artifact.label, served_files, fds, sums,
                                                     threads=stream.threads(req.threads), progress=stream_report,
                                                     first=first, mapped=mapped,
-                                                    book=share.building.book if share is not None else None)
+                                                    book=share.build.book if share is not None else None)
             if generations is not None:
                 generations.record(req.namespace, req.name, manifest.generation)
 
@@ -487,8 +488,8 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
                 stats = streamed.wait()
             served = dataclasses.asdict(stats)
             if share is not None:
-                if share.leave(stats.mapped_whole):  # the first done with it whole: the writer finishes it
-                    handed = share.building
+                if share.leave(stats.mapped_whole) is Left.HANDED:  # the first done with it whole
+                    handed = share.build
                 elif not stats.mapped_whole:
                     log.info("%s: not every mapped piece was written: no cache entry from this restore",
                              artifact.label)
@@ -508,8 +509,7 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
             size = sum(f.size for f in manifest.files)
             progress("complete", size, size)
         if cold_work is not None and on_cold is not None:
-            if on_cold(cold_work) and cold_work.premade is not None:
-                handed = None  # the writer's now
+            on_cold(cold_work)  # a premade entry is the writer's once it claimed it
         return dict(t)
     except BaseException as exc:
         if not final:
@@ -527,7 +527,7 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
         if share is not None:
             share.leave(False)  # the restore failed: the last to leave removes an entry nobody finished
         if handed is not None:
-            handed.abandon()  # handed over, but the writer did not take it
+            handed.abandon_unclaimed()  # handed over, but the writer did not claim it
         shutil.rmtree(private, ignore_errors=True)
 
 

@@ -25,7 +25,8 @@ the entry is trusted because only root can change it, and a change made through 
 changes its ctime.
 
 On a tmpfs, the first restore of a version that streams (``runtime.pages.stream``) makes the
-entry as it runs (:meth:`NodeCache.begin`, :class:`Building`): the restored process maps each
+entry as it runs (:meth:`NodeCache.begin`, ``runtime.pages.entry.EntryBuild``, which says who
+has it at each step): the restored process maps each
 range from its map file while the serve writes the file piece by piece, every chunk verified
 first; once the restore is done, the writer adds the rest (the fill files, ``files/``) and seals
 it (:meth:`NodeCache.write` with ``premade``), reading from the store only what is not mapped.
@@ -54,8 +55,8 @@ from runtime.fdfs import remove_tree, safe_parts
 from runtime.layout import DIGEST_BYTES, SUM_CHUNK, BulkFile
 from runtime.owner import read_owner, write_owner_at
 from runtime.pages import bulk, uffd
+from runtime.pages.entry import EntryBuild, Share, State
 from runtime.pages.mapping import MapMode, Span
-from runtime.pages.stream import MappedBook
 from runtime.store import Artifact
 from runtime.testpause import pause_for_test
 
@@ -195,107 +196,6 @@ def meminfo() -> dict[str, int]:
     return out
 
 
-class Building:
-    """An entry streamed restores make as they run (:meth:`NodeCache.begin`): its map files,
-    empty and of their final size, in the entry's unfinished directory (with an owner record:
-    swept once this process is provably dead), and the book of their pieces (which are written,
-    verified). Each restore of the version in this process while it is made takes a
-    :class:`Share` (the first by :meth:`NodeCache.begin`, later ones by :meth:`NodeCache.join`):
-    its serve writes the pieces no other serve wrote first and lets each go in its own tree, so
-    pods restored together share the pages from the first one on. The first restore done with
-    every piece written hands the entry to the writer (:meth:`NodeCache.write` finishes it); when
-    the last one leaves without, it is removed."""
-
-    def __init__(self, cache: NodeCache, key: str, tmp: str, spans: Sequence[Span]) -> None:
-        self.cache, self.key, self.tmp = cache, key, tmp
-        self.spans = tuple(spans)
-        self.book = MappedBook(self.spans)
-        self.outs: dict[str, int] = {}  # the map files, read-write (each share has its own dups)
-        self.ros: dict[str, int] = {}  # and read-only (what CRIU is handed)
-        self.users = 0
-        self.taken = False  # handed to the writer by one of its restores
-        self.done = False  # finished by the writer, or abandoned
-        self.ready = threading.Event()  # its files are made (or it was abandoned)
-        self._lock = threading.Lock()
-
-    def share(self, first: bool = False, wait: float = 30.0) -> Share | None:
-        """A restore's share (its own fds), once its files are made; None once it was handed
-        over or abandoned (or its files took longer than ``wait``)."""
-        if not first and not self.ready.wait(wait):
-            return None
-        with self._lock:
-            if self.done or self.taken:
-                return None
-            self.users += 1
-        share = Share(self, first)
-        try:
-            for name, fd in self.outs.items():
-                share.outs[name] = os.dup(fd)
-            for name, fd in self.ros.items():
-                share.ros[name] = os.dup(fd)
-        except OSError:
-            share.leave(False)
-            raise
-        return share
-
-    def _left(self, whole: bool) -> bool:
-        with self._lock:
-            self.users -= 1
-            take = whole and not self.taken and not self.done
-            if take:
-                self.taken = True
-            drop = self.users == 0 and not self.taken and not self.done
-        if drop:
-            self.abandon()
-        return take
-
-    def close_fds(self) -> None:
-        for fd in (*self.outs.values(), *self.ros.values()):
-            os.close(fd)
-        self.outs.clear()
-        self.ros.clear()
-
-    def abandon(self) -> None:
-        """Remove the unfinished entry (no restore of it got every piece written, or the one
-        that did could not hand it over). Its restores keep what they map."""
-        with self._lock:
-            if self.done:
-                return
-            self.done = True
-        self.ready.set()  # whoever waits to join it gets nothing
-        self.close_fds()
-        self.cache._abandon(self)
-
-
-class Share:
-    """One restore's part in a :class:`Building`: its own fds of the map files (the serve
-    writes through :meth:`out`, CRIU maps :meth:`ro`), and :meth:`leave` when it is done."""
-
-    def __init__(self, building: Building, first: bool) -> None:
-        self.building, self.first = building, first
-        self.outs: dict[str, int] = {}
-        self.ros: dict[str, int] = {}
-        self._left = False
-
-    def out(self, name: str) -> int:
-        return self.outs[name]
-
-    def ro(self, name: str) -> int:
-        return self.ros[name]
-
-    def leave(self, whole: bool) -> bool:
-        """This restore is done (``whole``: it ended with every piece written); True when it is
-        the one that hands the entry to the writer."""
-        if self._left:
-            return False
-        self._left = True
-        for fd in (*self.outs.values(), *self.ros.values()):
-            os.close(fd)
-        self.outs.clear()
-        self.ros.clear()
-        return self.building._left(whole)
-
-
 class Held:
     """An entry open for one restore: a shared lock on its directory until :meth:`close`."""
 
@@ -358,7 +258,7 @@ class NodeCache:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # room and eviction
     # Entries being written by this process, and the bytes they will take: each key once.
     _writing: dict[str, int] = field(default_factory=dict, repr=False)
-    _building: dict[str, Building] = field(default_factory=dict, repr=False)  # made by streamed restores
+    _building: dict[str, EntryBuild] = field(default_factory=dict, repr=False)  # made by streamed restores
     # Why the last write of an entry was not begun (the key's guard that said no), for its pre-warm.
     refused: dict[str, str] = field(default_factory=dict, repr=False)
 
@@ -545,10 +445,10 @@ class NodeCache:
     # --- writing ----------------------------------------------------------------------------
 
     def _reserve(self, root: int, artifact: Artifact, files: Sequence[BulkFile], key: str,
-                 spans: Sequence[Span] | None = None) -> tuple[str, Building | None] | None:
+                 spans: Sequence[Span] | None = None) -> tuple[str, EntryBuild | None] | None:
         """Room for ``artifact``'s entry, and its unfinished directory made (the key reserved for
         this process's one writer of it); None when it exists, is being written, or does not fit.
-        With ``spans``: the :class:`Building` its streamed restores make, registered at once (a
+        With ``spans``: the :class:`EntryBuild` its streamed restores make, registered at once (a
         restore that comes a moment later joins it, once its files are there)."""
         with self._lock:
             self.refused.pop(key, None)
@@ -573,7 +473,7 @@ class NodeCache:
             self._writing[key] = need
             building = None
             if spans is not None:
-                building = self._building[key] = Building(self, key, tmp, spans)
+                building = self._building[key] = EntryBuild(key, tmp, spans, self._abandon)
             return tmp, building
 
     def streams_into(self) -> str | None:
@@ -596,7 +496,7 @@ class NodeCache:
             building = self._building.get(entry_key(artifact.manifest_id, mode))
         if building is None or building.spans != tuple(spans):
             return None
-        share = building.share()
+        share = building.join()
         if share is not None:
             log.info("%s: joining node cache entry %s, made by another restore as it runs", artifact.label,
                      building.key)
@@ -629,9 +529,13 @@ class NodeCache:
                     write_owner_at(dir_fd)
                     for sp in spans:
                         fd = os.open(sp.name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
-                        building.outs[sp.name] = fd
-                        os.ftruncate(fd, sp.file_size)
-                        building.ros[sp.name] = os.open(sp.name, FILE_FLAGS, dir_fd=dir_fd)
+                        try:
+                            os.ftruncate(fd, sp.file_size)
+                            ro = os.open(sp.name, FILE_FLAGS, dir_fd=dir_fd)
+                        except BaseException:
+                            os.close(fd)
+                            raise
+                        building.add_file(sp.name, fd, ro)
                 finally:
                     os.close(dir_fd)
             except BaseException:
@@ -639,15 +543,12 @@ class NodeCache:
                 raise
             log.info("%s: making node cache entry %s as it restores (%d range(s) mapped)", artifact.label, key,
                      len(spans))
-            share = building.share(first=True)
-            building.ready.set()
-            if share is None:  # (nothing else can have it yet)
-                building.abandon()
-            return share
+            return building.open()
         finally:
             os.close(root)
 
-    def _abandon(self, building: Building) -> None:
+    def _abandon(self, building: EntryBuild) -> None:
+        # its ``discard``: what it left on disk removed, its key free again
         try:
             root = self._open_root()
         except OSError:
@@ -666,12 +567,12 @@ class NodeCache:
             self._building.pop(key, None)
 
     def write(self, artifact: Artifact, files: Sequence[BulkFile], spans: Sequence[Span], mode: MapMode,
-              threads: int = WORKERS, premade: Building | None = None,
+              threads: int = WORKERS, premade: EntryBuild | None = None,
               pace: Callable[[int], None] | None = None) -> Record | None:
         """Write ``artifact``'s entry (its bulk ``files``, ``spans`` of them mapped later) unless
         it exists or does not fit; None when not written. Every byte is verified first.
         ``premade``: the entry a streamed restore began and wrote the map files of (no byte of
-        a mapped range is read again): finished here, or removed. ``pace(n)`` is called before
+        a mapped range is read again), claimed by the writer: sealed here, or abandoned. ``pace(n)`` is called before
         each chunk of ``n`` bulk bytes is read (a pre-warm counts them, and waits there while a
         restore runs)."""
         if not self.enabled:
@@ -683,7 +584,8 @@ class NodeCache:
         root = self._open_root()
         try:
             if premade is not None:
-                if premade.key != key or premade.spans != tuple(spans) or premade.done or not premade.book.whole():
+                if (premade.key != key or premade.spans != tuple(spans) or premade.state is not State.WRITING
+                        or not premade.book.whole()):
                     premade.abandon()
                     raise CacheError(f"{artifact.label}: the entry begun by its restore is not this one, or not whole")
                 tmp = premade.tmp
@@ -696,13 +598,15 @@ class NodeCache:
                 rec = self._write_into(root, tmp, key, artifact, files, spans, mode, threads, premade, pace)
                 os.rename(tmp, key, src_dir_fd=root, dst_dir_fd=root)
             except BaseException:
-                self._remove(root, tmp)
-                raise
-            finally:
                 if premade is not None:
-                    with premade._lock:
-                        premade.done = True
-                    premade.close_fds()
+                    premade.abandon()  # removes it
+                else:
+                    self._remove(root, tmp)
+                raise
+            else:
+                if premade is not None:
+                    premade.seal()
+            finally:
                 self._unreserve(key)
             log.info("%s: cached on this node as %s: %.1f MiB, %d range(s) to map%s", artifact.label, key,
                      rec.bytes / 2**20, len(spans), " (written by its restore)" if premade is not None else "")
@@ -739,7 +643,7 @@ class NodeCache:
         return why
 
     def _write_into(self, root: int, tmp: str, key: str, artifact: Artifact, files: Sequence[BulkFile],
-                    spans: Sequence[Span], mode: MapMode, threads: int, premade: Building | None = None,
+                    spans: Sequence[Span], mode: MapMode, threads: int, premade: EntryBuild | None = None,
                     pace: Callable[[int], None] | None = None) -> Record:
         dir_fd = os.open(tmp, DIR_FLAGS, dir_fd=root)
         opened: list[int] = []
