@@ -87,7 +87,7 @@ class CacheWriter:
     def submit(self, work: CacheWork) -> bool:
         """Queue ``work`` unless its entry exists or is queued already. An entry its restore
         began (``work.premade``: the cache holds its key for it alone) is always taken, unless it
-        was abandoned already: it is the writer's from its :meth:`runtime.pages.entry.EntryBuild.claim` on."""
+        was abandoned already: it is the writer's from its ``EntryBuild.claim`` on."""
         if work.premade is None:
             if not self.cache.enabled or self.cache.has(work.manifest_id, work.mode):
                 return False

@@ -303,7 +303,8 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
     verified copies, staged ahead (``nri_plugin.prefetch``). With a ``cache`` whose entry of
     this version is complete, the chosen bulk ranges (``map_mode``) are mapped from it and the
     rest filled from it (``runtime.pages.mapping``); without one, ``on_cold`` is handed what the
-    entry would be written from, once the restore succeeded."""
+    entry would be written from, once the restore succeeded (an entry this restore made as it
+    streamed, ``CacheWork.premade``, is abandoned unless ``on_cold`` claimed it)."""
     t = Timings()
     if progress is not None:
         t.on_phase = lambda phase: progress(phase, 0, 0)

@@ -1,8 +1,9 @@
 """The bulk pages: split out of CRIU's images at checkpoint and written into the restored tree
 (``bulk``: fill, verified piece by piece), served through userfaultfd while the CUDA restore runs
 (``stream``, ``uffd``, and ``holder``, the second holder that kills the tree if the server dies),
-or mapped from the node cache (``nodecache``: verified copies on node-local storage; ``mapping``:
-which ranges map and the images rewritten for it).
+or mapped from the node cache (``nodecache``: verified copies on node-local storage; ``entry``: the
+one streamed restores make as they run; ``mapping``: which ranges map and the images rewritten for
+it).
 
 The flows use ``bulk``, ``stream`` and ``mapping`` as modules, and the names below."""
 
