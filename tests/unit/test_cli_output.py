@@ -4,6 +4,7 @@ old `--json`); status records written before the progress fields existed still r
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -38,7 +39,10 @@ def book(tmp_path) -> StatusBook:
 def test_status_shows_live_progress_of_a_running_restore(book):
     out = rekindle("status", "--state-dir", str(book.root.parent)).stdout
     running = next(line for line in out.splitlines() if "qwen-1" in line)
-    assert "restoring  <fill 3.0 GiB of 18.0 GiB (16%), 1.0 GiB/s, 3s>" in running, running
+    # the phase began 3 s before the book was written; the command reads the clock when it runs,
+    # which on a loaded machine can be seconds later
+    m = re.search(r"restoring  <fill 3\.0 GiB of 18\.0 GiB \(16%\), 1\.0 GiB/s, (\d+)s>", running)
+    assert m and 3 <= int(m[1]) <= 60, running
     done = next(line for line in out.splitlines() if "qwen-0" in line)
     assert "published  18.0 GiB" in done and "<" not in done
 
