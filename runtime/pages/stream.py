@@ -71,13 +71,12 @@ from runtime.control import ControlDir
 from runtime.criu import CRIU
 from runtime.criu import image_files as img
 from runtime.criu.proto import pagemap_pb2
-from runtime.digests import WORKERS, new_hash
+from runtime.digests import WORKERS
 from runtime.errors import Reason, RekindleError
 from runtime.layout import DIGEST_BYTES, SUM_CHUNK, BulkFile
 from runtime.namespaces import enter_cgroups_argv
-from runtime.pagecache import is_cached
 from runtime.pages import holder as holder_mod
-from runtime.pages import uffd
+from runtime.pages import uffd, verified
 from runtime.pages.filemap import FileMap
 from runtime.pages.mapping import Span
 
@@ -86,7 +85,6 @@ log = logging.getLogger(__name__)
 SOCKET_NAME = "lazy-pages.socket"
 RESTORE_FINISHED = 0x52535446  # "RSTF"
 PIECE = 2 << 20  # what one install takes, and what a fault brings in at once: whole chunks
-MAPPED_SCRATCH = 2 * SUM_CHUNK  # the neighbours' parts of a mapped piece's first and last chunks
 FAULT_THREADS = 2
 HOLDER_SEND_TIMEOUT = 10.0  # seconds: the holder always reads; one that does not fails the serve
 MOVE_ROUNDS = 8  # copies of one piece into one space moved meanwhile, before it waits its turn again
@@ -354,7 +352,6 @@ class _Piece:
     file: int  # a bulk file's index; past them, a mapped range's (its offset: in its map file)
     offset: int
     length: int
-    digests: bytes  # of its chunks, in order (a mapped piece: none, read from its source's)
 
 
 class MappedBook:
@@ -522,9 +519,7 @@ class Server:
             if len(ds) != -(-size // SUM_CHUNK) * DIGEST_BYTES or any(r.offset + r.length > size for r in f.ranges):
                 raise StreamIntegrityError(f"{label}: {f.path} does not match its ranges or chunk digests")
             for off in range(0, size, PIECE):
-                n = min(PIECE, size - off)
-                d = ds[off // SUM_CHUNK * DIGEST_BYTES:-(-(off + n) // SUM_CHUNK) * DIGEST_BYTES]
-                self.pieces.append(_Piece(len(self.pieces), i, off, n, d))
+                self.pieces.append(_Piece(len(self.pieces), i, off, min(PIECE, size - off)))
         self.files = list(files)
         # each file's ranges as (offset, end), by offset: a chunk that holds none is neither read
         # nor checked (a node cache entry's fill file has a hole there: that range is mapped)
@@ -545,7 +540,7 @@ class Server:
             self.first.append(len(self.pieces))
             for off in range(0, m.span.file_size, PIECE):
                 lo, hi = max(off, m.span.file_offset), min(off + PIECE, m.span.file_size)
-                self.pieces.append(_Piece(len(self.pieces), len(self.files) + len(self.mapped) - 1, lo, hi - lo, b""))
+                self.pieces.append(_Piece(len(self.pieces), len(self.files) + len(self.mapped) - 1, lo, hi - lo))
         self.book = book if book is not None else MappedBook([m.span for m, _src in self.mapped])
         self.work = sum(p.length for p in self.pieces)  # one pass: what the limits scale with
         self.order, self.first_pieces = self._order(first)  # of the installs
@@ -771,36 +766,14 @@ class Server:
         return buf[0], buf[1]
 
     def _read_verified(self, p: _Piece) -> int:
-        """Our address of piece ``p``'s bytes, read into private memory and verified."""
+        """Our address of piece ``p``'s bytes, read into private memory and verified (a chunk
+        that holds no byte of a range is neither read nor checked: none of it is installed)."""
         view, addr = self._buffer()
         fd = self.fds[p.file]
-        if not is_cached(fd, p.offset, p.length):
-            try:
-                os.posix_fadvise(fd, p.offset, p.length, os.POSIX_FADV_WILLNEED)
-            except OSError:
-                pass
-        got = skipped = 0
-        reading = hashing = 0.0
-        while got < p.length:  # chunk by chunk, each hashed while still in the core's cache
-            start, want = got, min(p.length, got + SUM_CHUNK)
-            if not self._holds_range(p.file, p.offset + start, p.offset + want):
-                got = want  # no byte of it is installed
-                skipped += want - start
-                continue
-            t0 = time.perf_counter()
-            while got < want:
-                n = os.preadv(fd, [view[got:want]], p.offset + got)
-                if n <= 0:
-                    raise StreamIntegrityError(f"bulk file shrank while read (at {p.offset + got})")
-                got += n
-            t1 = time.perf_counter()
-            digest = new_hash()
-            digest.update(view[start:want])
-            k = start // SUM_CHUNK * DIGEST_BYTES
-            if digest.digest() != p.digests[k:k + DIGEST_BYTES]:
-                raise StreamIntegrityError(f"chunk at {p.offset + start} of {self.files[p.file].path} does not match its digest")
-            reading, hashing = reading + (t1 - t0), hashing + (time.perf_counter() - t1)
-        self._verified(p.length - skipped, reading, hashing)
+        verified.advise(fd, p.offset, p.length)
+        spent = verified.read(fd, p.offset, p.length, view, self.sums[p.file], size=self.sizes[p.file],
+                              name=self.files[p.file].path, needed=lambda lo, hi: self._holds_range(p.file, lo, hi))
+        self._verified(spent.verified, spent.read_s, spent.hash_s)
         return addr
 
     def _holds_range(self, file: int, lo: int, hi: int) -> bool:
@@ -833,36 +806,18 @@ class Server:
         k = p.file - len(self.files)
         m, src = self.mapped[k]
         at = m.span.offset + (p.offset - m.span.file_offset)  # its bytes in the bulk file
-        end = at + p.length
-        lo, hi = at // SUM_CHUNK * SUM_CHUNK, min(-(-end // SUM_CHUNK) * SUM_CHUNK, self.sizes[src])
+        lo = at // SUM_CHUNK * SUM_CHUNK
+        hi = min(-(-(at + p.length) // SUM_CHUNK) * SUM_CHUNK, self.sizes[src])
         here = memoryview((ctypes.c_char * p.length).from_address(self._shared[k].addr + p.offset)).cast("B")
-        scratch, _addr = self._buffer(MAPPED_SCRATCH)
-        fd, sums = self.fds[src], self.sums[src]
-        if not is_cached(fd, lo, hi - lo):
-            try:
-                os.posix_fadvise(fd, lo, hi - lo, os.POSIX_FADV_WILLNEED)
-            except OSError:
-                pass
-        reading = hashing = 0.0
-        for c in range(lo, hi, SUM_CHUNK):
-            t0 = time.perf_counter()
-            ce = min(c + SUM_CHUNK, hi)
-            a, b = max(c, at), min(ce, end)  # this piece's part of the chunk; the rest is a neighbour's
-            parts = (scratch[:a - c], here[a - at:b - at], scratch[SUM_CHUNK:SUM_CHUNK + ce - b])
-            pos = c
-            for view in parts:
-                _read_into(fd, view, pos)
-                pos += len(view)
-            t1 = time.perf_counter()
-            digest = new_hash()
-            for view in parts:
-                digest.update(view)
-            k2 = c // SUM_CHUNK * DIGEST_BYTES
-            if digest.digest() != sums[k2:k2 + DIGEST_BYTES]:
-                raise StreamIntegrityError(f"chunk at {c} of {self.files[src].path} does not match its digest")
-            reading, hashing = reading + (t1 - t0), hashing + (time.perf_counter() - t1)
-        here.release()
-        self._verified(p.length, reading, hashing)
+        scratch, _addr = self._buffer(verified.SCRATCH)  # the neighbours' parts of its first and last chunks
+        fd = self.fds[src]
+        verified.advise(fd, lo, hi - lo)
+        try:
+            spent = verified.read(fd, at, p.length, here, self.sums[src], size=self.sizes[src],
+                                  name=self.files[src].path, scratch=scratch)
+        finally:
+            here.release()
+        self._verified(p.length, spent.read_s, spent.hash_s)
 
     def _release_into(self, t: _Target, p: _Piece) -> None:
         """Let mapped piece ``p`` go in ``t``: wherever its bytes are mapped there now."""
@@ -913,7 +868,7 @@ class Server:
                     if not self.book.written(name, index):
                         try:
                             self._write_mapped(p)
-                        except (StreamError, OSError) as exc:
+                        except (StreamError, verified.IntegrityError, OSError) as exc:
                             self._fail(str(exc))
                             return
                         self.book.mark(name, index)
@@ -925,7 +880,7 @@ class Server:
                 return
             try:
                 addr = self._read_verified(p)
-            except StreamError as exc:
+            except (StreamError, verified.IntegrityError) as exc:
                 self._fail(str(exc))
                 return
             if by_fault:
@@ -1267,15 +1222,6 @@ class Server:
             with self.table:
                 t.reindex(_cut(t.ranges, ev.start, ev.end))
         self._check_done()
-
-
-def _read_into(fd: int, view: memoryview, offset: int) -> None:
-    got = 0
-    while got < len(view):
-        n = os.preadv(fd, [view[got:]], offset + got)
-        if n <= 0:
-            raise StreamIntegrityError(f"bulk file shrank while read (at {offset + got})")
-        got += n
 
 
 def _cut(ranges: list[tuple[int, int, int, int]], start: int, end: int) -> list[tuple[int, int, int, int]]:
