@@ -54,8 +54,8 @@ from runtime.fdfs import remove_tree, safe_parts
 from runtime.layout import DIGEST_BYTES, SUM_CHUNK, BulkFile
 from runtime.owner import read_owner, write_owner_at
 from runtime.pages import bulk, uffd
+from runtime.pages.book import MappedBook
 from runtime.pages.mapping import MapMode, Span
-from runtime.pages.stream import MappedBook
 from runtime.store import Artifact
 from runtime.testpause import pause_for_test
 

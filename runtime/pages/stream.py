@@ -47,7 +47,6 @@ import collections
 import ctypes
 import functools
 import logging
-import mmap
 import os
 import select
 import socket
@@ -65,16 +64,17 @@ from runtime.criu import image_files as img
 from runtime.criu.lazy_pages import LazyPagesError, Listener
 from runtime.digests import WORKERS
 from runtime.errors import Reason, RekindleError
-from runtime.layout import DIGEST_BYTES, SUM_CHUNK, BulkFile
+from runtime.layout import BulkFile
 from runtime.namespaces import enter_cgroups_argv
 from runtime.pages import holder as holder_mod
 from runtime.pages import uffd, verified
+from runtime.pages.book import MappedBook
 from runtime.pages.filemap import FileMap
 from runtime.pages.mapping import Span
+from runtime.pages.source import PIECE, Piece, PieceSource
 
 log = logging.getLogger(__name__)
 
-PIECE = 2 << 20  # what one install takes, and what a fault brings in at once: whole chunks
 FAULT_THREADS = 2
 HOLDER_SEND_TIMEOUT = 10.0  # seconds: the holder always reads; one that does not fails the serve
 MOVE_ROUNDS = 8  # copies of one piece into one space moved meanwhile, before it waits its turn again
@@ -204,40 +204,6 @@ class Limits:
 
 
 @dataclass(frozen=True)
-class _Piece:
-    id: int
-    file: int  # a bulk file's index; past them, a mapped range's (its offset: in its map file)
-    offset: int
-    length: int
-
-
-class MappedBook:
-    """Which pieces of the mapped ranges' files are in their files, verified there: shared by
-    every streamed restore of one version in this process that maps those files
-    (``runtime.pages.nodecache.Building``). Whoever comes first writes a piece (under its lock
-    here); every restore lets it go in its own tree. A piece is a 2 MiB-aligned window of its
-    file: its index is its offset // 2 MiB."""
-
-    def __init__(self, spans: Sequence[Span]) -> None:
-        self._locks = {s.name: [threading.Lock() for _ in range(-(-s.file_size // PIECE))] for s in spans}
-        self._written: set[tuple[str, int]] = set()
-        self._total = sum(len(locks) for locks in self._locks.values())
-
-    def lock(self, name: str, index: int) -> threading.Lock:
-        return self._locks[name][index]
-
-    def written(self, name: str, index: int) -> bool:
-        return (name, index) in self._written
-
-    def mark(self, name: str, index: int) -> None:
-        self._written.add((name, index))
-
-    def whole(self) -> bool:
-        """Every piece of every file written."""
-        return len(self._written) == self._total
-
-
-@dataclass(frozen=True)
 class Mapped:
     """A bulk range the tree maps privately from ``out``, a node-local tmpfs file the serve
     writes (its bytes at ``span.file_offset``): registered, written piece by piece, let go."""
@@ -364,23 +330,17 @@ class Server:
         self.label, self.kill, self.holder, self.progress = label, kill, holder, progress
         self.limits = limits
         self.threads = max(0, threads)
-        self.fds = [os.dup(fd) for fd in fds]  # the caller's may close before the serve ends
-        self.sums = list(sums)
-        self.pieces: list[_Piece] = []
+        self.source = PieceSource(files, fds, sums)
+        self.pieces: list[Piece] = []
         self.first: list[int] = []  # of each file's pieces: its piece at offset o is first + o // PIECE
-        self.sizes: list[int] = []
-        for i, (f, fd, ds) in enumerate(zip(files, self.fds, sums, strict=True)):
+        for i, (f, size) in enumerate(zip(files, self.source.sizes, strict=True)):
             self.first.append(len(self.pieces))
-            size = os.fstat(fd).st_size
-            self.sizes.append(size)
-            if len(ds) != -(-size // SUM_CHUNK) * DIGEST_BYTES or any(r.offset + r.length > size for r in f.ranges):
+            if not self.source.matches(i):
+                self.source.close()
                 raise StreamIntegrityError(f"{label}: {f.path} does not match its ranges or chunk digests")
             for off in range(0, size, PIECE):
-                self.pieces.append(_Piece(len(self.pieces), i, off, min(PIECE, size - off)))
+                self.pieces.append(Piece(len(self.pieces), i, off, min(PIECE, size - off)))
         self.files = list(files)
-        # each file's ranges as (offset, end), by offset: a chunk that holds none is neither read
-        # nor checked (a node cache entry's fill file has a hole there: that range is mapped)
-        self._extents = [sorted((r.offset, r.offset + r.length) for r in f.ranges) for f in self.files]
         # Mapped ranges: a pseudo-file each (index len(files) + k), its pieces 2 MiB of its map file.
         self.mapped: list[tuple[Mapped, int]] = []  # (range, its bulk file's index); out: our dup
         self._shared: list[FileMap] = []  # each mapped range's file, mapped shared: where it is written
@@ -397,7 +357,7 @@ class Server:
             self.first.append(len(self.pieces))
             for off in range(0, m.span.file_size, PIECE):
                 lo, hi = max(off, m.span.file_offset), min(off + PIECE, m.span.file_size)
-                self.pieces.append(_Piece(len(self.pieces), len(self.files) + len(self.mapped) - 1, lo, hi - lo))
+                self.pieces.append(Piece(len(self.pieces), len(self.files) + len(self.mapped) - 1, lo, hi - lo))
         self.book = book if book is not None else MappedBook([m.span for m, _src in self.mapped])
         self.work = sum(p.length for p in self.pieces)  # one pass: what the limits scale with
         self.order, self.first_pieces = self._order(first)  # of the installs
@@ -419,7 +379,6 @@ class Server:
         self._busy = 0
         self._threads: list[threading.Thread] = []
         self._t0 = time.monotonic()
-        self._local = threading.local()
         self._installing = False
         self._installers = 0  # install threads running
         self._spawn("rekindle-uffd-events", self._read_events)
@@ -443,7 +402,7 @@ class Server:
         front = maps + sorted(ahead)
         return front + [p.id for p in self.pieces if p.id not in ahead and p.file < len(self.files)], len(front)
 
-    def _is_mapped(self, p: _Piece) -> bool:
+    def _is_mapped(self, p: Piece) -> bool:
         return p.file >= len(self.files)
 
     # -- lifecycle
@@ -568,9 +527,7 @@ class Server:
                 if t.fd >= 0:
                     os.close(t.fd)
                     t.fd = -1
-        for fd in self.fds:
-            os.close(fd)
-        self.fds = []
+        self.source.close()
         for m, _src in self.mapped:
             if m.out >= 0:
                 os.close(m.out)
@@ -611,33 +568,11 @@ class Server:
 
     # -- pieces
 
-    def _buffer(self, size: int = PIECE) -> tuple[memoryview, int]:
-        """This thread's buffer of ``size`` bytes (one per size)."""
-        bufs = getattr(self._local, "bufs", None)
-        if bufs is None:
-            bufs = self._local.bufs = {}
-        buf = bufs.get(size)
-        if buf is None:
-            m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            buf = bufs[size] = (memoryview(m), ctypes.addressof(ctypes.c_char.from_buffer(m)), m)
-        return buf[0], buf[1]
-
-    def _read_verified(self, p: _Piece) -> int:
-        """Our address of piece ``p``'s bytes, read into private memory and verified (a chunk
-        that holds no byte of a range is neither read nor checked: none of it is installed)."""
-        view, addr = self._buffer()
-        fd = self.fds[p.file]
-        verified.advise(fd, p.offset, p.length)
-        spent = verified.read(fd, p.offset, p.length, view, self.sums[p.file], size=self.sizes[p.file],
-                              name=self.files[p.file].path, needed=lambda lo, hi: self._holds_range(p.file, lo, hi))
+    def _read_verified(self, p: Piece) -> int:
+        """Our address of piece ``p``'s bytes, read into private memory and verified."""
+        addr, spent = self.source.read(p)
         self._verified(spent.verified, spent.read_s, spent.hash_s)
         return addr
-
-    def _holds_range(self, file: int, lo: int, hi: int) -> bool:
-        """Whether [lo, hi) of bulk file ``file`` holds any byte of one of its ranges."""
-        ext = self._extents[file]
-        i = bisect.bisect_right(ext, (lo, 1 << 64)) - 1
-        return any(a < hi and lo < b for a, b in ext[max(i, 0):i + 2])
 
     def _verified(self, length: int, reading: float, hashing: float) -> None:
         """``length`` more bytes verified (read and hashed in those thread-seconds): counted, reported."""
@@ -652,7 +587,7 @@ class Server:
         if self.progress is not None:
             self.progress(verified)
 
-    def _write_mapped(self, p: _Piece) -> None:
+    def _write_mapped(self, p: Piece) -> None:
         """Mapped piece ``p`` into its file, verified there: its bytes read from its bulk file
         straight into the file (through a shared mapping: a tmpfs write() holds the file's inode
         lock, and every thread writes the one file; measured on the H200, 16.8 GB went in at
@@ -663,20 +598,14 @@ class Server:
         k = p.file - len(self.files)
         m, src = self.mapped[k]
         at = m.span.offset + (p.offset - m.span.file_offset)  # its bytes in the bulk file
-        lo = at // SUM_CHUNK * SUM_CHUNK
-        hi = min(-(-(at + p.length) // SUM_CHUNK) * SUM_CHUNK, self.sizes[src])
         here = memoryview((ctypes.c_char * p.length).from_address(self._shared[k].addr + p.offset)).cast("B")
-        scratch, _addr = self._buffer(verified.SCRATCH)  # the neighbours' parts of its first and last chunks
-        fd = self.fds[src]
-        verified.advise(fd, lo, hi - lo)
         try:
-            spent = verified.read(fd, at, p.length, here, self.sums[src], size=self.sizes[src],
-                                  name=self.files[src].path, scratch=scratch)
+            spent = self.source.read_into(src, at, p.length, here)
         finally:
             here.release()
         self._verified(p.length, spent.read_s, spent.hash_s)
 
-    def _release_into(self, t: _Target, p: _Piece) -> None:
+    def _release_into(self, t: _Target, p: Piece) -> None:
         """Let mapped piece ``p`` go in ``t``: wherever its bytes are mapped there now."""
         t0 = time.perf_counter()
         fd = self._enter(t)
@@ -746,7 +675,7 @@ class Server:
             for t in needing:
                 self._install_into(t, p, addr)
 
-    def _segments(self, t: _Target, p: _Piece) -> list[tuple[int, int, int]]:
+    def _segments(self, t: _Target, p: Piece) -> list[tuple[int, int, int]]:
         """(dst, offset in the piece, length) of ``p``'s bytes in ``t`` now."""
         return [(dst, off - p.offset, n) for dst, off, n in t.spans(p.file, p.offset, p.offset + p.length)]
 
@@ -754,7 +683,7 @@ class Server:
         """The ids of ``file``'s pieces holding any of [lo, hi)."""
         return range(self.first[file] + lo // PIECE, self.first[file] + -(-hi // PIECE))
 
-    def _install_into(self, t: _Target, p: _Piece, addr: int) -> None:
+    def _install_into(self, t: _Target, p: Piece, addr: int) -> None:
         installed = 0
         t0 = time.perf_counter()
         fd = self._enter(t)

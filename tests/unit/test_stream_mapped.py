@@ -20,7 +20,7 @@ import pytest
 from runtime.layout import SUM_CHUNK, BulkFile, BulkRange, bulk_file
 from runtime.pages import stream, uffd
 from runtime.pages.mapping import HUGE, Span
-from runtime.pages.stream import PIECE
+from runtime.pages.source import PIECE
 
 pytestmark = pytest.mark.skipif(uffd.probe() is not None or os.geteuid() != 0,
                                 reason=f"no userfaultfd for root: {uffd.probe()}")

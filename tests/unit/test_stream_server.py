@@ -15,7 +15,7 @@ import pytest
 
 from runtime.layout import SUM_CHUNK, BulkFile, BulkRange, bulk_file
 from runtime.pages import stream, uffd
-from runtime.pages.stream import PIECE
+from runtime.pages.source import PIECE
 
 pytestmark = pytest.mark.skipif(uffd.probe() is not None, reason=f"no userfaultfd: {uffd.probe()}")
 

@@ -13,7 +13,7 @@ import blake3
 import pytest
 
 from runtime.pages import stream, uffd
-from runtime.pages.stream import PIECE
+from runtime.pages.source import PIECE
 from tests.unit.test_stream_server import Child, _bulk
 from tests.waiting import wait_for
 
