@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import bisect
 import collections
-import ctypes
 import functools
 import logging
 import os
@@ -69,8 +68,8 @@ from runtime.namespaces import enter_cgroups_argv
 from runtime.pages import holder as holder_mod
 from runtime.pages import uffd, verified
 from runtime.pages.book import MappedBook
-from runtime.pages.filemap import FileMap
-from runtime.pages.mapping import Span
+from runtime.pages.sink import Copy, EntryFiles, LetGo, Sink
+from runtime.pages.sink import Mapped as Mapped  # the restore names it here
 from runtime.pages.source import PIECE, Piece, PieceSource
 
 log = logging.getLogger(__name__)
@@ -203,15 +202,6 @@ class Limits:
         return self.retries_per_piece * pieces + self.retries_slack
 
 
-@dataclass(frozen=True)
-class Mapped:
-    """A bulk range the tree maps privately from ``out``, a node-local tmpfs file the serve
-    writes (its bytes at ``span.file_offset``): registered, written piece by piece, let go."""
-
-    span: Span
-    out: int
-
-
 @dataclass
 class _Target:
     """One address space (a restored task, or a child forked since). Its ranges are looked up
@@ -342,23 +332,27 @@ class Server:
                 self.pieces.append(Piece(len(self.pieces), i, off, min(PIECE, size - off)))
         self.files = list(files)
         # Mapped ranges: a pseudo-file each (index len(files) + k), its pieces 2 MiB of its map file.
-        self.mapped: list[tuple[Mapped, int]] = []  # (range, its bulk file's index); out: our dup
-        self._shared: list[FileMap] = []  # each mapped range's file, mapped shared: where it is written
+        pairs: list[tuple[Mapped, int]] = []  # (range, its bulk file's index)
         for m in mapped:
             src = next((i for i, f in enumerate(self.files)
                         if f.pid == m.span.pid and any((r.vaddr, r.length, r.offset) ==
                                                        (m.span.vaddr, m.span.length, m.span.offset)
                                                        for r in f.ranges)), -1)
             if src < 0:
+                self.source.close()
                 raise StreamIntegrityError(f"{label}: mapped range {m.span.vaddr:#x} of pid {m.span.pid} "
                                            "is no bulk range")
-            self.mapped.append((Mapped(m.span, os.dup(m.out)), src))
-            self._shared.append(FileMap(m.out, m.span.file_size, writable=True))
+            pairs.append((m, src))
             self.first.append(len(self.pieces))
             for off in range(0, m.span.file_size, PIECE):
                 lo, hi = max(off, m.span.file_offset), min(off + PIECE, m.span.file_size)
-                self.pieces.append(Piece(len(self.pieces), len(self.files) + len(self.mapped) - 1, lo, hi - lo))
-        self.book = book if book is not None else MappedBook([m.span for m, _src in self.mapped])
+                self.pieces.append(Piece(len(self.pieces), len(self.files) + len(pairs) - 1, lo, hi - lo))
+        try:
+            self.entry = EntryFiles(pairs, book)
+        except BaseException:
+            self.source.close()
+            raise
+        self.book = self.entry.book
         self.work = sum(p.length for p in self.pieces)  # one pass: what the limits scale with
         self.order, self.first_pieces = self._order(first)  # of the installs
         self.targets: list[_Target] = []
@@ -423,7 +417,7 @@ class Server:
             os.close(fd)
             raise
         i = next((i for i, f in enumerate(self.files) if f.pid == pid), -1)
-        mine = [(k, m) for k, (m, _src) in enumerate(self.mapped) if m.span.pid == pid]
+        mine = [(k, m) for k, (m, _src) in enumerate(self.entry.mapped) if m.span.pid == pid]
         skip = {(m.span.vaddr, m.span.length) for _k, m in mine}
         spans = sorted((r.vaddr, r.length, i, r.offset) for r in self.files[i].ranges
                        if (r.vaddr, r.length) not in skip) if i >= 0 else []
@@ -528,12 +522,7 @@ class Server:
                     os.close(t.fd)
                     t.fd = -1
         self.source.close()
-        for m, _src in self.mapped:
-            if m.out >= 0:
-                os.close(m.out)
-        for sh in self._shared:
-            sh.close()
-        self.mapped = [(Mapped(m.span, -1), src) for m, src in self.mapped]
+        self.entry.close()
         for fd in (self._wake_r, self._wake_w):
             try:
                 os.close(fd)
@@ -587,24 +576,6 @@ class Server:
         if self.progress is not None:
             self.progress(verified)
 
-    def _write_mapped(self, p: Piece) -> None:
-        """Mapped piece ``p`` into its file, verified there: its bytes read from its bulk file
-        straight into the file (through a shared mapping: a tmpfs write() holds the file's inode
-        lock, and every thread writes the one file; measured on the H200, 16.8 GB went in at
-        4.8 GB/s however many threads), then each chunk that holds them hashed from the file
-        with the chunk's other bytes, read into private memory at the same time. The file is
-        ours alone: what is hashed there is what the process will map. A chunk off its digest
-        fails the serve before the piece is let go (and the entry is never finished)."""
-        k = p.file - len(self.files)
-        m, src = self.mapped[k]
-        at = m.span.offset + (p.offset - m.span.file_offset)  # its bytes in the bulk file
-        here = memoryview((ctypes.c_char * p.length).from_address(self._shared[k].addr + p.offset)).cast("B")
-        try:
-            spent = self.source.read_into(src, at, p.length, here)
-        finally:
-            here.release()
-        self._verified(p.length, spent.read_s, spent.hash_s)
-
     def _release_into(self, t: _Target, p: Piece) -> None:
         """Let mapped piece ``p`` go in ``t``: wherever its bytes are mapped there now."""
         t0 = time.perf_counter()
@@ -616,12 +587,11 @@ class Server:
             with self.table:
                 segs = t.spans(p.file, p.offset, p.offset + p.length)
                 moves = t.moves
-            for dst, _off, n in segs:
+            for dst, off, n in segs:
                 if self._stop.is_set():
                     return
                 try:
-                    uffd.release(fd, dst, n)
-                    released += n
+                    released += LetGo().put(fd, dst, off - p.offset, n)
                 except uffd.Gone:
                     pass  # unmapped since, or the process exited
             with self.table:
@@ -649,15 +619,13 @@ class Server:
             if not needing:
                 return
             if self._is_mapped(p):  # into its file (once, by whichever restore comes first), then let go
-                name, index = self.mapped[p.file - len(self.files)][0].span.name, p.offset // PIECE
-                with self.book.lock(name, index):
-                    if not self.book.written(name, index):
-                        try:
-                            self._write_mapped(p)
-                        except (StreamError, verified.IntegrityError, OSError) as exc:
-                            self._fail(str(exc))
-                            return
-                        self.book.mark(name, index)
+                try:
+                    spent = self.entry.write(p.file - len(self.files), p, self.source)
+                except (StreamError, verified.IntegrityError, OSError) as exc:
+                    self._fail(str(exc))
+                    return
+                if spent is not None:
+                    self._verified(p.length, spent.read_s, spent.hash_s)
                 if by_fault:
                     with self.counters.lock:
                         self.counters.by_fault += 1
@@ -673,7 +641,7 @@ class Server:
                 with self.counters.lock:
                     self.counters.by_fault += 1
             for t in needing:
-                self._install_into(t, p, addr)
+                self._install_into(t, p, Copy(addr))
 
     def _segments(self, t: _Target, p: Piece) -> list[tuple[int, int, int]]:
         """(dst, offset in the piece, length) of ``p``'s bytes in ``t`` now."""
@@ -683,7 +651,7 @@ class Server:
         """The ids of ``file``'s pieces holding any of [lo, hi)."""
         return range(self.first[file] + lo // PIECE, self.first[file] + -(-hi // PIECE))
 
-    def _install_into(self, t: _Target, p: Piece, addr: int) -> None:
+    def _install_into(self, t: _Target, p: Piece, sink: Sink) -> None:
         installed = 0
         t0 = time.perf_counter()
         fd = self._enter(t)
@@ -701,7 +669,7 @@ class Server:
                     dst, rel, length = segs[i]
                     batches = self._events_batches
                     try:
-                        installed += uffd.copy(fd, dst, addr + rel, length)
+                        installed += sink.put(fd, dst, rel, length)
                         i += 1
                     except uffd.Changing:
                         # the space changes under us: once the event is read, redo what is left as

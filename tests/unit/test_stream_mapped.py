@@ -201,7 +201,7 @@ def test_a_piece_off_its_digest_is_never_let_go_and_the_process_is_killed(mapped
         server.wait(60)
     assert killed and child.proc.wait(10) == -9
     last = max((p for p in server.pieces if server._is_mapped(p)), key=lambda p: p.offset)
-    name = server.mapped[0][0].span.name
+    name = server.entry.mapped[0][0].span.name
     assert not server.book.written(name, last.offset // PIECE)  # the bulk file's last chunk is bad
     assert not server.book.whole()
     assert server.counters.mapped < length
