@@ -63,7 +63,7 @@ from runtime.layout import (
     bulk_pagemap,
     bulk_sums,
 )
-from runtime.pages import verified
+from runtime.pages import chunks
 from runtime.pages.filemap import FileMap
 from runtime.store import Artifact
 
@@ -588,7 +588,7 @@ class _Filler:
         _m, view, addr = self._buffer()
         fd, pid, segs = self.fds[p.file], self.pids[p.file], self.segments[p.file]
         pos, end, written, read = p.offset, p.offset + p.length, 0, 0
-        verified.advise(fd, pos, p.length)
+        chunks.advise(fd, pos, p.length)
         while pos < end:
             want = min(CHUNK, end - pos)  # one SUM_CHUNK: pieces start on one
             i = max(bisect.bisect_right(segs, (pos, 1 << 65, 0)) - 1, 0)
@@ -599,7 +599,7 @@ class _Filler:
                 continue
             read += want
             # Verified before a byte of it is written: what is written is exactly what was hashed.
-            verified.read(fd, pos, want, view, sums, size=self.sizes[p.file], name=self.files[p.file].path)
+            chunks.read(fd, pos, want, view, sums, size=self.sizes[p.file], name=self.files[p.file].path)
             while i < len(segs) and segs[i][0] < pos + want:
                 off, vaddr, length = segs[i]
                 lo, hi = max(off, pos), min(off + length, pos + want)

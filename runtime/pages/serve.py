@@ -35,7 +35,7 @@ from typing import Protocol
 from runtime.digests import WORKERS
 from runtime.errors import Reason, RekindleError
 from runtime.layout import BulkFile
-from runtime.pages import uffd, verified
+from runtime.pages import chunks, uffd
 from runtime.pages.book import MappedBook
 from runtime.pages.sink import Copy, EntryFiles, LetGo, Mapped, Sink
 from runtime.pages.source import PIECE, Piece, PieceSource
@@ -520,7 +520,7 @@ class Server:
             if self._is_mapped(p):  # into its file (once, by whichever restore comes first), then let go
                 try:
                     spent = self.entry.write(p.file - len(self.files), p, self.source)
-                except (StreamError, verified.IntegrityError, OSError) as exc:
+                except (StreamError, chunks.IntegrityError, OSError) as exc:
                     self._fail(str(exc))
                     return
                 if spent is not None:
@@ -533,7 +533,7 @@ class Server:
                 return
             try:
                 addr = self._read_verified(p)
-            except (StreamError, verified.IntegrityError) as exc:
+            except (StreamError, chunks.IntegrityError) as exc:
                 self._fail(str(exc))
                 return
             if by_fault:

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from runtime.pages import uffd, verified
+from runtime.pages import chunks, uffd
 from runtime.pages.book import MappedBook
 from runtime.pages.filemap import FileMap
 from runtime.pages.mapping import Span
@@ -86,7 +86,7 @@ class EntryFiles:
             raise
         self.book = book if book is not None else MappedBook([m.span for m, _src in mapped])
 
-    def write(self, k: int, p: Piece, source: PieceSource) -> verified.Spent | None:
+    def write(self, k: int, p: Piece, source: PieceSource) -> chunks.Spent | None:
         """Piece ``p`` of mapped range ``k`` into its file, verified there, unless it is in
         already (this serve's or another's): what the read did, or None. Its bytes are read
         from the bulk file straight into the file (through the shared mapping: a tmpfs write()

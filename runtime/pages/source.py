@@ -4,7 +4,7 @@ fill file), every chunk of it checked against its digest before a byte is handed
 The serve (``runtime.pages.serve``) moves bulk files into the restored tree 2 MiB at a time: a
 :data:`PIECE` is what one install takes and what a fault brings in at once, whole chunks
 (``layout.SUM_CHUNK``) of the file. :class:`PieceSource` reads a piece through
-``runtime.pages.verified``, into this thread's private buffer (then copied into the tree) or
+``runtime.pages.chunks``, into this thread's private buffer (then copied into the tree) or
 into a mapped range's file (then let go there): what is handed on is exactly what was hashed.
 """
 
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from runtime.layout import DIGEST_BYTES, SUM_CHUNK, BulkFile
-from runtime.pages import verified
+from runtime.pages import chunks
 
 PIECE = 2 << 20  # what one install takes, and what a fault brings in at once: whole chunks
 
@@ -54,26 +54,26 @@ class PieceSource:
         return (len(ds) == -(-size // SUM_CHUNK) * DIGEST_BYTES
                 and all(r.offset + r.length <= size for r in self.files[file].ranges))
 
-    def read(self, p: Piece) -> tuple[int, verified.Spent]:
+    def read(self, p: Piece) -> tuple[int, chunks.Spent]:
         """Our address of piece ``p``'s bytes, read into this thread's private memory and
         verified (a chunk that holds no byte of a range is neither read nor checked: none of it
         is installed), and what the read did."""
         view, addr = self._buffer(PIECE)
         fd = self.fds[p.file]
-        verified.advise(fd, p.offset, p.length)
-        spent = verified.read(fd, p.offset, p.length, view, self.sums[p.file], size=self.sizes[p.file],
+        chunks.advise(fd, p.offset, p.length)
+        spent = chunks.read(fd, p.offset, p.length, view, self.sums[p.file], size=self.sizes[p.file],
                               name=self.files[p.file].path, needed=lambda lo, hi: self.holds_range(p.file, lo, hi))
         return addr, spent
 
-    def read_into(self, file: int, offset: int, length: int, into: memoryview) -> verified.Spent:
+    def read_into(self, file: int, offset: int, length: int, into: memoryview) -> chunks.Spent:
         """[offset, offset + length) of ``file`` into ``into``, every chunk covering it verified
         (the neighbours' parts of its first and last chunks read into private memory)."""
         lo = offset // SUM_CHUNK * SUM_CHUNK
         hi = min(-(-(offset + length) // SUM_CHUNK) * SUM_CHUNK, self.sizes[file])
-        scratch, _addr = self._buffer(verified.SCRATCH)
+        scratch, _addr = self._buffer(chunks.SCRATCH)
         fd = self.fds[file]
-        verified.advise(fd, lo, hi - lo)
-        return verified.read(fd, offset, length, into, self.sums[file], size=self.sizes[file],
+        chunks.advise(fd, lo, hi - lo)
+        return chunks.read(fd, offset, length, into, self.sums[file], size=self.sizes[file],
                              name=self.files[file].path, scratch=scratch)
 
     def holds_range(self, file: int, lo: int, hi: int) -> bool:

@@ -20,7 +20,7 @@ the parts together for one restore (:class:`Session`):
 Digests: each 1 MiB chunk of a bulk file has its BLAKE3 digest in ``bulk/pages-<pid>.sums``
 (written at checkpoint, signed through the manifest: ``runtime.pages.bulk.read_sums``), as the bulk
 fill uses them; the server installs 2 MiB pieces, each chunk checked before any byte of it goes
-in (``runtime.pages.verified``).
+in (``runtime.pages.chunks``).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import blake3
 import pytest
 
 from runtime.layout import SUM_CHUNK, BulkFile, BulkRange, bulk_file
-from runtime.pages import verified
+from runtime.pages import chunks
 from runtime.pages.book import MappedBook
 from runtime.pages.mapping import Span
 from runtime.pages.sink import EntryFiles, LetGo, Mapped
@@ -90,7 +90,7 @@ def test_a_piece_whose_chunk_does_not_match_is_never_marked(entry) -> None:
     with open(path, "r+b") as f:
         f.seek(bad)
         f.write(b"\x00" if data[bad] else b"\x01")
-    with pytest.raises(verified.IntegrityError, match="does not match its digest"):
+    with pytest.raises(chunks.IntegrityError, match="does not match its digest"):
         sink.write(0, last, source)
     assert not sink.book.written(span.name, last.offset // PIECE)
     assert sink.write(0, _pieces(span)[0], source) is not None  # the others still go in

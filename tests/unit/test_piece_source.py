@@ -13,7 +13,7 @@ import blake3
 import pytest
 
 from runtime.layout import SUM_CHUNK, BulkFile, BulkRange, bulk_file
-from runtime.pages import verified
+from runtime.pages import chunks
 from runtime.pages.source import PIECE, Piece, PieceSource
 
 C = SUM_CHUNK
@@ -90,7 +90,7 @@ def test_a_flipped_byte_fails_the_piece(tmp_path: Path) -> None:
         f.seek(PIECE - 1)
         f.write(b"\x00" if data[PIECE - 1] else b"\x01")
     try:
-        with pytest.raises(verified.IntegrityError, match=f"pages-7.bulk: chunk at {C} does not match its digest"):
+        with pytest.raises(chunks.IntegrityError, match=f"pages-7.bulk: chunk at {C} does not match its digest"):
             source.read(Piece(0, 0, 0, PIECE))
     finally:
         source.close()
@@ -105,7 +105,7 @@ def test_read_into_checks_the_neighbours_of_an_unaligned_window(tmp_path: Path) 
         with open(path, "r+b") as f:  # a byte of chunk 0 outside the window: still checked
             f.seek(3)
             f.write(b"\x00" if data[3] else b"\x01")
-        with pytest.raises(verified.IntegrityError, match="chunk at 0 does not match"):
+        with pytest.raises(chunks.IntegrityError, match="chunk at 0 does not match"):
             source.read_into(0, C // 2, C, into)
     finally:
         source.close()
