@@ -11,7 +11,7 @@ copy); the bytes come from a bulk file with its 1 MiB chunk digests (page cache)
 - ``uffdio-copy`` (the speed of light of the streamed install): the region registered with
   userfaultfd, one private buffer already holding the bytes, ``UFFDIO_COPY`` of 2 MiB pieces
   on N threads; nothing read, nothing hashed, no reader;
-- ``stream``: ``runtime.pages.stream.Server`` (read, hash, ``UFFDIO_COPY``, faults served first) on N
+- ``stream``: ``runtime.pages.serve.Server`` (read, hash, ``UFFDIO_COPY``, faults served first) on N
   threads while the reader runs; the figure is until the reader is done and the serve is over.
 
 Prints seconds, GB/s and the ratio to the baseline, and the server's fault counts.
@@ -37,7 +37,7 @@ import blake3
 
 from runtime.digests import PIECE
 from runtime.layout import SUM_CHUNK, BulkFile, BulkRange, bulk_file
-from runtime.pages import bulk, stream, uffd
+from runtime.pages import bulk, serve, source, uffd
 
 GB = 1e9
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -139,12 +139,12 @@ def fill_then_read(path: str, sums: bytes, length: int, threads: int, ranges: in
 def uffdio_copy(path: str, length: int, threads: int) -> Result:
     child = Child(length, register=True)
     try:
-        offsets = iter(range(0, length, stream.PIECE))
+        offsets = iter(range(0, length, source.PIECE))
         lock = threading.Lock()
 
         def work() -> None:
             # one piece-sized buffer per thread, hot in its core's cache, as the server's are
-            src = mmap.mmap(-1, stream.PIECE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            src = mmap.mmap(-1, source.PIECE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             with open(path, "rb") as f:
                 f.readinto(src)
             base = ctypes.addressof(ctypes.c_char.from_buffer(src))
@@ -153,7 +153,7 @@ def uffdio_copy(path: str, length: int, threads: int) -> Result:
                     off = next(offsets, None)
                 if off is None:
                     return
-                uffd.copy(child.fd, child.addr + off, base, min(stream.PIECE, length - off))
+                uffd.copy(child.fd, child.addr + off, base, min(source.PIECE, length - off))
 
         t0 = time.monotonic()
         ths = [threading.Thread(target=work) for _ in range(threads)]
@@ -173,7 +173,7 @@ def streamed(path: str, sums: bytes, length: int, threads: int, ranges: int) -> 
     fd = os.open(path, os.O_RDONLY)
     try:
         f = split(child.addr, length, ranges)
-        server = stream.Server("bench", [f], [fd], [sums], child.proc.kill, threads=threads)
+        server = serve.Server("bench", [f], [fd], [sums], child.proc.kill, threads=threads)
         server.add(1, child.fd)
         t0 = time.monotonic()
         server.start()

@@ -208,7 +208,7 @@ def restore_into(
     ``lsm`` is what :func:`runtime.security.lsm_options` says CRIU must force.
     ``tcp_established``: the mode the dump was taken with (``RestorePlan.tcp_established``).
     ``lazy_pages``: ``--lazy-pages``: the lazy pagemap entries are served through userfaultfd by
-    whoever listens on ``lazy-pages.socket`` in the work dir (``runtime.pages.stream``).
+    whoever listens on ``lazy-pages.socket`` in the work dir (``runtime.criu.lazy_pages``).
     ``inherit``: more (fd, key) for ``--inherit-fd`` (the node cache's files that ranges map,
     ``runtime.pages.mapping``); the caller keeps and closes them.
     ``cgroups_first=False`` runs CRIU in the caller's cgroups and only moves the tree afterwards

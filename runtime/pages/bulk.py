@@ -63,7 +63,7 @@ from runtime.layout import (
     bulk_pagemap,
     bulk_sums,
 )
-from runtime.pagecache import is_cached
+from runtime.pages import chunks
 from runtime.pages.filemap import FileMap
 from runtime.store import Artifact
 
@@ -536,8 +536,8 @@ class _Piece:
 
 class _Filler:
     def __init__(self, fds: list[int], pids: list[int], files: Sequence[BulkFile], sums: list[bytes] | None,
-                 progress: Callable[[int], None] | None, mapped: list[int]) -> None:
-        self.fds, self.pids, self.files, self.sums = fds, pids, files, sums
+                 progress: Callable[[int], None] | None, mapped: list[int], sizes: Sequence[int]) -> None:
+        self.fds, self.pids, self.files, self.sums, self.sizes = fds, pids, files, sums, sizes
         self.mapped = mapped  # with no sums: each file's address in a read-only mapping of it
         # (file offset, vaddr, length) of each range, by file, sorted by offset
         self.segments = [sorted((r.offset, r.vaddr, r.length) for r in f.ranges) for f in files]
@@ -588,11 +588,7 @@ class _Filler:
         _m, view, addr = self._buffer()
         fd, pid, segs = self.fds[p.file], self.pids[p.file], self.segments[p.file]
         pos, end, written, read = p.offset, p.offset + p.length, 0, 0
-        if not is_cached(fd, pos, p.length):
-            try:
-                os.posix_fadvise(fd, pos, p.length, os.POSIX_FADV_WILLNEED)
-            except OSError:  # a hint: the reads below still read it
-                pass
+        chunks.advise(fd, pos, p.length)
         while pos < end:
             want = min(CHUNK, end - pos)  # one SUM_CHUNK: pieces start on one
             i = max(bisect.bisect_right(segs, (pos, 1 << 65, 0)) - 1, 0)
@@ -601,20 +597,9 @@ class _Filler:
                 # is mapped instead): nothing of it is read or written.
                 pos += want
                 continue
-            got = 0
             read += want
-            while got < want:
-                n = os.preadv(fd, [view[got:want]], pos + got)
-                if n <= 0:
-                    raise FillError(f"bulk file shrank while read (at {pos + got})")
-                got += n
             # Verified before a byte of it is written: what is written is exactly what was hashed.
-            k = pos // SUM_CHUNK * DIGEST_BYTES
-            digest = new_hash()
-            digest.update(view[:want])
-            if digest.digest() != sums[k:k + DIGEST_BYTES]:
-                raise FillError(f"file {self.files[p.file].path}: content changed (the bytes at {pos} "
-                                "do not match their digest)")
+            chunks.read(fd, pos, want, view, sums, size=self.sizes[p.file], name=self.files[p.file].path)
             while i < len(segs) and segs[i][0] < pos + want:
                 off, vaddr, length = segs[i]
                 lo, hi = max(off, pos), min(off + length, pos + want)
@@ -682,7 +667,7 @@ def write_pieces(fds: list[int], pids: list[int], files: Sequence[BulkFile], pie
     try:
         if sums is None:
             maps = [FileMap(fd, size, writable=False) for fd, size in zip(fds, sizes)]
-        filler = _Filler(fds, pids, files, sums, progress, [m.addr for m in maps])
+        filler = _Filler(fds, pids, files, sums, progress, [m.addr for m in maps], sizes)
         with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="rekindle-fill") as pool:
             list(pool.map(filler.piece, pieces))
     finally:

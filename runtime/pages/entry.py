@@ -26,8 +26,8 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 
+from runtime.pages.book import MappedBook
 from runtime.pages.mapping import Span
-from runtime.pages.stream import MappedBook
 
 
 class State(enum.Enum):

@@ -22,7 +22,7 @@ from runtime.criu import image_files as img
 from runtime.criu.proto import core_pb2, mm_pb2, pstree_pb2, vma_pb2
 from runtime.errors import ArtifactRejected
 from runtime.layout import SUM_CHUNK, BulkFile, BulkRange, bulk_file, bulk_sums
-from runtime.pages import bulk
+from runtime.pages import bulk, chunks
 from runtime.store.volume import ArtifactStore
 from tests.unit.test_store import KEY, publish
 from tests.waiting import wait_for
@@ -170,7 +170,7 @@ def test_fill_writes_verified_pages_and_asks_the_disk_ahead_when_cold(
     _publish(store, data, tmp_path)
     advised: list[tuple[int, int]] = []
     if cold:
-        monkeypatch.setattr(bulk, "is_cached", lambda *_: False)
+        monkeypatch.setattr(chunks, "is_cached", lambda *_: False)
     real = os.posix_fadvise
     monkeypatch.setattr(bulk.os, "posix_fadvise",
                         lambda fd, off, n, advice: (advised.append((off, n)), real(fd, off, n, advice))[1])
@@ -288,7 +288,7 @@ def test_a_chunk_that_does_not_match_its_digest_is_never_written(
         f.seek(SUM_CHUNK + 5)
         f.write(bytes([data[SUM_CHUNK + 5] ^ 1]))
     t = start_target()
-    with pytest.raises(bulk.FillError, match=f"bytes at {SUM_CHUNK} do not match their digest"):
+    with pytest.raises(chunks.IntegrityError, match=f"chunk at {SUM_CHUNK} does not match its digest"):
         _fill(store, BulkFile(NS_PID, bulk_file(NS_PID), 1, (BulkRange(t.anon, SIZE, 0),)), t, threads=1)
     # Chunk 0 verified and went in; the bad chunk and what follows never did.
     assert _memory(t.pid, t.anon + SUM_CHUNK, SIZE - SUM_CHUNK) == bytes(SIZE - SUM_CHUNK)

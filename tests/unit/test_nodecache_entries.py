@@ -17,7 +17,7 @@ from runtime.layout import SUM_CHUNK, BulkFile, BulkRange, bulk_file, bulk_sums
 from runtime.pages import bulk, nodecache
 from runtime.pages.entry import EntryBuild, Left, Share, State
 from runtime.pages.mapping import MapMode, Span
-from runtime.pages.stream import PIECE
+from runtime.pages.source import PIECE
 from runtime.restore import CacheWork
 from runtime.store import Artifact
 from runtime.store.volume import ArtifactStore

@@ -34,8 +34,9 @@ EXPECTED = {
     "runtime.containerd.client.ContainerdError": Reason.RUNTIME,
     "runtime.hooks.HookFailed": Reason.RUNTIME,  # the workload did not answer its release-path call
     "runtime.containerd.cri_lookup.CRIError": Reason.RUNTIME,
-    "runtime.pages.stream.StreamError": Reason.CRIU, "runtime.pages.stream.StreamIntegrityError": Reason.INTEGRITY,
+    "runtime.pages.serve.StreamError": Reason.CRIU, "runtime.pages.serve.StreamIntegrityError": Reason.INTEGRITY,
     "runtime.restore.RestoreRolledBackBadly": Reason.RUNTIME, "runtime.pages.bulk.FillError": Reason.INTEGRITY,
+    "runtime.pages.chunks.IntegrityError": Reason.INTEGRITY, "runtime.criu.lazy_pages.LazyPagesError": Reason.CRIU,
     "runtime.overlay.tar._Invalid": Reason.RUNTIME, "runtime.hostfiles.HostFilesError": Reason.INCOMPATIBLE,
     "runtime.pages.mapping.MapError": Reason.INTEGRITY, "runtime.pages.nodecache.CacheError": Reason.STORE,
     "runtime.gpu.cuda.CudaTimeout": Reason.CUDA, "runtime.gpu.cuda.GpuMapError": Reason.INCOMPATIBLE,

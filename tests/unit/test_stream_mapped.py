@@ -1,4 +1,4 @@
-"""runtime.pages.stream's mapped ranges against a real process: a child maps a node-local tmpfs
+"""runtime.pages.serve's mapped ranges against a real process: a child maps a node-local tmpfs
 file privately (as CRIU does for a range of the node cache's entry being made), empty yet, and
 hands over a userfaultfd opened as CRIU opens it (no registration: the server registers the
 range in missing and minor mode). The server writes each verified piece into the file and lets
@@ -18,9 +18,11 @@ import blake3
 import pytest
 
 from runtime.layout import SUM_CHUNK, BulkFile, BulkRange, bulk_file
-from runtime.pages import stream, uffd
+from runtime.pages import serve, uffd
+from runtime.pages.book import MappedBook
 from runtime.pages.mapping import HUGE, Span
-from runtime.pages.stream import PIECE
+from runtime.pages.sink import Mapped
+from runtime.pages.source import PIECE
 
 pytestmark = pytest.mark.skipif(uffd.probe() is not None or os.geteuid() != 0,
                                 reason=f"no userfaultfd for root: {uffd.probe()}")
@@ -134,8 +136,8 @@ def mapped(tmp_path, huge_tmpfs):
         f = BulkFile(7, bulk_file(7), 1, (BulkRange(child.addr, length, lead),))
         fd = os.open(src, os.O_RDONLY)
         killed: list[object] = []
-        server = stream.Server("test", [f], [fd], [sums], lambda: killed.append(child.proc.kill()), threads=threads,
-                               mapped=[stream.Mapped(Span(7, child.addr, length, lead), out)])
+        server = serve.Server("test", [f], [fd], [sums], lambda: killed.append(child.proc.kill()), threads=threads,
+                               mapped=[Mapped(Span(7, child.addr, length, lead), out)])
         os.close(fd)
         server.add(7, child.fd)
         made.append((child, server, out, out_path))
@@ -197,11 +199,11 @@ def test_a_piece_off_its_digest_is_never_let_go_and_the_process_is_killed(mapped
     child, server, _data, _out, killed = mapped(length, threads=1, corrupt=True)
     server.register_mapped()
     server.start()
-    with pytest.raises(stream.StreamError, match="does not match"):
+    with pytest.raises(serve.StreamError, match="does not match"):
         server.wait(60)
     assert killed and child.proc.wait(10) == -9
     last = max((p for p in server.pieces if server._is_mapped(p)), key=lambda p: p.offset)
-    name = server.mapped[0][0].span.name
+    name = server.entry.mapped[0][0].span.name
     assert not server.book.written(name, last.offset // PIECE)  # the bulk file's last chunk is bad
     assert not server.book.whole()
     assert server.counters.mapped < length
@@ -213,9 +215,9 @@ def test_a_mapped_range_that_is_no_bulk_range_is_refused(tmp_path) -> None:
     f = BulkFile(7, bulk_file(7), 1, (BulkRange(0x10000000, PIECE, 0),))
     fd = os.open(path, os.O_RDONLY)
     try:
-        with pytest.raises(stream.StreamIntegrityError, match="no bulk range"):
-            stream.Server("test", [f], [fd], [blake3.blake3(bytes(SUM_CHUNK)).digest() * 2], lambda: None,
-                          threads=0, mapped=[stream.Mapped(Span(7, 0x10000000, PIECE // 2, 0), fd)])
+        with pytest.raises(serve.StreamIntegrityError, match="no bulk range"):
+            serve.Server("test", [f], [fd], [blake3.blake3(bytes(SUM_CHUNK)).digest() * 2], lambda: None,
+                          threads=0, mapped=[Mapped(Span(7, 0x10000000, PIECE // 2, 0), fd)])
     finally:
         os.close(fd)
 
@@ -238,13 +240,13 @@ def test_two_restores_of_one_version_share_the_file_and_write_each_piece_once(tm
     assert children[0].addr == children[1].addr
     span = Span(7, children[0].addr, length, lead)
     f = BulkFile(7, bulk_file(7), 1, (BulkRange(span.vaddr, length, lead),))
-    book = stream.MappedBook([span])
+    book = MappedBook([span])
     servers = []
     try:
         for child, threads in zip(children, (0, 2)):
             fd = os.open(src, os.O_RDONLY)
-            server = stream.Server("test", [f], [fd], [sums], child.proc.kill, threads=threads,
-                                   mapped=[stream.Mapped(span, out)], book=book)
+            server = serve.Server("test", [f], [fd], [sums], child.proc.kill, threads=threads,
+                                   mapped=[Mapped(span, out)], book=book)
             os.close(fd)
             server.add(7, child.fd)
             server.register_mapped()

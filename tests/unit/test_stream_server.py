@@ -1,4 +1,4 @@
-"""runtime.pages.stream's server against a real process: a child maps a region, registers it with a
+"""runtime.pages.serve.Server against a real process: a child maps a region, registers it with a
 userfaultfd of its own (missing mode, the FORK/REMAP/REMOVE/UNMAP events CRIU asks for) and
 hands the uffd over; the server installs the verified pieces while the child reads them."""
 
@@ -14,8 +14,8 @@ import blake3
 import pytest
 
 from runtime.layout import SUM_CHUNK, BulkFile, BulkRange, bulk_file
-from runtime.pages import stream, uffd
-from runtime.pages.stream import PIECE
+from runtime.pages import serve, stream, uffd
+from runtime.pages.source import PIECE
 
 pytestmark = pytest.mark.skipif(uffd.probe() is not None, reason=f"no userfaultfd: {uffd.probe()}")
 
@@ -142,7 +142,7 @@ def served(tmp_path):
         if corrupt:
             sums = sums[:-32] + bytes(32)
         killed = []
-        server = stream.Server("test", [f], [fd], [sums], lambda: killed.append(child.proc.kill()),
+        server = serve.Server("test", [f], [fd], [sums], lambda: killed.append(child.proc.kill()),
                                threads=threads)
         os.close(fd)
         server.add(f.pid, child.fd)
@@ -183,7 +183,7 @@ def test_a_piece_that_does_not_match_kills_the_process_and_is_never_installed(se
     length = PIECE + (8 << 20)
     child, server, data, killed = served(length, threads=1, corrupt=True)
     server.start()
-    with pytest.raises(stream.StreamError, match="does not match"):
+    with pytest.raises(serve.StreamError, match="does not match"):
         server.wait(60)
     assert killed
     assert child.proc.wait(10) == -9
@@ -249,12 +249,12 @@ def test_the_driver_host_copy_is_installed_before_the_rest(tmp_path) -> None:
     sums = blake3.blake3(bytes(SUM_CHUNK)).digest() * (length // SUM_CHUNK)
     f = BulkFile(7, bulk_file(7), 1, (BulkRange(0x10000000, 2 * PIECE, 0), BulkRange(0x20000000, 2 * PIECE, 2 * PIECE)))
     fd = os.open(path, os.O_RDONLY)
-    server = stream.Server("test", [f], [fd], [sums], lambda: None, threads=0,
+    server = serve.Server("test", [f], [fd], [sums], lambda: None, threads=0,
                            first=[(7, 0x20000000 + PIECE, 0x20000000 + 2 * PIECE), (7, 0x20000000, 0x20000000 + 1)])
     os.close(fd)
     try:
         assert server.order == [2, 3, 0, 1] and server.first_pieces == 2
-        other = stream.Server("test", [f], [os.open(path, os.O_RDONLY)], [sums], lambda: None, threads=0,
+        other = serve.Server("test", [f], [os.open(path, os.O_RDONLY)], [sums], lambda: None, threads=0,
                               first=[(8, 0x20000000, 0x20000000 + 2 * PIECE)])  # another process's span
         assert other.order == [0, 1, 2, 3] and other.first_pieces == 0
         other.close()
@@ -276,7 +276,7 @@ def test_a_chunk_that_holds_no_range_is_not_checked(tmp_path) -> None:
     f = BulkFile(7, bulk_file(7), 1, (BulkRange(child.addr, SUM_CHUNK, 0),
                                       BulkRange(child.addr + SUM_CHUNK, SUM_CHUNK, 2 * SUM_CHUNK)))
     killed: list[object] = []
-    server = stream.Server("test", [f], [fd], [sums], lambda: killed.append(child.proc.kill()), threads=1)
+    server = serve.Server("test", [f], [fd], [sums], lambda: killed.append(child.proc.kill()), threads=1)
     os.close(fd)
     try:
         server.add(7, child.fd)

@@ -12,8 +12,8 @@ import threading
 import blake3
 import pytest
 
-from runtime.pages import stream, uffd
-from runtime.pages.stream import PIECE
+from runtime.pages import serve, stream, uffd
+from runtime.pages.source import PIECE
 from tests.unit.test_stream_server import Child, _bulk
 from tests.waiting import wait_for
 
@@ -29,14 +29,14 @@ def storm(tmp_path):
     """A served child (a Server with a real holder process) made by ``make(length, threads, limits)``."""
     made = []
 
-    def make(length: int, threads: int, limits: stream.Limits = stream.Limits()):
+    def make(length: int, threads: int, limits: serve.Limits = serve.Limits()):
         child = Child(length)
         child.sock.settimeout(120)  # a wedged serve fails the test instead of hanging it
         f, fd, sums, data = _bulk(tmp_path, length, child.addr)
         killed: list[object] = []
         # pid namespace 0 is nobody's: a holder that fails kills nothing of this machine
         holder = stream.Holder(0, 0, None)
-        server = stream.Server("test", [f], [fd], [sums], lambda: killed.append(child.proc.kill()),
+        server = serve.Server("test", [f], [fd], [sums], lambda: killed.append(child.proc.kill()),
                                threads=threads, holder=holder, limits=limits)
         os.close(fd)
         server.add(f.pid, child.fd)
@@ -57,7 +57,7 @@ def test_a_fork_storm_neither_wedges_the_serve_nor_keeps_the_exited_childrens_fd
     parent's faults install its pieces the exited children are found gone and their uffds closed,
     here and in the holder."""
     length = 4 * PIECE
-    child, server, data, killed, holder = storm(length, threads=0, limits=stream.Limits(fork_targets=10_000))
+    child, server, data, killed, holder = storm(length, threads=0, limits=serve.Limits(fork_targets=10_000))
     server.start()
     ours, its = _fds(), _fds(holder.proc.pid)
     assert child.ask("forks 600") == "ok"
@@ -74,17 +74,17 @@ def test_a_fork_storm_neither_wedges_the_serve_nor_keeps_the_exited_childrens_fd
 
 def test_more_live_fork_children_than_the_limit_fail_the_serve_closed(storm) -> None:
     length = 4 * PIECE
-    child, server, _data, killed, _holder = storm(length, threads=0, limits=stream.Limits(fork_targets=16))
+    child, server, _data, killed, _holder = storm(length, threads=0, limits=serve.Limits(fork_targets=16))
     server.start()
     child.ask("forks 40 keep")  # the children live on while their pages are owed
-    with pytest.raises(stream.StreamError, match="forked more than 16 processes"):
+    with pytest.raises(serve.StreamError, match="forked more than 16 processes"):
         server.wait(30)
     assert killed
 
 
 def test_forks_after_every_piece_is_in_cost_no_fd(storm) -> None:
     length = 2 * PIECE
-    child, server, data, killed, holder = storm(length, threads=1, limits=stream.Limits(fork_targets=4))
+    child, server, data, killed, holder = storm(length, threads=1, limits=serve.Limits(fork_targets=4))
     server.start()
     assert child.ask("hash") == blake3.blake3(data).hexdigest()
     assert server.finished.wait(30)
@@ -126,9 +126,9 @@ def test_an_mremap_storm_while_owed_pieces_leaves_one_entry_per_piece_queued(sto
 def test_work_past_the_artifacts_own_fails_the_serve_closed(storm) -> None:
     """The read-and-hash limit: here below one pass, so the serve fails at its first pieces."""
     length = 4 * PIECE
-    child, server, _data, killed, _holder = storm(length, threads=1, limits=stream.Limits(passes=0.25, slack=0))
+    child, server, _data, killed, _holder = storm(length, threads=1, limits=serve.Limits(passes=0.25, slack=0))
     server.start()
-    with pytest.raises(stream.StreamError, match="read and hashed to serve"):
+    with pytest.raises(serve.StreamError, match="read and hashed to serve"):
         server.wait(30)
     assert killed
 
@@ -137,14 +137,14 @@ def test_a_serve_past_its_wall_clock_bound_fails_closed(storm) -> None:
     """Installs held back (here: faults only after the bound, an install thread that never gets
     its turn) end at the bound the artifact's work sets, not at the caller's hour."""
     length = 4 * PIECE
-    child, server, _data, killed, _holder = storm(length, threads=1, limits=stream.Limits(seconds=0.0, rate=1e30))
+    child, server, _data, killed, _holder = storm(length, threads=1, limits=serve.Limits(seconds=0.0, rate=1e30))
     for lock in server.locks:  # every piece is being installed by someone else...
         lock.acquire()
     later = threading.Timer(1.0, lambda: [lock.release() for lock in server.locks])  # ... until after the bound
     later.start()
     try:
         server.start()
-        with pytest.raises(stream.StreamError, match="not served within 0s"):
+        with pytest.raises(serve.StreamError, match="not served within 0s"):
             server.wait(3600)
         assert killed
     finally:

@@ -1,0 +1,109 @@
+"""The one verified read of a bulk file: no byte is used before its chunk's digest matched.
+
+A bulk file's ``bulk/pages-<pid>.sums`` holds the BLAKE3 digest of each ``layout.SUM_CHUNK``
+(1 MiB) of it, in order (written at checkpoint, signed through the manifest). Every reader of
+a bulk file's bytes (the fill, the serve's pieces, the mapped ranges' files) reads through
+:func:`read`: it reads every chunk that covers the bytes asked for whole, those bytes into the
+caller's buffer and the rest of their chunk into scratch, and hashes each chunk before it
+returns. A chunk off its digest, a file shorter than it says, or a digest list too short for
+the file raises :class:`IntegrityError`; the caller uses the buffer only once :func:`read`
+returned, so what it uses is exactly what was hashed.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from runtime.digests import new_hash
+from runtime.errors import Reason, RekindleError
+from runtime.layout import DIGEST_BYTES, SUM_CHUNK
+from runtime.pagecache import is_cached
+
+SCRATCH = SUM_CHUNK  # what :func:`read` needs beside the caller's buffer: the rest of one chunk
+
+
+class IntegrityError(RekindleError):
+    """A bulk file's bytes do not match their chunk digests (or the file or its digests are
+    short): nothing of the chunk was used."""
+
+    reason_class = Reason.INTEGRITY
+
+
+@dataclass
+class Spent:
+    """What a read did: bytes of the range read and verified, and the thread-seconds spent
+    reading them and hashing them."""
+
+    verified: int = 0
+    read_s: float = 0.0
+    hash_s: float = 0.0
+
+
+def advise(fd: int, offset: int, length: int) -> None:
+    """Ask the disk for [offset, offset + length) of ``fd`` at once unless it is cached: reads
+    of it chunk by chunk (threads interleaving on one file) keep the requests queued."""
+    if not is_cached(fd, offset, length):
+        try:
+            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
+        except OSError:  # a hint: the reads still read it
+            pass
+
+
+def read(fd: int, offset: int, length: int, into: memoryview, sums: bytes, *, size: int, name: str,
+         scratch: memoryview | None = None, needed: Callable[[int, int], bool] | None = None) -> Spent:
+    """Read [offset, offset + length) of ``fd`` (a file of ``size`` bytes whose chunk digests
+    are ``sums``) into ``into[:length]``, every chunk covering it checked against its digest.
+    ``scratch`` (at least :data:`SCRATCH` bytes) takes the covering chunks' other bytes; one is
+    made when the range does not start and end on chunk edges and none is given. ``needed``:
+    a chunk whose part [lo, hi) of the range it says False of is neither read nor checked (its
+    bytes in ``into`` are left as they were). :class:`IntegrityError` on the first chunk that
+    does not verify, with nothing after it read."""
+    end = offset + length
+    if offset < 0 or length < 0 or end > size or len(into) < length:
+        raise IntegrityError(f"{name}: {offset}+{length} is not within its {size} bytes")
+    spent = Spent()
+    if not length:
+        return spent
+    for c in range(offset - offset % SUM_CHUNK, end, SUM_CHUNK):
+        ce = min(c + SUM_CHUNK, size)
+        a, b = max(c, offset), min(ce, end)  # the range's part of this chunk
+        if needed is not None and not needed(a, b):
+            continue
+        k = c // SUM_CHUNK * DIGEST_BYTES
+        want = sums[k:k + DIGEST_BYTES]
+        if len(want) != DIGEST_BYTES:
+            raise IntegrityError(f"{name}: no digest for the chunk at {c}")
+        head, tail = a - c, ce - b
+        if (head or tail) and scratch is None:
+            scratch = memoryview(bytearray(SCRATCH))
+        parts = [into[a - offset:b - offset]]
+        if head or tail:
+            assert scratch is not None and len(scratch) >= head + tail
+            parts = [scratch[:head], *parts, scratch[head:head + tail]]
+        t0 = time.perf_counter()
+        pos = c
+        for view in parts:
+            _read_exact(fd, view, pos, name)
+            pos += len(view)
+        t1 = time.perf_counter()
+        digest = new_hash()
+        for view in parts:
+            digest.update(view)
+        if digest.digest() != want:
+            raise IntegrityError(f"{name}: chunk at {c} does not match its digest")
+        spent.verified += b - a
+        spent.read_s += t1 - t0
+        spent.hash_s += time.perf_counter() - t1
+    return spent
+
+
+def _read_exact(fd: int, view: memoryview, offset: int, name: str) -> None:
+    got = 0
+    while got < len(view):
+        n = os.preadv(fd, [view[got:]], offset + got)
+        if n <= 0:
+            raise IntegrityError(f"{name}: shrank while read (at {offset + got})")
+        got += n
