@@ -33,38 +33,19 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from bench.common.disk import pick_image_root, read_ranges
+from bench.common.h2d import measure_h2d
+from bench.common.units import GB, GIB
 from runtime.gpu import CudaCheckpointer
 
 log = logging.getLogger(__name__)
 
 REPO = Path(__file__).resolve().parents[1]
 HOLDER = REPO / "tests" / "gpu" / "workloads" / "gpu_holder.py"
-GIB = 1 << 30
-GB = 1e9
 PR_SET_CHILD_SUBREAPER = 36
-
-H2D_CODE = r"""
-import json, time, torch
-n = int(%d)
-dev = torch.device("cuda:0")
-out = {}
-for name, pin in (("pinned", True), ("pageable", False)):
-    host = torch.empty(n, dtype=torch.uint8, pin_memory=pin); host.fill_(1)
-    d = torch.empty(n, dtype=torch.uint8, device=dev); torch.cuda.synchronize()
-    best = 0.0
-    for _ in range(3):
-        t = time.perf_counter(); d.copy_(host, non_blocking=pin); torch.cuda.synchronize()
-        best = max(best, n / (time.perf_counter() - t) / 1e9)
-    out["h2d_" + name + "_gbps"] = round(best, 2)
-    t = time.perf_counter(); host.copy_(d); torch.cuda.synchronize()
-    out["d2h_" + name + "_gbps"] = round(n / (time.perf_counter() - t) / 1e9, 2)
-    del host, d
-print(json.dumps(out))
-"""
 
 
 def _holder_module() -> Any:
@@ -75,24 +56,6 @@ def _holder_module() -> Any:
     return mod
 
 
-def measure_h2d(python: str, gib: float) -> dict[str, float]:
-    r = subprocess.run([python, "-c", H2D_CODE % int(gib * GIB)], capture_output=True, text=True, check=True)
-    return json.loads(r.stdout.strip().splitlines()[-1])
-
-
-def _read_file(path: Path, offset: int, length: int) -> int:
-    done = 0
-    with open(path, "rb", buffering=0) as f:
-        buf = bytearray(16 << 20)
-        view = memoryview(buf)
-        while done < length:
-            n = os.preadv(f.fileno(), [view[: min(len(buf), length - done)]], offset + done)
-            if n <= 0:
-                break
-            done += n
-    return done
-
-
 def measure_read(files: list[Path], threads: int) -> float:
     """GB/s reading ``files`` whole, split into ``threads`` ranges."""
     jobs: list[tuple[Path, int, int]] = []
@@ -101,20 +64,8 @@ def measure_read(files: list[Path], threads: int) -> float:
         step = max(64 << 20, -(-size // threads))
         jobs += [(p, off, min(step, size - off)) for off in range(0, size, step)]
     t = time.perf_counter()
-    with ThreadPoolExecutor(threads) as pool:
-        total = sum(pool.map(lambda j: _read_file(*j), jobs))
+    total = read_ranges(jobs, threads)
     return total / (time.perf_counter() - t) / GB
-
-
-def pick_image_root(candidates: list[str], need: int) -> Path:
-    for c in candidates:
-        try:
-            st = os.statvfs(c)
-        except OSError:
-            continue
-        if st.f_bavail * st.f_frsize >= need + GIB:
-            return Path(c)
-    raise SystemExit(f"no image dir among {candidates} has {need / GIB:.1f} GiB free")
 
 
 def _subreaper() -> None:
