@@ -23,10 +23,8 @@ from __future__ import annotations
 import argparse
 import ctypes
 import importlib.util
-import json
 import logging
 import os
-import platform
 import shutil
 import signal
 import subprocess
@@ -36,6 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.common import results
 from bench.common.disk import pick_image_root, read_ranges
 from bench.common.h2d import measure_h2d
 from bench.common.units import GB, GIB
@@ -189,10 +188,10 @@ COLUMNS = ["cold_start", "cuda_lock", "cuda_checkpoint", "criu_dump", "criu_rest
            "cuda_unlock"]
 
 
-def table(results: list[dict[str, Any]]) -> str:
+def table(runs: list[dict[str, Any]]) -> str:
     head = ["GiB", *COLUMNS, "restore_total", "SOL", "x SOL", "speedup", "ok"]
     rows = [head]
-    for r in results:
+    for r in runs:
         ph = r["phases_s"]
         rows.append([f"{r['gib']:g}", *(f"{ph[c]:.2f}" if c in ph else "skip" for c in COLUMNS),
                      f"{r['restore_total_s']:.2f}", f"{r['sol_s']:.2f}", f"{r['restore_vs_sol']:.1f}",
@@ -221,13 +220,12 @@ def main(argv: list[str] | None = None) -> int:
     ckpt = CudaCheckpointer()
     gpus = ckpt.gpus()
     doc: dict[str, Any] = {
-        "host": {"kernel": platform.release(), "cpus": os.cpu_count(), "python": platform.python_version()},
+        "host": results.host(python=True),
         "driver_version": ckpt.driver_version(), "cuda_version": ckpt.cuda_version(),
         "gpus": [{"uuid": g.uuid, "name": g.name} for g in gpus], "criu": None, "results": []}
     if args.criu:
         env = dict(os.environ, LD_LIBRARY_PATH=os.path.abspath(args.criu_lib)) if args.criu_lib else None
-        doc["criu"] = subprocess.run([args.criu, "--version"], capture_output=True, text=True,
-                                     env=env).stdout.split("\n")[0].strip()
+        doc["criu"] = results.criu_version(args.criu, env)
     doc["h2d"] = measure_h2d(args.python, args.h2d_gib)
     log.info("driver %s, %s, criu %s, h2d %s", doc["driver_version"], gpus[0].name if gpus else "-",
              doc["criu"], doc["h2d"])
@@ -240,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
             doc.setdefault("failures", []).append({"gib": size, "error": str(exc)[-3000:]})
             status = 1
         if args.out:
-            args.out.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+            results.write_json(args.out, doc, sort_keys=True)
     ckpt.close()
     print(table(doc["results"]))
     for r in doc["results"]:

@@ -28,7 +28,6 @@ import argparse
 import json
 import logging
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -37,7 +36,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from bench.common import model
+from bench.common import model, results
 from bench.common.disk import drop_caches, pick_image_root, read_ranges
 from bench.common.h2d import measure_h2d
 from bench.common.units import GB, GIB
@@ -84,7 +83,7 @@ class Bench:
 
     def save(self) -> None:
         self.args.out_dir.mkdir(parents=True, exist_ok=True)
-        self.args.json.write_text(json.dumps(self.doc, indent=1) + "\n")
+        results.write_json(self.args.json, self.doc)
 
     def mounts(self) -> list[Mount]:
         extra = [Mount(d, d, readonly=True) for d in TOOLCHAIN_DIRS if os.path.isdir(d)]
@@ -230,13 +229,10 @@ def table(doc: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     doc: dict[str, Any] = {"what": "bench/llm_restore.py through containerd 1.7 + runc + CRIU + CNI + the plugin",
-                           "host": {"kernel": platform.release(), "cpus": os.cpu_count()}, "runs": [], "results": []}
+                           "host": results.host(), "runs": [], "results": []}
     bench = Bench(args, doc)
-    gpus = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-                          capture_output=True, text=True).stdout.strip().splitlines()
-    doc["gpus"] = [{"name": g.split(",")[0].strip(), "driver": g.split(",")[-1].strip()} for g in gpus]
-    crv = subprocess.run([os.environ.get("REKINDLE_CRIU", "criu"), "--version"], capture_output=True, text=True)
-    doc["criu"] = crv.stdout.split("\n")[0].strip()
+    doc["gpus"] = results.gpus()
+    doc["criu"] = results.criu_version()
     t = time.monotonic()
     made, error = model.make_in_child(args.model_dir)
     if made is None:
