@@ -1,5 +1,5 @@
-"""Benchmark: restore speed through containerd and the plugin, bulk path against stock, with
-the speed of light of every phase measured in the same run.
+"""Benchmark: restore speed through containerd and the plugin, the default route from each
+place a restore reads, with the speed of light of every phase measured in the same run.
 
 Usage (root, on a GPU node set up by hack/gpu-node-setup.sh):
 ``python -m bench.restore_speed --case synthetic-16gib|synthetic-49gib|llm-7b [--out-dir DIR]``
@@ -10,12 +10,18 @@ annotation; the source pod is stopped; then the ceilings are measured: reading t
 from disk with the page cache dropped (16 threads of 8 MiB reads, and 4 of 2 MiB: the faster
 counts), reading it from the page cache, copying into
 fresh memory, and pinned host-to-device copies. Then restores into new pods, one after the other
-on the same artifact: ``--runs`` (default ``bulk:page-cache,bulk:disk,stock:page-cache``), where
-``disk`` drops the page cache first and ``page-cache`` reads the artifact in first, and
-``bulk@16`` fills on 16 threads (default: one per core, up to 16). Each restore
+on the same artifact: ``--runs`` (default ``auto:page-cache,auto:disk,auto:node-cache``: the
+plugin's default path, ``auto``, which ``runtime.route`` turns into a streamed restore for a CUDA
+tree), where ``disk`` drops the page cache first, ``page-cache`` reads the artifact in first, and
+``node-cache`` runs the plugin with its node cache as a node has it by default (on, in its state
+dir), one untimed restore writing the entry first; ``bulk@16`` fills on 16 threads (default: one
+per core, up to 16). Each restore
 is timed from container create to the plugin's ``restored`` and to the first answer, which must be
-the source's (tokens, or GPU checksums). The stock path restarts the plugin with
-``REKINDLE_RESTORE_PATH=stock`` (CRIU restores every page); ``stream:page-cache`` with
+the source's (tokens, or GPU checksums), and prints the route it took (``path/kind (reason)``, from
+its ``timings.json``), by which its bytes are counted. The other paths force one way:
+``stock`` restarts the plugin with
+``REKINDLE_RESTORE_PATH=stock`` (CRIU restores every page); ``bulk`` with
+``REKINDLE_RESTORE_PATH=bulk`` (the bulk pages filled beside CRIU first); ``stream:page-cache`` with
 ``REKINDLE_RESTORE_PATH=stream`` (the tree runs right after CRIU, the bulk pages served through
 userfaultfd while it and its CUDA restore run; ``restored`` comes once the last piece is in, so
 its ``stream`` phase is the serve's tail after the CUDA restore). ``map:page-cache``: the
@@ -25,12 +31,12 @@ rest from it (``runtime.pages.mapping``). ``stream+cache:page-cache``: the strea
 node cache on such a tmpfs and no entry yet (any entry is removed first): the restore maps the
 driver's host copy from the entry's file as its serve writes it (``runtime.pages.stream``'s
 mapped ranges), and the entry it made is timed until finished (``cache_written_s``). Every other
-path runs with the cache off.
+run has the cache off.
 
 Writes ``--json`` (default OUT_DIR/restore-speed.json) after every step: ``runs`` holds one object
-per restore: ``case``, ``path``, ``cache``, ``cold_start_s``, ``restore_s``, ``first_answer_s``,
-``phases`` (seconds), ``bytes`` (per phase), ``sol_s``, ``identical``, and ``table`` (each phase
-with its bytes, GB/s, ceiling and speed of light). Prints the tables.
+per restore: ``case``, ``path``, ``cache``, ``route``, ``cold_start_s``, ``restore_s``,
+``first_answer_s``, ``phases`` (seconds), ``bytes`` (per phase), ``sol_s``, ``identical``, and
+``table`` (each phase with its bytes, GB/s, ceiling and speed of light). Prints the tables.
 """
 
 from __future__ import annotations
@@ -58,17 +64,43 @@ from tests.gpu import gpu_pods
 
 log = logging.getLogger(__name__)
 
+# The product's default route (``auto``) from each place a restore reads: the page cache, the
+# disk (page cache dropped) and a node cache entry.
+NODE_CACHE = "node-cache"
+DEFAULT_RUNS = "auto:page-cache,auto:disk,auto:node-cache"
 
-def plugin_env(path: str, threads: str, map_all: bool = False) -> dict[str, str]:
-    """The plugin's environment for a run of ``path``: the node cache (on a ``huge=always``
-    tmpfs) only for ``map`` and ``stream+cache``; the other paths read the artifact from the
-    store every time. ``map_all``: every large range maps (a CPU workload has no CUDA driver's
-    host copy, the default's one range)."""
-    cached = path in ("map", "stream+cache")
+
+def plugin_env(path: str, threads: str, map_all: bool = False, node_cache: bool = False) -> dict[str, str]:
+    """The plugin's environment for a run of ``path``: the node cache on a ``huge=always`` tmpfs
+    for ``map`` and ``stream+cache``; for a run from the node cache (``node_cache``) on any other
+    path, the plugin's own cache settings (on, in its state dir: what a node gets by default);
+    every other run reads the artifact from the store. ``map_all``: every large range maps (a CPU
+    workload has no CUDA driver's host copy, the default's one range)."""
+    tmpfs = path in ("map", "stream+cache")
     restore_path = {"map": "bulk", "stream+cache": "stream"}.get(path, path)
+    cache_env = {"REKINDLE_CACHE_TMPFS": "1"} if tmpfs else {} if node_cache else {"REKINDLE_CACHE_BYTES": "0"}
     return {"REKINDLE_RESTORE_PATH": restore_path, **({"REKINDLE_FILL_THREADS": threads} if threads else {}),
-            **({"REKINDLE_CACHE_TMPFS": "1"} if cached else {"REKINDLE_CACHE_BYTES": "0"}),
-            **({"REKINDLE_MAP": "all"} if cached and map_all else {})}
+            **cache_env, **({"REKINDLE_MAP": "all"} if tmpfs and map_all else {})}
+
+
+def moved_as(path: str, route: dict[str, Any] | None) -> str:
+    """How a run's bulk pages moved, for its table: ``stock``, ``stream``, ``map`` (ranges mapped
+    from the node cache, the rest filled) or ``bulk``; from the route the restore recorded
+    (``runtime.route``), else from the path it was asked for."""
+    if route:
+        if route.get("path") in ("stock", "stream"):
+            return str(route["path"])
+        return "map" if route.get("kind") == "mapped" else "bulk"
+    if path.startswith("stream"):
+        return "stream"
+    return path if path in ("stock", "map") else "bulk"
+
+
+def route_text(route: dict[str, Any] | None) -> str:
+    """The route a run took, for its summary line: ``path/kind (reason)``."""
+    if not route:
+        return "not recorded"
+    return f"{route.get('path')}/{route.get('kind')} ({route.get('reason')})"
 
 
 def await_entry(plugin: Any, timeout: float = 300.0) -> float:
@@ -92,8 +124,9 @@ def clear_cache(plugin: Any) -> None:
 
 class Bench(RestoreRig):
     def __init__(self, args: argparse.Namespace) -> None:
-        super().__init__(args, {"what": "bench/restore_speed.py through containerd 1.7 + runc + CRIU + CNI + the plugin",
-                                "host": results.host(), "case": args.case, "runs": []})
+        super().__init__(args, {
+            "what": "bench/restore_speed.py through containerd 1.7 + runc + CRIU + CNI + the plugin",
+            "host": results.host(), "case": args.case, "runs": []})
 
     def ceilings(self, art: Path, disk: bool) -> dict[str, float]:
         files = [p for p in art.rglob("*") if p.is_file()]
@@ -117,9 +150,11 @@ class Bench(RestoreRig):
         return {k: round(v, 3) if isinstance(v, float) else v for k, v in c.items()}
 
     def restore(self, cri: Any, plugin: Any, wl: Workload, path: str, cache: str, art: Path,
-                src: dict[str, Any], ceil: dict[str, float]) -> dict[str, Any]:
+                src: dict[str, Any], ceil: dict[str, float], warm_up: bool = False) -> dict[str, Any]:
+        """One restore of ``path`` from ``cache`` into a new pod, timed; ``warm_up``: an untimed
+        one that writes the node cache's entry for the runs after it."""
         rec: dict[str, Any] = {"case": self.args.case, "path": path, "cache": cache,
-                               "cold_start_s": src["cold_start_s"]}
+                               "cold_start_s": src["cold_start_s"], **({"warm_up": True} if warm_up else {})}
         self.doc["runs"].append(rec)
         if cache == "disk":
             rec["drop_caches_s"] = drop_caches()
@@ -134,17 +169,19 @@ class Bench(RestoreRig):
             if not self.await_restore(cri, plugin, wl, b, path, t0, rec):
                 return rec
         finally:
-            (self.args.out_dir / f"worker-{path}-{cache}.log").write_text(gpu_pods.container_logs(cri, cid)[-100_000:])
+            log_name = f"worker-{path}-{cache}{'-warm-up' if warm_up else ''}.log"
+            (self.args.out_dir / log_name).write_text(gpu_pods.container_logs(cri, cid)[-100_000:])
             self.stop(cri, b)
         moved = phases.phase_bytes(art)
         gpu_bytes = src["cold"].get("gpu_bytes", 0)
         moved["cuda_restore"] = gpu_bytes
-        if path == "stock":  # CRIU restores the bulk pages too, and the stage copies them
+        how = moved_as(path, rec.get("route"))
+        if how == "stock":  # CRIU restores the bulk pages too, and the stage copies them
             moved["criu_restore"] += moved["fill"]
             moved["stage"] += moved["fill"]
-        elif path.startswith("stream"):  # the bulk pages arrive while the tree runs (and the CUDA restore)
+        elif how == "stream":  # the bulk pages arrive while the tree runs (and the CUDA restore)
             moved["stream"] = moved.pop("fill")
-        elif path == "map":  # mapped from the node cache: only the rest is filled
+        elif how == "map":  # mapped from the node cache: only the rest is filled
             moved["fill"] = int((rec.get("node_cache") or {}).get("filled_bytes", 0))
         rec["bytes"] = moved
         read = ceil["disk_read_gbps"] if cache == "disk" else ceil["cache_read_gbps"]
@@ -181,16 +218,19 @@ class Bench(RestoreRig):
             doc["artifact_bytes"] = phases.phase_bytes(art)
             doc["ceilings"] = ceil = self.ceilings(art, disk=":disk" in args.runs)
             self.save()
-            current = ("", "")  # every path starts in a fresh plugin: no run finds caches warmed by another
+            # every path starts in a fresh plugin: no run finds caches warmed by another
+            current: tuple[str, str, bool] = ("", "", False)
             for spec in args.runs.split(","):
                 how, cache = spec.split(":")
                 path, _, threads = how.partition("@")  # bulk@16: the fill on 16 threads
-                if (path, threads) != current:
-                    restart_plugin(plugin, plugin_env(path, threads, map_all=wl.cpu))
-                    current = (path, threads)
-                    if path == "map" and not cache_entries(plugin):  # one restore writes the entry first
-                        warm = self.restore(cri, plugin, wl, "bulk", "page-cache", art, doc["source"], ceil)
-                        warm["warm_up"] = True
+                from_entry = cache == NODE_CACHE
+                if (path, threads, from_entry) != current:
+                    restart_plugin(plugin, plugin_env(path, threads, map_all=wl.cpu, node_cache=from_entry))
+                    current = (path, threads, from_entry)
+                    # a run from the node cache: one restore writes the entry first
+                    if (path == "map" or from_entry) and not cache_entries(plugin):
+                        warm = self.restore(cri, plugin, wl, "bulk" if path == "map" else path, "page-cache", art,
+                                            doc["source"], ceil, warm_up=True)
                         warm["cache_written_s"] = await_entry(plugin)
                 if path == "stream+cache":
                     clear_cache(plugin)  # each run makes the entry as it restores
@@ -214,7 +254,8 @@ class Bench(RestoreRig):
 
 
 def summary(rec: dict[str, Any]) -> str:
-    head = (f"{rec['case']} {rec['path']} ({rec['cache']}): restore {rec.get('restore_s')} s, first answer "
+    head = (f"{rec['case']} {rec['path']} ({rec['cache']}), route {route_text(rec.get('route'))}: "
+            f"restore {rec.get('restore_s')} s, first answer "
             f"{rec.get('first_answer_s')} s, cold start {rec.get('cold_start_s')} s "
             f"({(rec['cold_start_s'] / rec['restore_s']) if rec.get('restore_s') else 0:.1f}x), "
             f"speed of light {rec.get('sol_s')} s, identical {rec.get('identical')}"
@@ -225,7 +266,9 @@ def summary(rec: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--case", choices=sorted(CASES), required=True)
-    ap.add_argument("--runs", default="bulk:page-cache,bulk:disk,stock:page-cache")
+    ap.add_argument("--runs", default=DEFAULT_RUNS,
+                    help="PATH[@THREADS]:CACHE,... (PATH auto|bulk|stream|stock|map|stream+cache, "
+                         "CACHE page-cache|disk|node-cache; default %(default)s)")
     ap.add_argument("--model-dir", type=Path, default=model.DEFAULT_DIR)
     ap.add_argument("--compile-mode", default="reduce-overhead")
     ap.add_argument("--work", type=Path, default=None, help="plugin state + store (default: disk if room)")

@@ -23,15 +23,6 @@ def read_timings(plugin: Any, pod: Pod) -> dict[str, Any] | None:
     return None
 
 
-def route_of(timings: dict[str, Any] | None) -> str:
-    """The route a restore took, from its timings (``runtime.route``'s record): ``path/kind``,
-    or ``?`` where the restore recorded none."""
-    route = (timings or {}).get("route")
-    if not isinstance(route, dict) or not route.get("path"):
-        return "?"
-    return f"{route['path']}/{route.get('kind', '?')}"
-
-
 def restart_plugin(plugin: Any, env: dict[str, str]) -> None:
     """Stop the plugin and start it again with ``env``, back once it synchronized with containerd."""
     plugin.stop()

@@ -102,7 +102,8 @@ class RestoreRig:
         the first answer, into ``rec`` (restore_s, phases, first_answer_s, identical, answer; on
         the streamed path its serve's figures). False when the plugin cold-started the pod."""
         early: concurrent.futures.Future[tuple[tuple[bool, dict[str, Any]], float]] | None = None
-        if path.startswith("stream"):  # it runs (and answers) before the last page is in: ask at once
+        # a streamed restore (auto's, for a CUDA tree) runs and answers before its last page is in: ask at once
+        if path.startswith("stream") or path == "auto":
             early = concurrent.futures.ThreadPoolExecutor(1).submit(
                 lambda: (wl.answer(cri, b, plugin.control_dir(b.uid, CONTAINER)), time.monotonic() - t0))
         st = gpu_pods.wait_status(plugin, b, CONTAINER, {"restored", "cold-start"}, 600)
@@ -122,7 +123,8 @@ class RestoreRig:
         rec["answer"] = extra
         doc = read_timings(plugin, b)
         if doc is not None:
-            if path.startswith("stream"):  # the serve's own figures: faults, the time they waited, threads
+            rec["route"] = doc.get("route")  # the way it took (runtime.route): path, kind, reason
+            if path.startswith("stream") or "stream" in doc:  # the serve's own figures: faults, waits, threads
                 rec["stream"] = doc.get("stream")
             rec["node_cache"] = doc.get("cache")  # warm (mapped, filled from it), cold or off
         return True
@@ -144,7 +146,8 @@ class RestoreRig:
         return True
 
     def clean_up(self, cri: Any, plugin: Any, work: Path) -> None:
-        """Every pod left stopped, the plugin stopped, its and CRIU's logs copied out, the store removed."""
+        """Every pod left stopped, the plugin stopped, its and CRIU's logs copied out, the store and
+        the node cache removed."""
         args = self.args
         for p in list(self.pods):
             self.stop(cri, p)
@@ -158,3 +161,4 @@ class RestoreRig:
         cache = work / "plugin" / "state" / "cache"
         if os.path.ismount(cache):  # the plugin's tmpfs (--cache-tmpfs), mounted on this host
             subprocess.run(["umount", "-l", str(cache)], check=False)
+        shutil.rmtree(cache, ignore_errors=True)  # a node cache on disk (the plugin's default) holds a copy
