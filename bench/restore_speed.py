@@ -54,7 +54,7 @@ from bench.common import model, results
 from bench.common.disk import drop_caches, pick_image_root
 from bench.common.h2d import measure_h2d
 from bench.common.plugin import cache_dir, cache_entries, restart_plugin
-from bench.common.rig import RestoreRig
+from bench.common.restore_rig import RestoreRig
 from bench.common.units import GB, GIB
 from bench.common.workload import CASES, Workload
 from devtools import phases

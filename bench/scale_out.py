@@ -8,7 +8,7 @@ the CUDA driver's host copy from the cache file instead of copying it, so pods r
 artifact on one node share those host pages; without it every pod holds its own copy.
 
 The workloads, the source pod and the per-pod wait are bench/restore_speed.py's (bench.common's
-workload and rig): one source pod is cold-started (timed) and checkpointed by annotation, then
+workload and restore_rig): one source pod is cold-started (timed) and checkpointed by annotation, then
 stopped. Then, for each round ``PATH:CACHE`` (PATH ``bulk`` or ``stream``: the plugin restarted
 with ``REKINDLE_RESTORE_PATH``; CACHE ``off``: ``REKINDLE_CACHE_BYTES=0``, no cache; ``warm``: the cache on, and one untimed
 restore first, then a wait until a complete entry (``<state dir>/cache/v1/*/entry.json``) is
@@ -58,7 +58,7 @@ from typing import Any
 from bench.common import model, results
 from bench.common.disk import pick_image_root
 from bench.common.plugin import cache_dir, cache_entries, read_timings, restart_plugin
-from bench.common.rig import RestoreRig
+from bench.common.restore_rig import RestoreRig
 from bench.common.units import GIB
 from bench.common.workload import CASES, Workload
 from devtools import phases

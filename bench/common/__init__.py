@@ -9,5 +9,5 @@
 - ``targets``: a child process holding a fresh region to fill, and a bulk file for it;
 - ``workload``: the restore benches' workloads (start, readiness, the same answer);
 - ``plugin``: the plugin's side of a restore bench (its timings, restarts, node cache);
-- ``rig``: the restore benches' source pod, restores awaited, clean-up.
+- ``restore_rig``: the restore benches' source pod, restores awaited, clean-up.
 """
