@@ -30,12 +30,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench.llm_restore import drop_caches
+from bench.common.disk import drop_caches
+from bench.common.units import GB
 from runtime.digests import PIECE  # the fill works piece by piece
 from runtime.pages import bulk
 from runtime.store import readahead
 
-GB = 1e9
 FILL_READ = bulk.CHUNK
 SMALL = 64 << 10
 

@@ -39,12 +39,12 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 
-from bench.stream_install import Child, make_file, split
+from bench.common.targets import Child, make_file, split
+from bench.common.units import GB
 from runtime.digests import PIECE
 from runtime.pages import bulk
 from runtime.pages.filemap import FileMap
 
-GB = 1e9
 SHAPES = ("verified", "sealed", "copy")
 
 

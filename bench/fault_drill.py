@@ -28,13 +28,12 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from bench.common import results
 from bench.drill import report
 from bench.drill.cells import CHECKPOINT_PHASES, checkpoint_cell, restore_cell, restore_rows
 from bench.drill.faults import Fault
@@ -119,9 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     json_path = out / "fault-drill.json"
     doc: dict[str, Any] = {
         "what": "bench/fault_drill.py: containerd 1.7 + runc + CRIU + CNI + the plugin process, CPU only",
-        "host": {"kernel": platform.release(), "cpus": os.cpu_count(),
-                 "criu": subprocess.run(["/usr/local/sbin/criu", "--version"], capture_output=True,
-                                        text=True).stdout.split("\n")[0].strip()},
+        "host": {**results.host(), "criu": results.criu_version("/usr/local/sbin/criu")},
         "config": {"restore_path": args.restore_path, "warmup_mib": args.warmup_mib, "blob_mib": args.blob_mib,
                    "shm_mib": args.shm_mib,
                    "store_mib": store_mib, "load_pods": args.load_pods, "load_warmup_mib": args.load_warmup_mib},

@@ -23,48 +23,28 @@ from __future__ import annotations
 import argparse
 import ctypes
 import importlib.util
-import json
 import logging
 import os
-import platform
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from bench.common import results
+from bench.common.disk import pick_image_root, read_ranges
+from bench.common.h2d import measure_h2d
+from bench.common.units import GB, GIB
 from runtime.gpu import CudaCheckpointer
 
 log = logging.getLogger(__name__)
 
 REPO = Path(__file__).resolve().parents[1]
 HOLDER = REPO / "tests" / "gpu" / "workloads" / "gpu_holder.py"
-GIB = 1 << 30
-GB = 1e9
 PR_SET_CHILD_SUBREAPER = 36
-
-H2D_CODE = r"""
-import json, time, torch
-n = int(%d)
-dev = torch.device("cuda:0")
-out = {}
-for name, pin in (("pinned", True), ("pageable", False)):
-    host = torch.empty(n, dtype=torch.uint8, pin_memory=pin); host.fill_(1)
-    d = torch.empty(n, dtype=torch.uint8, device=dev); torch.cuda.synchronize()
-    best = 0.0
-    for _ in range(3):
-        t = time.perf_counter(); d.copy_(host, non_blocking=pin); torch.cuda.synchronize()
-        best = max(best, n / (time.perf_counter() - t) / 1e9)
-    out["h2d_" + name + "_gbps"] = round(best, 2)
-    t = time.perf_counter(); host.copy_(d); torch.cuda.synchronize()
-    out["d2h_" + name + "_gbps"] = round(n / (time.perf_counter() - t) / 1e9, 2)
-    del host, d
-print(json.dumps(out))
-"""
 
 
 def _holder_module() -> Any:
@@ -75,24 +55,6 @@ def _holder_module() -> Any:
     return mod
 
 
-def measure_h2d(python: str, gib: float) -> dict[str, float]:
-    r = subprocess.run([python, "-c", H2D_CODE % int(gib * GIB)], capture_output=True, text=True, check=True)
-    return json.loads(r.stdout.strip().splitlines()[-1])
-
-
-def _read_file(path: Path, offset: int, length: int) -> int:
-    done = 0
-    with open(path, "rb", buffering=0) as f:
-        buf = bytearray(16 << 20)
-        view = memoryview(buf)
-        while done < length:
-            n = os.preadv(f.fileno(), [view[: min(len(buf), length - done)]], offset + done)
-            if n <= 0:
-                break
-            done += n
-    return done
-
-
 def measure_read(files: list[Path], threads: int) -> float:
     """GB/s reading ``files`` whole, split into ``threads`` ranges."""
     jobs: list[tuple[Path, int, int]] = []
@@ -101,20 +63,8 @@ def measure_read(files: list[Path], threads: int) -> float:
         step = max(64 << 20, -(-size // threads))
         jobs += [(p, off, min(step, size - off)) for off in range(0, size, step)]
     t = time.perf_counter()
-    with ThreadPoolExecutor(threads) as pool:
-        total = sum(pool.map(lambda j: _read_file(*j), jobs))
+    total = read_ranges(jobs, threads)
     return total / (time.perf_counter() - t) / GB
-
-
-def pick_image_root(candidates: list[str], need: int) -> Path:
-    for c in candidates:
-        try:
-            st = os.statvfs(c)
-        except OSError:
-            continue
-        if st.f_bavail * st.f_frsize >= need + GIB:
-            return Path(c)
-    raise SystemExit(f"no image dir among {candidates} has {need / GIB:.1f} GiB free")
 
 
 def _subreaper() -> None:
@@ -238,10 +188,10 @@ COLUMNS = ["cold_start", "cuda_lock", "cuda_checkpoint", "criu_dump", "criu_rest
            "cuda_unlock"]
 
 
-def table(results: list[dict[str, Any]]) -> str:
+def table(runs: list[dict[str, Any]]) -> str:
     head = ["GiB", *COLUMNS, "restore_total", "SOL", "x SOL", "speedup", "ok"]
     rows = [head]
-    for r in results:
+    for r in runs:
         ph = r["phases_s"]
         rows.append([f"{r['gib']:g}", *(f"{ph[c]:.2f}" if c in ph else "skip" for c in COLUMNS),
                      f"{r['restore_total_s']:.2f}", f"{r['sol_s']:.2f}", f"{r['restore_vs_sol']:.1f}",
@@ -270,13 +220,12 @@ def main(argv: list[str] | None = None) -> int:
     ckpt = CudaCheckpointer()
     gpus = ckpt.gpus()
     doc: dict[str, Any] = {
-        "host": {"kernel": platform.release(), "cpus": os.cpu_count(), "python": platform.python_version()},
+        "host": results.host(python=True),
         "driver_version": ckpt.driver_version(), "cuda_version": ckpt.cuda_version(),
         "gpus": [{"uuid": g.uuid, "name": g.name} for g in gpus], "criu": None, "results": []}
     if args.criu:
         env = dict(os.environ, LD_LIBRARY_PATH=os.path.abspath(args.criu_lib)) if args.criu_lib else None
-        doc["criu"] = subprocess.run([args.criu, "--version"], capture_output=True, text=True,
-                                     env=env).stdout.split("\n")[0].strip()
+        doc["criu"] = results.criu_version(args.criu, env)
     doc["h2d"] = measure_h2d(args.python, args.h2d_gib)
     log.info("driver %s, %s, criu %s, h2d %s", doc["driver_version"], gpus[0].name if gpus else "-",
              doc["criu"], doc["h2d"])
@@ -289,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
             doc.setdefault("failures", []).append({"gib": size, "error": str(exc)[-3000:]})
             status = 1
         if args.out:
-            args.out.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+            results.write_json(args.out, doc, sort_keys=True)
     ckpt.close()
     print(table(doc["results"]))
     for r in doc["results"]:

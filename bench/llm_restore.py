@@ -15,7 +15,7 @@ Usage (root, on a node set up by hack/gpu-node-setup.sh; the node's Python has t
 4. Page cache dropped again; pod B (``rekindle.dev/restore``, same container) -> restored (status)
    -> first ``GET /generate`` answer, which must be A's reference tokens.
 5. Speed of light in the same run: artifact bytes / min(cold read of the artifact files on 16
-   threads, pinned host-to-device), with bench/gpu_restore.py's measurements.
+   threads, pinned host-to-device), with bench.common's measurements (``disk``, ``h2d``).
 If the restore fails or the tokens differ, and ``--fallback-mode`` is set and the deadline allows,
 steps 3-4 run again with that compile mode. JSON goes to ``--json`` (default
 ``--out-dir``/llm-restore.json) after every step, worker and plugin logs to ``--out-dir``; the
@@ -28,7 +28,6 @@ import argparse
 import json
 import logging
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -37,7 +36,10 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from bench.gpu_restore import GB, GIB, _read_file, measure_h2d, pick_image_root
+from bench.common import model, results
+from bench.common.disk import drop_caches, pick_image_root, read_ranges
+from bench.common.h2d import measure_h2d
+from bench.common.units import GB, GIB
 from devtools.cri import Mount, Pod
 from devtools.sandbox import Runtime, Sandbox, SandboxConfig
 from tests.gpu import gpu_pods
@@ -49,46 +51,8 @@ log = logging.getLogger(__name__)
 WORKLOADS = REPO / "bench" / "workloads"
 CONTAINER = "llm"
 PORT = 8080
-QWEN2_7B = {"hidden_size": 3584, "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
-            "intermediate_size": 18944, "vocab_size": 152064, "max_position_embeddings": 32768,
-            "tie_word_embeddings": False, "bos_token_id": None, "eos_token_id": None}
-MARKER = "rekindle-bench-model.json"
 # Compilers and headers for Triton's launcher builds (torch.compile), where the node has them.
 TOOLCHAIN_DIRS = ("/usr/include", "/usr/libexec")
-
-
-def make_model(model_dir: Path) -> dict[str, Any]:
-    """Random-weight Qwen2-7B-shaped model, initialised on the GPU, saved as safetensors."""
-    if (model_dir / MARKER).exists():
-        return {**json.loads((model_dir / MARKER).read_text()), "made_now": False}
-    import torch  # noqa: PLC0415 - only this subcommand needs it
-    from transformers import AutoConfig, AutoModelForCausalLM  # noqa: PLC0415
-
-    t0 = time.monotonic()
-    shutil.rmtree(model_dir, ignore_errors=True)
-    cfg = AutoConfig.for_model("qwen2", **QWEN2_7B)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        try:
-            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-        except TypeError:
-            model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.bfloat16)
-    init_s = time.monotonic() - t0
-    model.save_pretrained(model_dir, max_shard_size="4GB")
-    files = sorted(model_dir.glob("*.safetensors"))
-    info = {"params": sum(p.numel() for p in model.parameters()), "config": QWEN2_7B, "init_s": round(init_s, 2),
-            "bytes": sum(f.stat().st_size for f in files), "files": len(files)}
-    os.sync()
-    info["make_s"] = round(time.monotonic() - t0, 2)
-    (model_dir / MARKER).write_text(json.dumps(info, indent=1) + "\n")
-    return {**info, "made_now": True}
-
-
-def drop_caches() -> float:
-    t = time.monotonic()
-    os.sync()
-    Path("/proc/sys/vm/drop_caches").write_text("3\n")
-    return round(time.monotonic() - t, 2)
 
 
 def http_json(url: str, timeout: float) -> dict[str, Any]:
@@ -119,7 +83,7 @@ class Bench:
 
     def save(self) -> None:
         self.args.out_dir.mkdir(parents=True, exist_ok=True)
-        self.args.json.write_text(json.dumps(self.doc, indent=1) + "\n")
+        results.write_json(self.args.json, self.doc)
 
     def mounts(self) -> list[Mount]:
         extra = [Mount(d, d, readonly=True) for d in TOOLCHAIN_DIRS if os.path.isdir(d)]
@@ -203,11 +167,8 @@ class Bench:
             size = min(p.stat().st_size, budget - sum(j[2] for j in jobs))
             step = 256 << 20
             jobs += [(p, off, min(step, size - off)) for off in range(0, size, step)]
-        from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
-
         t = time.perf_counter()
-        with ThreadPoolExecutor(16) as pool:
-            done = sum(pool.map(lambda j: _read_file(*j), jobs))
+        done = read_ranges(jobs, 16)
         sol["read_bytes"] = done
         sol["read_16_threads_cold_gbps"] = round(done / (time.perf_counter() - t) / GB, 2)
         sol.update(measure_h2d(sys.executable, 4.0))
@@ -268,21 +229,17 @@ def table(doc: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     doc: dict[str, Any] = {"what": "bench/llm_restore.py through containerd 1.7 + runc + CRIU + CNI + the plugin",
-                           "host": {"kernel": platform.release(), "cpus": os.cpu_count()}, "runs": [], "results": []}
+                           "host": results.host(), "runs": [], "results": []}
     bench = Bench(args, doc)
-    gpus = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-                          capture_output=True, text=True).stdout.strip().splitlines()
-    doc["gpus"] = [{"name": g.split(",")[0].strip(), "driver": g.split(",")[-1].strip()} for g in gpus]
-    crv = subprocess.run([os.environ.get("REKINDLE_CRIU", "criu"), "--version"], capture_output=True, text=True)
-    doc["criu"] = crv.stdout.split("\n")[0].strip()
+    doc["gpus"] = results.gpus()
+    doc["criu"] = results.criu_version()
     t = time.monotonic()
-    r = subprocess.run([sys.executable, "-m", "bench.llm_restore", "make-model", "--model-dir", str(args.model_dir)],
-                       cwd=REPO, capture_output=True, text=True)
-    if r.returncode != 0:
-        doc["failure"] = f"make-model: {r.stderr[-3000:]}"
+    made, error = model.make_in_child(args.model_dir)
+    if made is None:
+        doc["failure"] = f"make-model: {error}"
         bench.save()
         return 1
-    doc["model"] = {**json.loads(r.stdout.strip().splitlines()[-1]), "wall_s": round(time.monotonic() - t, 2)}
+    doc["model"] = {**made, "wall_s": round(time.monotonic() - t, 2)}
     need = int(doc["model"]["bytes"] * 1.8) + 4 * GIB
     work = args.work or pick_image_root(["/var/tmp", "/dev/shm"], need) / "rekindle-llm"
     doc["store_dir"] = str(work)
@@ -346,7 +303,7 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("command", nargs="?", default="run", choices=["run", "make-model"])
-    ap.add_argument("--model-dir", type=Path, default=Path("/var/tmp/rekindle-llm-model"))
+    ap.add_argument("--model-dir", type=Path, default=model.DEFAULT_DIR)
     ap.add_argument("--work", type=Path, default=None, help="plugin state + store (default: disk if room)")
     ap.add_argument("--out-dir", type=Path, default=Path("llm-out"))
     ap.add_argument("--json", type=Path, default=None, help="the results (default OUT_DIR/llm-restore.json)")
@@ -360,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if args.command == "make-model":
-        print(json.dumps(make_model(args.model_dir)))
+        print(json.dumps(model.make_model(args.model_dir)))
         return 0
     args.out_dir.mkdir(parents=True, exist_ok=True)
     args.json = args.json or args.out_dir / "llm-restore.json"

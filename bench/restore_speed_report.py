@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 KEYS = ("case", "path", "cache", "fill_threads", "cold_start_s", "restore_s", "first_answer_s", "phases", "bytes", "sol_s",
-        "identical", "stream", "node_cache", "warm_up", "cache_written_s", "call")
+        "identical", "stream", "node_cache", "warm_up", "cache_written_s", "call", "route")
 PHASES = (("inspect", "inspect (host files hashed: once per plugin process)", "#ccb974"),
           ("stage", "stage (copy + hash)", "#dd8452"), ("rootfs_apply", "rootfs", "#937860"),
           ("criu_restore", "CRIU restore", "#4c72b0"), ("fill", "bulk fill (hash + write)", "#55a868"),
@@ -37,12 +37,14 @@ def merge(inputs: list[Path]) -> dict[str, Any]:
             "ceilings": doc["ceilings"]}
         for run in doc["runs"]:
             rec = {k: run.get(k) for k in KEYS} | {"table": run.get("table")}
-            if run.get("warm_up"):  # the "map" path's first restore, which writes the node cache
-                rec["path"] = "bulk (cache cold)"
+            if run.get("warm_up"):  # a node cache run's first restore, which writes the entry
+                rec["path"] = f"{run.get('path')} (cache cold)"
             elif run.get("path") == "map":
                 rec["path"] = "map (cache warm)"
             elif run.get("path") == "stream+cache":
                 rec["path"] = "stream (cache made as it restores)"
+            elif run.get("path") == "auto" and run.get("route"):  # the default: the way it took
+                rec["path"] = f"auto: {run['route'].get('path')}/{run['route'].get('kind')}"
             out["runs"].append(rec)
     return out
 

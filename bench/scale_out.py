@@ -7,10 +7,10 @@ What it shows: with the node-local artifact cache, a restore whose cache entry i
 the CUDA driver's host copy from the cache file instead of copying it, so pods restored from one
 artifact on one node share those host pages; without it every pod holds its own copy.
 
-The workloads, the source pod and the per-pod wait are bench/restore_speed.py's: one source pod is
-cold-started (timed) and checkpointed by annotation, then stopped. Then, for each round
-``PATH:CACHE`` (PATH ``bulk`` or ``stream``: the plugin restarted with ``REKINDLE_RESTORE_PATH``;
-CACHE ``off``: ``REKINDLE_CACHE_BYTES=0``, no cache; ``warm``: the cache on, and one untimed
+The workloads, the source pod and the per-pod wait are bench/restore_speed.py's (bench.common's
+workload and restore_rig): one source pod is cold-started (timed) and checkpointed by annotation, then
+stopped. Then, for each round ``PATH:CACHE`` (PATH ``bulk`` or ``stream``: the plugin restarted
+with ``REKINDLE_RESTORE_PATH``; CACHE ``off``: ``REKINDLE_CACHE_BYTES=0``, no cache; ``warm``: the cache on, and one untimed
 restore first, then a wait until a complete entry (``<state dir>/cache/v1/*/entry.json``) is
 there; ``cold``: the cache on, its entries removed while the plugin is stopped, before each run;
 ``--map-ranges`` sets ``REKINDLE_MAP``: the plugin's default maps only the CUDA driver's host
@@ -55,8 +55,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.gpu_restore import GIB, pick_image_root
-from bench.restore_speed import CASES, Bench, Workload, read_timings, restart_plugin
+from bench.common import model, results
+from bench.common.disk import pick_image_root
+from bench.common.plugin import cache_dir, cache_entries, read_timings, restart_plugin
+from bench.common.restore_rig import RestoreRig
+from bench.common.units import GIB
+from bench.common.workload import CASES, Workload
 from devtools import phases
 from devtools.cri import Pod
 from devtools.sandbox import Runtime, Sandbox, SandboxConfig, hold_e2e_lock
@@ -69,7 +73,6 @@ log = logging.getLogger(__name__)
 
 PATHS = ("bulk", "stream")
 CACHES = ("off", "cold", "warm")
-CACHE_DIR = Path("cache") / "v1"  # under the plugin's state dir: one directory per entry
 SAMPLE_S = 0.1
 # the plugin's measurement settings a run of this bench hands on to it from its own environment
 PASSED_ENV = ("REKINDLE_STREAM_THREADS", "REKINDLE_STREAM_WARM_REST")
@@ -324,25 +327,19 @@ def vs_bulk_off_table(runs: Sequence[dict[str, Any]]) -> str:
 
 # --- the bench --------------------------------------------------------------------------------
 
-class ScaleOut(Bench):
+class ScaleOut(RestoreRig):
     def __init__(self, args: argparse.Namespace) -> None:
-        super().__init__(args)
-        self.doc = {"what": "bench/scale_out.py through containerd 1.7 + runc + CRIU + CNI + the plugin",
-                    "host": self.doc["host"], "case": args.case, "pods": args.pods,
-                    "rounds": [r.spec for r in args.rounds], "artifact": "page-cache", "sample_s": SAMPLE_S,
-                    "steady_s": args.steady_s, "map_ranges": args.map_ranges or "(plugin default)", "runs": []}
+        super().__init__(args, {
+            "what": "bench/scale_out.py through containerd 1.7 + runc + CRIU + CNI + the plugin",
+            "host": results.host(), "case": args.case, "pods": args.pods,
+            "rounds": [r.spec for r in args.rounds], "artifact": "page-cache", "sample_s": SAMPLE_S,
+            "steady_s": args.steady_s, "map_ranges": args.map_ranges or "(plugin default)", "runs": []})
         self.containerd_state = ""
-
-    def cache_dir(self, plugin: Any) -> Path:
-        return Path(plugin.state_dir) / CACHE_DIR
-
-    def cache_entries(self, plugin: Any) -> list[Path]:
-        return sorted(self.cache_dir(plugin).glob("*/entry.json"))
 
     def fresh_plugin(self, plugin: Any, rnd: Round) -> None:
         """The plugin restarted with the round's environment; for 'cold', its cache emptied while it is stopped."""
         plugin.stop()
-        cache = self.cache_dir(plugin)
+        cache = cache_dir(plugin)
         if rnd.cache == "cold" and cache.is_dir():
             for entry in cache.iterdir():
                 remove_sealed(entry)
@@ -361,12 +358,12 @@ class ScaleOut(Bench):
                 return f"the warm-up restore started cold: {rec.get('failure')}"
             rec["cache"] = (read_timings(plugin, pod) or {}).get("cache")
             deadline = time.monotonic() + self.args.warm_timeout
-            while not self.cache_entries(plugin):
+            while not cache_entries(plugin):
                 if time.monotonic() > deadline:
-                    return (f"no complete cache entry ({self.cache_dir(plugin)}/*/entry.json) "
+                    return (f"no complete cache entry ({cache_dir(plugin)}/*/entry.json) "
                             f"{self.args.warm_timeout:.0f} s after the warm-up restore answered")
                 time.sleep(WARM_POLL_S)
-            rec["entries"] = [p.parent.name for p in self.cache_entries(plugin)]
+            rec["entries"] = [p.name for p in cache_entries(plugin)]
             return None
         finally:
             (self.args.out_dir / f"worker-warmup-{rnd.path}.log").write_text(
@@ -503,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pods", type=int, default=4, help="pods restored at once (default %(default)s)")
     ap.add_argument("--rounds", type=_rounds_arg, default=parse_rounds("bulk:off,bulk:warm,stream:warm"),
                     help="PATH:CACHE,... (PATH bulk|stream, CACHE off|cold|warm)")
-    ap.add_argument("--model-dir", type=Path, default=Path("/var/tmp/rekindle-llm-model"))
+    ap.add_argument("--model-dir", type=Path, default=model.DEFAULT_DIR)
     ap.add_argument("--compile-mode", default="reduce-overhead")
     ap.add_argument("--work", type=Path, default=None, help="plugin state + store (default: disk if room)")
     ap.add_argument("--out-dir", type=Path, default=Path("scale-out"))

@@ -2,7 +2,7 @@
 fills a fraction of the GPU, with the engine's sleep and wake-up endpoints (vLLM's meaning).
 
 Usage: ``MODEL_DIR=/model GPU_FRACTION=0.4 python engine_worker.py`` (in a pod: the node's Python
-with torch and transformers; the model made by ``bench.llm_restore``'s ``make_model``).
+with torch and transformers; the model made by ``bench.common.model``).
 
 What it is, on top of bench/workloads/llm_worker.py's ``Worker`` (load, greedy generate with a
 static KV cache, the decode step compiled with CUDA graphs, ``COMPILE_MODE`` reduce-overhead):
