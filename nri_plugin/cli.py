@@ -164,7 +164,7 @@ def _cache_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _names_list(text: str) -> tuple[str, ...]:
-    from .prewarm import parse_names
+    from .prewarm_state import parse_names
     try:
         return tuple(f"{ns}/{n}" for ns, n in parse_names(x for x in text.split(",") if x.strip()))
     except ValueError as exc:

@@ -106,7 +106,7 @@ class Settings:
             problems.append(f"--map-ranges must be driver, all or none, got {self.map_ranges!r}")
         if self.cache_bytes < -1 or not 1 <= self.cache_entries <= 1024:
             problems.append("--cache-bytes must be -1 or more and --cache-entries 1..1024")
-        from .prewarm import parse_names
+        from .prewarm_state import parse_names
         try:
             parse_names(self.prewarm)
         except ValueError as exc:

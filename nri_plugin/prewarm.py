@@ -23,16 +23,14 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
-import enum
 import json
 import logging
 import os
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 from runtime import layout, names
 from runtime.errors import RekindleError
@@ -44,8 +42,10 @@ from runtime.pages import nodecache
 from runtime.store import Artifact, ArtifactStore, readahead
 from runtime.testpause import pause_for_test
 
+from .prewarm_state import State, Status, parse_names
+
 if TYPE_CHECKING:
-    from .agent import NodeEngine
+    from .cache import CacheWriter
     from .config import Settings
     from .metrics import Metrics
 
@@ -56,38 +56,18 @@ DEFAULT_INTERVAL = 30.0
 STATE_FILE = "prewarm.json"
 
 
-class State(str, enum.Enum):
-    ABSENT = "absent"      # no entry (not published, not looked at yet, or evicted since)
-    WARMING = "warming"    # queued or being written
-    WARM = "warm"          # the entry of the version the name points to is complete
-    REFUSED = "refused"    # not written: ``reason`` says why (the bound, a bad version, ...)
+class PrewarmEngine(Protocol):
+    """What the pre-warmer needs of the plugin's engine (``nri_plugin.agent.NodeEngine``): the
+    node cache, its one writer and the gate restores hold."""
 
+    @property
+    def cache(self) -> nodecache.NodeCache | None: ...
 
-@dataclass
-class Status:
-    artifact: str  # namespace/name
-    state: State = State.ABSENT
-    version: str = ""
-    bytes: int = 0  # bulk bytes verified and written so far (warming), or the entry's
-    total: int = 0
-    rate: float = 0.0  # bytes a second, time paused for restores not counted
-    paused: bool = False  # waiting for a restore to end
-    reason: str = ""
+    @property
+    def cache_writer(self) -> CacheWriter | None: ...
 
-    def to_obj(self) -> dict[str, object]:
-        return {**dataclasses.asdict(self), "state": self.state.value, "rate": round(self.rate, 1)}
-
-
-def parse_names(items: Iterable[str]) -> tuple[tuple[str, str], ...]:
-    """``namespace/name`` items (the setting) as pairs; raises ValueError naming a bad one."""
-    out = []
-    for item in items:
-        ns, sep, name = item.strip().partition("/")
-        if not sep or not names.is_dns_label(ns) or not names.is_artifact_name(name):
-            raise ValueError(f"not namespace/name: {item!r}")
-        if (ns, name) not in out:
-            out.append((ns, name))
-    return tuple(out)
+    @property
+    def disk(self) -> DiskGate: ...
 
 
 class DiskGate:
@@ -415,7 +395,7 @@ def read_states(state_dir: str) -> list[dict[str, object]]:
     return [a for a in arts if isinstance(a, dict)] if isinstance(arts, list) else []
 
 
-def start_prewarm(settings: Settings, store: ArtifactStore, key: bytes, engine: NodeEngine,
+def start_prewarm(settings: Settings, store: ArtifactStore, key: bytes, engine: PrewarmEngine,
                   metrics: Metrics | None) -> Prewarmer | None:
     """The plugin's pre-warmer, looking on a thread of its own; None when off (no cache, no
     interval, or a restore path that does not use the cache)."""
