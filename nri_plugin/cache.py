@@ -11,13 +11,13 @@ container, and the pages a restored process maps stay until it unmaps them.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+from runtime import libc
 from runtime.errors import RekindleError
 from runtime.pages import MapMode, nodecache
 from runtime.restore import CacheWork
@@ -49,11 +49,10 @@ def cache_dir(settings: Settings) -> str:
 
 
 def _mount_tmpfs(path: str, size: int) -> bool:
-    libc = ctypes.CDLL(None, use_errno=True)
     opts = f"mode=0700,huge=always,size={max(size, 1 << 20)}".encode()
-    if libc.mount(b"rekindle-cache", os.fsencode(path), b"tmpfs", 0, opts) != 0:
+    if libc.function("mount")(b"rekindle-cache", os.fsencode(path), b"tmpfs", 0, opts) != 0:
         log.warning("node cache: no tmpfs mounted at %s (%s); using the directory as it is",
-                    path, os.strerror(ctypes.get_errno()))
+                    path, os.strerror(libc.errno()))
         return False
     log.info("node cache: tmpfs (huge=always, %d MiB) mounted at %s", size >> 20, path)
     return True

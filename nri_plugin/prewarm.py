@@ -21,7 +21,6 @@ the ``rekindle_prewarm_*`` metrics.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import json
 import logging
@@ -32,7 +31,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Protocol
 
-from runtime import layout, names
+from runtime import layout, libc, names
 from runtime.errors import RekindleError
 from runtime.fdfs import remove_tree_path
 from runtime.housekeeping import STAGED_PREFIX
@@ -108,8 +107,7 @@ def _lower_io_priority() -> None:
     if getattr(_idle_io, "set", False) or _SYS_IOPRIO_SET is None:
         return
     _idle_io.set = True
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.syscall(_SYS_IOPRIO_SET, IOPRIO_WHO_PROCESS, 0, IOPRIO_CLASS_IDLE << IOPRIO_CLASS_SHIFT)
+    libc.function("syscall")(_SYS_IOPRIO_SET, IOPRIO_WHO_PROCESS, 0, IOPRIO_CLASS_IDLE << IOPRIO_CLASS_SHIFT)
 
 
 class Pacer:
