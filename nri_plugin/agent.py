@@ -19,7 +19,6 @@ import shutil
 import signal
 import tempfile
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -51,6 +50,7 @@ from .jobs import Jobs, Skipped, Work
 from .metrics import BuildInfo, Metrics
 from .outcomes import COLD_START, Reporter
 from .policy import AfterCheckpoint, ReadyProbe
+from .polling import ask_until
 from .prefetch import Prefetcher
 from .prewarm import DiskGate, start_prewarm
 from .probes import ProbeSlots
@@ -220,28 +220,23 @@ class NodeEngine:
     def _patiently(self, ask: Callable[[], T], what: str) -> T:
         """``ask()``, asked again for up to ``image_id_wait`` seconds while containerd does not
         answer (it may be restarting: a checkpoint must not fail or go wrong for that)."""
-        deadline = time.monotonic() + self.image_id_wait
-        while True:
-            try:
-                return ask()
-            except CRIError as exc:
-                if time.monotonic() >= deadline:
-                    raise
-                log.info("containerd did not answer for %s (%s); asking again", what, exc)
-                time.sleep(self.image_id_every)
+        def missed(_n: int, exc: T | Exception) -> None:
+            log.info("containerd did not answer for %s (%s); asking again", what, exc)
+
+        return ask_until(ask, self.image_id_wait, self.image_id_every, retry=(CRIError,), missed=missed)
 
     def _image_id(self, image: str) -> str:
         """The id containerd resolves ``image`` to ("" when there is no image or no answer)."""
         if not self.image_ref or not image:
             return ""
-        deadline = time.monotonic() + self.image_id_wait
-        found = self.image_ref(image)
-        if not found:
-            log.info("the id of image %s is unknown (is containerd restarting?); asking again for up to %.0fs",
-                     image, self.image_id_wait)
-        while not found and time.monotonic() < deadline:
-            time.sleep(self.image_id_every)
-            found = self.image_ref(image)
+        image_ref = self.image_ref
+
+        def missed(n: int, _answer: str | Exception) -> None:
+            if n == 1:
+                log.info("the id of image %s is unknown (is containerd restarting?); asking again for up to %.0fs",
+                         image, self.image_id_wait)
+
+        found = ask_until(lambda: image_ref(image), self.image_id_wait, self.image_id_every, done=bool, missed=missed)
         return found or ""
 
     exit_wait = 5.0  # how long containerd may take to report an exit it has seen
@@ -252,16 +247,14 @@ class NodeEngine:
         ask = self.exit_code
         if ask is None:
             return None
-        deadline = time.monotonic() + self.exit_wait
-        while True:
+        def code() -> int | None:
             try:
-                code = ask(work.container_id)
+                return ask(work.container_id)
             except CRIError as exc:
                 log.debug("exit code of %s unavailable: %s", work.container_id[:12], exc)
-                code = None
-            if code is not None or time.monotonic() >= deadline:
-                return code
-            time.sleep(0.1)
+                return None
+
+        return ask_until(code, self.exit_wait, 0.1, done=lambda c: c is not None)
 
     async def probe(self, netns: str, probe: ReadyProbe) -> bool:
         return await run_probe(netns, probe.kind.value, probe.host, probe.port, probe.path)
