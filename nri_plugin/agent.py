@@ -42,7 +42,7 @@ from runtime.thp import ThpSwitch
 
 from . import guards
 from .cache import CacheWriter, cache_bytes, cache_dir, map_mode, open_cache
-from .config import Settings
+from .config import CheckpointThp, Settings
 from .handlers import ImageRef, RekindlePlugin
 from .health import HEARTBEAT, Health
 from .imageids import ImageIds
@@ -121,7 +121,7 @@ class NodeEngine:
         self.disk = DiskGate()  # restores running: a pre-warm waits for them (nri_plugin.prewarm)
         self.exit_code: ExitCode | None = None      # set by _engine when containerd answers
         # THP switched to always around CUDA checkpoints, where asked (runtime.thp)
-        self.thp = ThpSwitch(settings.thp_record) if settings.checkpoint_thp == "always" else None
+        self.thp = ThpSwitch(settings.thp_record) if settings.checkpoint.thp is CheckpointThp.ALWAYS else None
         self._restores = 0  # restores running now: each is told how many others run (runtime.route)
         self._restores_lock = threading.Lock()
 
@@ -305,7 +305,8 @@ def checkpoint_request(settings: Settings, container_id: str, namespace: str, na
         pod=pod, pod_uid=pod_uid, container=container, image=image, image_ref=image_ref, exit_after=exit_after,
         log_dir=os.path.join(settings.state_dir, "logs"),
         max_layer_bytes=settings.max_layer_bytes if max_layer_bytes is None else max_layer_bytes,
-        capture_timeout=settings.capture_timeout, bulk_min_run=settings.bulk_min_run, prewarm=prewarm,
+        capture_timeout=settings.checkpoint.capture_timeout, bulk_min_run=settings.checkpoint.bulk_min_run,
+        prewarm=prewarm,
         cold_start=cold_start)
 
 
@@ -315,8 +316,9 @@ def restore_request(settings: Settings, container_id: str, namespace: str, name:
     return restore_flow.RestoreRequest(
         containerd_state=settings.containerd_state, container_id=container_id, namespace=namespace, name=name,
         image=image, image_ref=image_ref, log_dir=os.path.join(settings.state_dir, "logs"),
-        path=RestorePath(settings.restore_path), max_layer_bytes=settings.max_layer_bytes,
-        threads=settings.fill_threads, undo_dir=undo_dir(settings), version=version)
+        path=settings.restore.path, max_layer_bytes=settings.max_layer_bytes,
+        threads=settings.restore.fill_threads, serve_threads=settings.restore.serve_threads,
+        warm_rest=settings.restore.warm_rest, undo_dir=undo_dir(settings), version=version)
 
 
 def _engine(settings: Settings) -> Node:
@@ -342,7 +344,7 @@ def _reporting(settings: Settings, status: StatusBook, facts: NodeFacts | None =
     reporter = Reporter([metrics])
     kube = None
     missing = None
-    if settings.events:
+    if settings.report.events:
         from .events_k8s import client_missing
         missing = client_missing()
     if missing is not None:
@@ -350,22 +352,22 @@ def _reporting(settings: Settings, status: StatusBook, facts: NodeFacts | None =
         from .events_k8s import INSTALL_HINT
         log.warning("--events is on but the Kubernetes client cannot be imported (%s): no Events and no "
                     "rekindle.dev/Restored condition will be reported; %s", missing, INSTALL_HINT)
-    elif settings.events:
+    elif settings.report.events:
         from .events_k8s import KubeReporter, connect
-        kube = KubeReporter(connect(settings.kubeconfig), settings.node_name, on_sent=metrics.report_sent,
+        kube = KubeReporter(connect(settings.report.kubeconfig), settings.report.node_name, on_sent=metrics.report_sent,
                             on_drop=metrics.report_dropped).start()
         reporter.add(kube)
-        log.info("reporting outcomes to Kubernetes as node %s", settings.node_name)
+        log.info("reporting outcomes to Kubernetes as node %s", settings.report.node_name)
     status.observe(reporter)
     endpoint = None
-    if settings.metrics_port:
+    if settings.report.metrics_port:
         from .httpd import HttpEndpoint
-        endpoint = HttpEndpoint(settings.metrics_address, settings.metrics_port, metrics.registry, health)
+        endpoint = HttpEndpoint(settings.report.metrics_address, settings.report.metrics_port, metrics.registry, health)
         try:
             endpoint.start()
         except OSError as exc:
             from runtime.errors import ConfigError
-            raise ConfigError(f"cannot serve metrics on {settings.metrics_address}:{settings.metrics_port}: "
+            raise ConfigError(f"cannot serve metrics on {settings.report.metrics_address}:{settings.report.metrics_port}: "
                               f"{exc} (--metrics-port 0 turns the endpoint off)") from exc
     return metrics, health, endpoint, kube
 
@@ -402,7 +404,8 @@ def run_plugin(settings: Settings, max_parallel: int = 2) -> int:
     if settings.idx < "50":  # two digits: compared as the runtime sorts them
         log.warning("NRI index %s: plugins at a higher index (the GPU Operator's CDI plugin, say) adjust "
                     "containers after Rekindle has seen them; use 50-99 (the chart refuses less)", settings.idx)
-    if settings.restore_path in ("auto", "stream"):  # asked once now, not in the first restore's time
+    # asked once now, not in the first restore's time
+    if settings.restore.path in (RestorePath.AUTO, RestorePath.STREAM):
         threading.Thread(target=_say_if_streams, name="rekindle-stream-check", daemon=True).start()
 
     async def main() -> None:
@@ -410,14 +413,14 @@ def run_plugin(settings: Settings, max_parallel: int = 2) -> int:
         # Handlers, engine work and probes have their own pools; this bounds anything else.
         loop.set_default_executor(ThreadPoolExecutor(2, thread_name_prefix="rekindle-default"))
         jobs = Jobs(engine, status, max_parallel=max_parallel,
-                    probes=ProbeSlots(settings.probes_per_pod, settings.probes_per_node))
+                    probes=ProbeSlots(settings.probes.per_pod, settings.probes.per_node))
         jobs.bind_loop(loop)
         cache = engine.cache = open_cache(settings)
         engine.cache_writer = CacheWriter(cache, store, key) if cache.enabled else None
         mode = map_mode(settings)
         engine.prefetcher = (Prefetcher(store, key, staging_dir=os.path.join(settings.state_dir, "logs"),
                                         cached=lambda manifest_id: cache.has(manifest_id, mode))
-                             if settings.prefetch else None)
+                             if settings.restore.prefetch else None)
         prewarmer = start_prewarm(settings, store, key, engine, metrics)
         plugin = RekindlePlugin(settings, store=store, key=key, status=status, jobs=jobs,
                                 specs=specs, facts=facts, image_ref=ImageIds(image_ref) if image_ref else None,
@@ -519,7 +522,7 @@ def restore_once(settings: Settings, container_id: str, namespace: str, name: st
     node = _engine(settings)
     req = restore_request(settings, container_id, namespace, name, image=image,
                           image_ref=node.engine._image_id(image))
-    cache = NodeCache(cache_dir(settings), cache_bytes(settings), settings.cache_entries)  # read only
+    cache = NodeCache(cache_dir(settings), cache_bytes(settings), settings.cache.entries)  # read only
     return restore_flow.restore(req, node.store, node.key, node.facts, control=_control_of(settings, container_id),
                                 cuda=node.engine.cuda, generations=node.engine.generations, progress=progress,
                                 cache=cache, map_mode=map_mode(settings))

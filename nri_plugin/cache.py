@@ -32,20 +32,20 @@ def cache_bytes(settings: Settings) -> int:
     """The byte bound: ``--cache-bytes``, or when it is -1 (auto) a quarter of the node's
     memory, and with ``--cache-tmpfs`` no more than the plugin's memory limit leaves (the
     tmpfs's pages are charged to it)."""
-    if settings.cache_bytes >= 0:
-        return settings.cache_bytes
+    if settings.cache.bytes >= 0:
+        return settings.cache.bytes
     try:
         auto = nodecache.meminfo().get("MemTotal", 0) // 4
     except OSError:
         return 0
-    cg = nodecache.cgroup_memory() if settings.cache_tmpfs else None
+    cg = nodecache.cgroup_memory() if settings.cache.tmpfs else None
     if cg is not None:
         auto = max(0, min(auto, cg[0] - nodecache.CGROUP_SPARE))
     return auto
 
 
 def cache_dir(settings: Settings) -> str:
-    return settings.cache_dir or os.path.join(settings.state_dir, "cache")
+    return settings.cache.dir or os.path.join(settings.state_dir, "cache")
 
 
 def _mount_tmpfs(path: str, size: int) -> bool:
@@ -61,12 +61,12 @@ def _mount_tmpfs(path: str, size: int) -> bool:
 def open_cache(settings: Settings) -> nodecache.NodeCache:
     """The node cache as configured (disabled when its bound is 0); swept of what a killed
     writer left."""
-    cache = nodecache.NodeCache(cache_dir(settings), cache_bytes(settings), settings.cache_entries)
+    cache = nodecache.NodeCache(cache_dir(settings), cache_bytes(settings), settings.cache.entries)
     if not cache.enabled:
         return cache
     try:
         os.makedirs(cache.root, mode=0o700, exist_ok=True)
-        if settings.cache_tmpfs and not os.path.ismount(cache.root):
+        if settings.cache.tmpfs and not os.path.ismount(cache.root):
             _mount_tmpfs(cache.root, cache.max_bytes)
         cache.prepare()
         cache.sweep()
@@ -156,4 +156,4 @@ class CacheWriter:
 
 
 def map_mode(settings: Settings) -> MapMode:
-    return MapMode(settings.map_ranges)
+    return settings.cache.map_ranges

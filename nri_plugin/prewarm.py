@@ -38,6 +38,7 @@ from runtime.housekeeping import STAGED_PREFIX
 from runtime.owner import write_owner
 from runtime.pages import mapping as bulk_map
 from runtime.pages import nodecache
+from runtime.route import RestorePath
 from runtime.store import Artifact, ArtifactStore, readahead
 from runtime.testpause import pause_for_test
 
@@ -397,21 +398,23 @@ def start_prewarm(settings: Settings, store: ArtifactStore, key: bytes, engine: 
                   metrics: Metrics | None) -> Prewarmer | None:
     """The plugin's pre-warmer, looking on a thread of its own; None when off (no cache, no
     interval, or a restore path that does not use the cache)."""
-    if engine.cache is None or engine.cache_writer is None or not settings.prewarm_interval:
-        if settings.prewarm:
-            log.warning("pre-warm: %s listed, but %s", ", ".join(settings.prewarm),
+    if engine.cache is None or engine.cache_writer is None or not settings.cache.prewarm_interval:
+        if settings.cache.prewarm:
+            log.warning("pre-warm: %s listed, but %s", ", ".join(settings.cache.prewarm),
                         "the node cache is off" if engine.cache_writer is None else "--prewarm-interval is 0")
         return None
-    if settings.restore_path == "stock":
+    if settings.restore.path is RestorePath.STOCK:
         log.warning("pre-warm: off (--restore-path stock restores never use the node cache)")
         return None
-    prewarmer = Prewarmer(store, key, engine.cache, engine.cache_writer.warm, bulk_map.MapMode(settings.map_ranges),
-                          engine.disk, os.path.join(settings.state_dir, "logs"), named=parse_names(settings.prewarm),
+    prewarmer = Prewarmer(store, key, engine.cache, engine.cache_writer.warm, settings.cache.map_ranges,
+                          engine.disk, os.path.join(settings.state_dir, "logs"),
+                          named=parse_names(settings.cache.prewarm),
                           state_path=os.path.join(settings.state_dir, STATE_FILE),
                           on_change=metrics.prewarm if metrics is not None else None)
-    threading.Thread(target=prewarmer.run, args=(settings.prewarm_interval,), name="rekindle-prewarm",
+    threading.Thread(target=prewarmer.run, args=(settings.cache.prewarm_interval,), name="rekindle-prewarm",
                      daemon=True).start()
-    log.info("pre-warm: looking at the store every %.0fs (%d listed)", settings.prewarm_interval, len(prewarmer.named))
+    log.info("pre-warm: looking at the store every %.0fs (%d listed)", settings.cache.prewarm_interval,
+             len(prewarmer.named))
     return prewarmer
 
 
