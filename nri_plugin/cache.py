@@ -156,4 +156,4 @@ class CacheWriter:
 
 
 def map_mode(settings: Settings) -> MapMode:
-    return settings.cache.map_ranges
+    return MapMode(settings.cache.map_ranges.value)

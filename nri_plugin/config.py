@@ -20,7 +20,6 @@ from pathlib import Path
 
 from runtime.containerd.defaults import DEFAULT_CONFIG, DEFAULT_SOCKET
 from runtime.errors import ConfigError
-from runtime.pages.mapping import MapMode
 from runtime.route import RestorePath
 
 from .policy import parse_decimal
@@ -53,6 +52,16 @@ def warm_rest_from(environ: Mapping[str, str]) -> bool:
     return environ.get(WARM_REST_ENV, "") == "1"
 
 
+class MapRanges(enum.Enum):
+    """What a restore from the node cache maps, named as ``runtime.pages.mapping.MapMode``
+    names it (``cache.map_mode`` turns one into the other): kept here so that reading the
+    settings does not load the page machinery, which every CLI command would pay at start-up."""
+
+    NONE = "none"
+    DRIVER = "driver"
+    ALL = "all"
+
+
 class CheckpointThp(enum.Enum):
     """The node's transparent huge page mode during a CUDA checkpoint (runtime.thp)."""
 
@@ -80,7 +89,7 @@ class CacheSettings:
     bytes: int = -1                  # its byte bound; 0: no cache; -1: a quarter of the node's memory
     entries: int = 8                 # its entry bound
     tmpfs: bool = False              # mount a huge=always tmpfs there (in the plugin's mount namespace)
-    map_ranges: MapMode = MapMode.DRIVER  # what a restore from the cache maps (runtime.pages.mapping)
+    map_ranges: MapRanges = MapRanges.DRIVER  # what a restore from the cache maps (runtime.pages.mapping)
     prewarm: tuple[str, ...] = ()    # namespace/name of artifacts whose cache entry is written as published
     prewarm_interval: float = 30.0   # seconds between looks at the marked names (nri_plugin.prewarm); 0: none
 
@@ -125,7 +134,7 @@ FLAT: dict[str, tuple[str, str]] = {
 # The enums parsed at the boundary: flat name -> (type, the flag's problem when a value names none)
 _ENUMS: dict[str, tuple[type[enum.Enum], str]] = {
     "restore_path": (RestorePath, "--restore-path must be auto, bulk, stock or stream"),
-    "map_ranges": (MapMode, "--map-ranges must be driver, all or none"),
+    "map_ranges": (MapRanges, "--map-ranges must be driver, all or none"),
     "checkpoint_thp": (CheckpointThp, "--checkpoint-thp must be keep or always"),
 }
 

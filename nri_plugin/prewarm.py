@@ -406,7 +406,8 @@ def start_prewarm(settings: Settings, store: ArtifactStore, key: bytes, engine: 
     if settings.restore.path is RestorePath.STOCK:
         log.warning("pre-warm: off (--restore-path stock restores never use the node cache)")
         return None
-    prewarmer = Prewarmer(store, key, engine.cache, engine.cache_writer.warm, settings.cache.map_ranges,
+    prewarmer = Prewarmer(store, key, engine.cache, engine.cache_writer.warm,
+                          bulk_map.MapMode(settings.cache.map_ranges.value),
                           engine.disk, os.path.join(settings.state_dir, "logs"),
                           named=parse_names(settings.cache.prewarm),
                           state_path=os.path.join(settings.state_dir, STATE_FILE),

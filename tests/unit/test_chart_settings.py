@@ -13,7 +13,7 @@ yaml = pytest.importorskip("yaml", reason="pyyaml is in the test extra")
 pytest.importorskip("helm_sdkpy", reason="helm-sdkpy is in the test extra (see docs/install.md)")
 kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate is in the test extra")
 
-from runtime.pages.mapping import MapMode  # noqa: E402
+from nri_plugin.config import MapRanges  # noqa: E402
 from runtime.route import RestorePath  # noqa: E402
 from tests.unit.chart_render import RenderError, by_kind, render  # noqa: E402
 
@@ -99,8 +99,8 @@ EACH_SETTING = [
     ({"cache": {"bytes": "auto"}}, "cache_bytes", -1, ("--cache-bytes", "auto")),
     ({"cache": {"entries": 64}}, "cache_entries", 64, ("--cache-entries", "64")),
     ({"cache": {"tmpfs": True}}, "cache_tmpfs", True, ("--cache-tmpfs",)),
-    ({"cache": {"mapRanges": "all"}}, "map_ranges", MapMode.ALL, ("--map-ranges", "all")),
-    ({"cache": {"mapRanges": "none"}}, "map_ranges", MapMode.NONE, ("--map-ranges", "none")),
+    ({"cache": {"mapRanges": "all"}}, "map_ranges", MapRanges.ALL, ("--map-ranges", "all")),
+    ({"cache": {"mapRanges": "none"}}, "map_ranges", MapRanges.NONE, ("--map-ranges", "none")),
     ({"prewarm": {"artifacts": ["team-a/llm", "team-b/asr.v2"]}}, "prewarm", ("team-a/llm", "team-b/asr.v2"),
      ("--prewarm", "team-a/llm,team-b/asr.v2")),
     ({"prewarm": {"intervalSeconds": 0}}, "prewarm_interval", 0.0, ("--prewarm-interval", "0")),

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from nri_plugin.cli import _settings, build_parser
-from nri_plugin.config import CheckpointThp, Settings, serve_threads_from
+from nri_plugin.config import CheckpointThp, MapRanges, Settings, serve_threads_from
 from runtime.errors import ConfigError
-from runtime.pages.mapping import MapMode
 from runtime.route import RestorePath
 
 REPO = Path(__file__).resolve().parents[2]
@@ -104,7 +105,7 @@ def test_the_flags_flat_names_land_in_their_groups_and_enums_are_parsed():
                                  probes_per_pod=2, metrics_port=0, events=True, node_name="n", command="plugin"))
     assert (s.restore.timeout, s.restore.path, s.restore.fill_threads, s.restore.serve_threads,
             s.restore.warm_rest) == (60, RestorePath.STREAM, 4, 0, True)
-    assert (s.cache.bytes, s.cache.map_ranges, s.checkpoint.thp) == (0, MapMode.ALL, CheckpointThp.ALWAYS)
+    assert (s.cache.bytes, s.cache.map_ranges, s.checkpoint.thp) == (0, MapRanges.ALL, CheckpointThp.ALWAYS)
     assert (s.probes.per_pod, s.report.metrics_port, s.report.events, s.report.node_name) == (2, 0, True, "n")
     assert Settings.from_flags({}) == Settings()
 
@@ -134,3 +135,18 @@ def test_the_stream_settings_are_read_from_the_environment_by_the_cli_only(monke
 def test_runtime_reads_no_stream_setting_from_the_environment():
     source = (REPO / "runtime" / "pages" / "stream.py").read_text() + (REPO / "runtime" / "restore.py").read_text()
     assert "REKINDLE_STREAM" not in source
+
+
+def test_the_map_ranges_choice_names_the_page_machinerys_modes():
+    from nri_plugin.cache import map_mode
+    from runtime.pages.mapping import MapMode
+    assert [m.value for m in MapRanges] == [m.value for m in MapMode]
+    for m in MapRanges:
+        assert map_mode(Settings.from_flags({"map_ranges": m.value})) is MapMode(m.value)
+
+
+def test_reading_the_settings_loads_no_page_machinery():
+    out = subprocess.run([sys.executable, "-c", "import sys, nri_plugin.config, nri_plugin.cli; "
+                          "print(sorted(m for m in sys.modules if m.startswith('runtime.pages')))"],
+                         cwd=REPO, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
