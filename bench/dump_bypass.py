@@ -49,11 +49,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from runtime import libc
 from runtime.criu import image_files as img
 from runtime.criu.command import CRIU
 from runtime.criu.proto import pagemap_pb2
 from runtime.digests import new_hash
-from runtime.pages.bulk import _Iovec, _libc  # the fill's ctypes plumbing
+from runtime.libc import Iovec as _Iovec
 from runtime.pages.mapping import _varint_field  # the wire format mapping.py writes files.img with
 
 PAGE = 4096
@@ -100,10 +101,7 @@ def write_parent(parent: Path, vpids: list[int]) -> None:
 
 # --- the threads' read ---------------------------------------------------------------------------
 
-_readv = _libc.process_vm_readv
-_readv.argtypes = [ctypes.c_int, ctypes.POINTER(_Iovec), ctypes.c_ulong,
-                   ctypes.POINTER(_Iovec), ctypes.c_ulong, ctypes.c_ulong]
-_readv.restype = ctypes.c_ssize_t
+_readv = libc.function("process_vm_readv")
 
 # /proc/PID/pagemap: bit 63 present, 62 swapped, 61 file page or shared anonymous.
 _ANON = bytes(1 if (b & 0xC0) and not b & 0x20 else 0 for b in range(256))

@@ -19,7 +19,6 @@ import shutil
 import signal
 import tempfile
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -43,7 +42,7 @@ from runtime.thp import ThpSwitch
 
 from . import guards
 from .cache import CacheWriter, cache_bytes, cache_dir, map_mode, open_cache
-from .config import Settings
+from .config import CheckpointThp, Settings
 from .handlers import ImageRef, RekindlePlugin
 from .health import HEARTBEAT, Health
 from .imageids import ImageIds
@@ -51,6 +50,7 @@ from .jobs import Jobs, Skipped, Work
 from .metrics import BuildInfo, Metrics
 from .outcomes import COLD_START, Reporter
 from .policy import AfterCheckpoint, ReadyProbe
+from .polling import ask_until
 from .prefetch import Prefetcher
 from .prewarm import DiskGate, start_prewarm
 from .probes import ProbeSlots
@@ -121,7 +121,7 @@ class NodeEngine:
         self.disk = DiskGate()  # restores running: a pre-warm waits for them (nri_plugin.prewarm)
         self.exit_code: ExitCode | None = None      # set by _engine when containerd answers
         # THP switched to always around CUDA checkpoints, where asked (runtime.thp)
-        self.thp = ThpSwitch(settings.thp_record) if settings.checkpoint_thp == "always" else None
+        self.thp = ThpSwitch(settings.thp_record) if settings.checkpoint.thp is CheckpointThp.ALWAYS else None
         self._restores = 0  # restores running now: each is told how many others run (runtime.route)
         self._restores_lock = threading.Lock()
 
@@ -220,28 +220,23 @@ class NodeEngine:
     def _patiently(self, ask: Callable[[], T], what: str) -> T:
         """``ask()``, asked again for up to ``image_id_wait`` seconds while containerd does not
         answer (it may be restarting: a checkpoint must not fail or go wrong for that)."""
-        deadline = time.monotonic() + self.image_id_wait
-        while True:
-            try:
-                return ask()
-            except CRIError as exc:
-                if time.monotonic() >= deadline:
-                    raise
-                log.info("containerd did not answer for %s (%s); asking again", what, exc)
-                time.sleep(self.image_id_every)
+        def missed(_n: int, exc: T | Exception) -> None:
+            log.info("containerd did not answer for %s (%s); asking again", what, exc)
+
+        return ask_until(ask, self.image_id_wait, self.image_id_every, retry=(CRIError,), missed=missed)
 
     def _image_id(self, image: str) -> str:
         """The id containerd resolves ``image`` to ("" when there is no image or no answer)."""
         if not self.image_ref or not image:
             return ""
-        deadline = time.monotonic() + self.image_id_wait
-        found = self.image_ref(image)
-        if not found:
-            log.info("the id of image %s is unknown (is containerd restarting?); asking again for up to %.0fs",
-                     image, self.image_id_wait)
-        while not found and time.monotonic() < deadline:
-            time.sleep(self.image_id_every)
-            found = self.image_ref(image)
+        image_ref = self.image_ref
+
+        def missed(n: int, _answer: str | Exception) -> None:
+            if n == 1:
+                log.info("the id of image %s is unknown (is containerd restarting?); asking again for up to %.0fs",
+                         image, self.image_id_wait)
+
+        found = ask_until(lambda: image_ref(image), self.image_id_wait, self.image_id_every, done=bool, missed=missed)
         return found or ""
 
     exit_wait = 5.0  # how long containerd may take to report an exit it has seen
@@ -252,16 +247,14 @@ class NodeEngine:
         ask = self.exit_code
         if ask is None:
             return None
-        deadline = time.monotonic() + self.exit_wait
-        while True:
+        def code() -> int | None:
             try:
-                code = ask(work.container_id)
+                return ask(work.container_id)
             except CRIError as exc:
                 log.debug("exit code of %s unavailable: %s", work.container_id[:12], exc)
-                code = None
-            if code is not None or time.monotonic() >= deadline:
-                return code
-            time.sleep(0.1)
+                return None
+
+        return ask_until(code, self.exit_wait, 0.1, done=lambda c: c is not None)
 
     async def probe(self, netns: str, probe: ReadyProbe) -> bool:
         return await run_probe(netns, probe.kind.value, probe.host, probe.port, probe.path)
@@ -312,7 +305,8 @@ def checkpoint_request(settings: Settings, container_id: str, namespace: str, na
         pod=pod, pod_uid=pod_uid, container=container, image=image, image_ref=image_ref, exit_after=exit_after,
         log_dir=os.path.join(settings.state_dir, "logs"),
         max_layer_bytes=settings.max_layer_bytes if max_layer_bytes is None else max_layer_bytes,
-        capture_timeout=settings.capture_timeout, bulk_min_run=settings.bulk_min_run, prewarm=prewarm,
+        capture_timeout=settings.checkpoint.capture_timeout, bulk_min_run=settings.checkpoint.bulk_min_run,
+        prewarm=prewarm,
         cold_start=cold_start)
 
 
@@ -322,8 +316,9 @@ def restore_request(settings: Settings, container_id: str, namespace: str, name:
     return restore_flow.RestoreRequest(
         containerd_state=settings.containerd_state, container_id=container_id, namespace=namespace, name=name,
         image=image, image_ref=image_ref, log_dir=os.path.join(settings.state_dir, "logs"),
-        path=RestorePath(settings.restore_path), max_layer_bytes=settings.max_layer_bytes,
-        threads=settings.fill_threads, undo_dir=undo_dir(settings), version=version)
+        path=settings.restore.path, max_layer_bytes=settings.max_layer_bytes,
+        threads=settings.restore.fill_threads, serve_threads=settings.restore.serve_threads,
+        warm_rest=settings.restore.warm_rest, undo_dir=undo_dir(settings), version=version)
 
 
 def _engine(settings: Settings) -> Node:
@@ -349,7 +344,7 @@ def _reporting(settings: Settings, status: StatusBook, facts: NodeFacts | None =
     reporter = Reporter([metrics])
     kube = None
     missing = None
-    if settings.events:
+    if settings.report.events:
         from .events_k8s import client_missing
         missing = client_missing()
     if missing is not None:
@@ -357,22 +352,22 @@ def _reporting(settings: Settings, status: StatusBook, facts: NodeFacts | None =
         from .events_k8s import INSTALL_HINT
         log.warning("--events is on but the Kubernetes client cannot be imported (%s): no Events and no "
                     "rekindle.dev/Restored condition will be reported; %s", missing, INSTALL_HINT)
-    elif settings.events:
+    elif settings.report.events:
         from .events_k8s import KubeReporter, connect
-        kube = KubeReporter(connect(settings.kubeconfig), settings.node_name, on_sent=metrics.report_sent,
+        kube = KubeReporter(connect(settings.report.kubeconfig), settings.report.node_name, on_sent=metrics.report_sent,
                             on_drop=metrics.report_dropped).start()
         reporter.add(kube)
-        log.info("reporting outcomes to Kubernetes as node %s", settings.node_name)
+        log.info("reporting outcomes to Kubernetes as node %s", settings.report.node_name)
     status.observe(reporter)
     endpoint = None
-    if settings.metrics_port:
+    if settings.report.metrics_port:
         from .httpd import HttpEndpoint
-        endpoint = HttpEndpoint(settings.metrics_address, settings.metrics_port, metrics.registry, health)
+        endpoint = HttpEndpoint(settings.report.metrics_address, settings.report.metrics_port, metrics.registry, health)
         try:
             endpoint.start()
         except OSError as exc:
             from runtime.errors import ConfigError
-            raise ConfigError(f"cannot serve metrics on {settings.metrics_address}:{settings.metrics_port}: "
+            raise ConfigError(f"cannot serve metrics on {settings.report.metrics_address}:{settings.report.metrics_port}: "
                               f"{exc} (--metrics-port 0 turns the endpoint off)") from exc
     return metrics, health, endpoint, kube
 
@@ -409,7 +404,8 @@ def run_plugin(settings: Settings, max_parallel: int = 2) -> int:
     if settings.idx < "50":  # two digits: compared as the runtime sorts them
         log.warning("NRI index %s: plugins at a higher index (the GPU Operator's CDI plugin, say) adjust "
                     "containers after Rekindle has seen them; use 50-99 (the chart refuses less)", settings.idx)
-    if settings.restore_path in ("auto", "stream"):  # asked once now, not in the first restore's time
+    # asked once now, not in the first restore's time
+    if settings.restore.path in (RestorePath.AUTO, RestorePath.STREAM):
         threading.Thread(target=_say_if_streams, name="rekindle-stream-check", daemon=True).start()
 
     async def main() -> None:
@@ -417,14 +413,14 @@ def run_plugin(settings: Settings, max_parallel: int = 2) -> int:
         # Handlers, engine work and probes have their own pools; this bounds anything else.
         loop.set_default_executor(ThreadPoolExecutor(2, thread_name_prefix="rekindle-default"))
         jobs = Jobs(engine, status, max_parallel=max_parallel,
-                    probes=ProbeSlots(settings.probes_per_pod, settings.probes_per_node))
+                    probes=ProbeSlots(settings.probes.per_pod, settings.probes.per_node))
         jobs.bind_loop(loop)
         cache = engine.cache = open_cache(settings)
         engine.cache_writer = CacheWriter(cache, store, key) if cache.enabled else None
         mode = map_mode(settings)
         engine.prefetcher = (Prefetcher(store, key, staging_dir=os.path.join(settings.state_dir, "logs"),
                                         cached=lambda manifest_id: cache.has(manifest_id, mode))
-                             if settings.prefetch else None)
+                             if settings.restore.prefetch else None)
         prewarmer = start_prewarm(settings, store, key, engine, metrics)
         plugin = RekindlePlugin(settings, store=store, key=key, status=status, jobs=jobs,
                                 specs=specs, facts=facts, image_ref=ImageIds(image_ref) if image_ref else None,
@@ -526,7 +522,7 @@ def restore_once(settings: Settings, container_id: str, namespace: str, name: st
     node = _engine(settings)
     req = restore_request(settings, container_id, namespace, name, image=image,
                           image_ref=node.engine._image_id(image))
-    cache = NodeCache(cache_dir(settings), cache_bytes(settings), settings.cache_entries)  # read only
+    cache = NodeCache(cache_dir(settings), cache_bytes(settings), settings.cache.entries)  # read only
     return restore_flow.restore(req, node.store, node.key, node.facts, control=_control_of(settings, container_id),
                                 cuda=node.engine.cuda, generations=node.engine.generations, progress=progress,
                                 cache=cache, map_mode=map_mode(settings))

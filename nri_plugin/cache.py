@@ -11,13 +11,13 @@ container, and the pages a restored process maps stay until it unmaps them.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+from runtime import libc
 from runtime.errors import RekindleError
 from runtime.pages import MapMode, nodecache
 from runtime.restore import CacheWork
@@ -32,28 +32,27 @@ def cache_bytes(settings: Settings) -> int:
     """The byte bound: ``--cache-bytes``, or when it is -1 (auto) a quarter of the node's
     memory, and with ``--cache-tmpfs`` no more than the plugin's memory limit leaves (the
     tmpfs's pages are charged to it)."""
-    if settings.cache_bytes >= 0:
-        return settings.cache_bytes
+    if settings.cache.bytes >= 0:
+        return settings.cache.bytes
     try:
         auto = nodecache.meminfo().get("MemTotal", 0) // 4
     except OSError:
         return 0
-    cg = nodecache.cgroup_memory() if settings.cache_tmpfs else None
+    cg = nodecache.cgroup_memory() if settings.cache.tmpfs else None
     if cg is not None:
         auto = max(0, min(auto, cg[0] - nodecache.CGROUP_SPARE))
     return auto
 
 
 def cache_dir(settings: Settings) -> str:
-    return settings.cache_dir or os.path.join(settings.state_dir, "cache")
+    return settings.cache.dir or os.path.join(settings.state_dir, "cache")
 
 
 def _mount_tmpfs(path: str, size: int) -> bool:
-    libc = ctypes.CDLL(None, use_errno=True)
     opts = f"mode=0700,huge=always,size={max(size, 1 << 20)}".encode()
-    if libc.mount(b"rekindle-cache", os.fsencode(path), b"tmpfs", 0, opts) != 0:
+    if libc.function("mount")(b"rekindle-cache", os.fsencode(path), b"tmpfs", 0, opts) != 0:
         log.warning("node cache: no tmpfs mounted at %s (%s); using the directory as it is",
-                    path, os.strerror(ctypes.get_errno()))
+                    path, os.strerror(libc.errno()))
         return False
     log.info("node cache: tmpfs (huge=always, %d MiB) mounted at %s", size >> 20, path)
     return True
@@ -62,12 +61,12 @@ def _mount_tmpfs(path: str, size: int) -> bool:
 def open_cache(settings: Settings) -> nodecache.NodeCache:
     """The node cache as configured (disabled when its bound is 0); swept of what a killed
     writer left."""
-    cache = nodecache.NodeCache(cache_dir(settings), cache_bytes(settings), settings.cache_entries)
+    cache = nodecache.NodeCache(cache_dir(settings), cache_bytes(settings), settings.cache.entries)
     if not cache.enabled:
         return cache
     try:
         os.makedirs(cache.root, mode=0o700, exist_ok=True)
-        if settings.cache_tmpfs and not os.path.ismount(cache.root):
+        if settings.cache.tmpfs and not os.path.ismount(cache.root):
             _mount_tmpfs(cache.root, cache.max_bytes)
         cache.prepare()
         cache.sweep()
@@ -162,4 +161,4 @@ class CacheWriter:
 
 
 def map_mode(settings: Settings) -> MapMode:
-    return MapMode(settings.map_ranges)
+    return MapMode(settings.cache.map_ranges.value)

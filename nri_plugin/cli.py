@@ -164,7 +164,7 @@ def _cache_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _names_list(text: str) -> tuple[str, ...]:
-    from .prewarm import parse_names
+    from .prewarm_state import parse_names
     try:
         return tuple(f"{ns}/{n}" for ns, n in parse_names(x for x in text.split(",") if x.strip()))
     except ValueError as exc:
@@ -190,11 +190,21 @@ def _restore_path(p: argparse.ArgumentParser) -> None:
                         "threads first; stock: CRIU restores every page ($REKINDLE_RESTORE_PATH, else auto)")
 
 
+def _stream_flags(p: argparse.ArgumentParser) -> None:
+    """The streamed path's settings (read from the environment here, never by the engine)."""
+    from .config import STREAM_THREADS_ENV, serve_threads_from, warm_rest_from
+    p.add_argument("--serve-threads", type=_decimal, default=serve_threads_from(os.environ),
+                   help=f"threads that install a streamed restore's bulk pages (${STREAM_THREADS_ENV}, else "
+                        "--fill-threads when set, which has always sized both, else 12; 0 serves faults only, "
+                        "a measurement setting)")
+    p.set_defaults(warm_rest=warm_rest_from(os.environ))  # $REKINDLE_STREAM_WARM_REST=1: no flag, a measurement
+
+
 def _settings(args: argparse.Namespace) -> Settings:
-    """The settings a command's flags give, field by field (a field without a flag of this
-    command keeps its default)."""
+    """The settings a command's flags give (a setting without a flag of this command keeps its
+    default); the enums are parsed here (config.Settings.from_flags)."""
     from .config import Settings
-    return Settings(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Settings) if hasattr(args, f.name)})
+    return Settings.from_flags(vars(args))
 
 
 def _duration(text: str) -> float:
@@ -271,7 +281,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "4Ki: all of them)")
     p.add_argument("--fill-threads", type=_decimal, default=os.environ.get("REKINDLE_FILL_THREADS", "0"),
                    help="threads that fill a restore's bulk pages ($REKINDLE_FILL_THREADS, else 0: one "
-                        "per core, up to 16; on the streamed path up to 12)")
+                        "per core, up to 16); on the streamed path, the install threads unless "
+                        "--serve-threads is given")
+    _stream_flags(p)
     p.add_argument("--cuda-parallel", type=_decimal, default=os.environ.get("REKINDLE_CUDA_PARALLEL", "0"),
                    help="CUDA driver sequences (a restore's restore and unlock, a checkpoint's lock and "
                         "checkpoint) run at once, each on its own thread ($REKINDLE_CUDA_PARALLEL, else 0: as "
@@ -315,6 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--namespace", required=True)
     p.add_argument("--name", required=True)
     _restore_path(p)
+    _stream_flags(p)
     _output(p)
     p.set_defaults(func=cmd_restore)
 

@@ -144,7 +144,7 @@ class RekindlePlugin(ConfigureHandler, SynchronizeHandler, RunPodSandboxHandler,
             if pod is None or ctr.state != api.CONTAINER_RUNNING or not is_swapped(list(ctr.args)):
                 continue
             try:
-                intent = decide(dict(pod.annotations), ctr.name, self.settings.restore_timeout,
+                intent = decide(dict(pod.annotations), ctr.name, self.settings.restore.timeout,
                            self.settings.max_layer_bytes)
                 if intent is None:
                     continue
@@ -159,7 +159,7 @@ class RekindlePlugin(ConfigureHandler, SynchronizeHandler, RunPodSandboxHandler,
                          ctr: api.Container) -> api.CreateContainerResponse | Reply[api.CreateContainerResponse]:
         empty = api.CreateContainerResponse()
         try:
-            intent = decide(dict(pod.annotations), ctr.name, self.settings.restore_timeout,
+            intent = decide(dict(pod.annotations), ctr.name, self.settings.restore.timeout,
                            self.settings.max_layer_bytes)
         except AnnotationError as exc:
             log.warning("%s: %s; container starts unadjusted", who(pod, ctr), exc)
@@ -354,7 +354,7 @@ class RekindlePlugin(ConfigureHandler, SynchronizeHandler, RunPodSandboxHandler,
         reason = str(exc) if isinstance(exc, (RekindleError, HandlerOverrun)) \
             else f"{handler} failed: {type(exc).__name__}: {exc}"
         try:
-            intent = decide(dict(pod.annotations), ctr.name, self.settings.restore_timeout,
+            intent = decide(dict(pod.annotations), ctr.name, self.settings.restore.timeout,
                            self.settings.max_layer_bytes)
         except AnnotationError as bad:
             self._record(pod, ctr, None, Phase.IGNORED, str(bad))

@@ -40,7 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from runtime import control
+from runtime import control, procfs
 from runtime.errors import RekindleError, reason_of
 from runtime.probe import release as release_probes
 from runtime.status import ContainerStatus, Phase, Progress, StatusBook
@@ -387,10 +387,8 @@ def _running_for(pid: int) -> float | None:
     """Seconds since process ``pid`` started (the container's init: its start), None if unknown.
     Unlike the wait for ready, this counts from the container's start even when the agent
     restarted meanwhile."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            ticks = int(f.read().rsplit(b")", 1)[1].split()[19])
-    except (OSError, ValueError, IndexError):
+    ticks = procfs.start_time(pid)
+    if ticks is None:
         return None
     since = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
     return since if since > 0 else None

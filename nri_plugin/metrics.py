@@ -45,14 +45,14 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 from .outcomes import NOT_PHASES, Outcome, OutcomeKind
 
 if TYPE_CHECKING:
-    from .prewarm import Status as PrewarmStatus
+    from .prewarm_state import Status as PrewarmStatus
 
 # Process-wide in prometheus_client; nothing of ours wants them.
 disable_created_metrics()  # type: ignore[no-untyped-call]
 
 # Seconds: handler replies are due within 2 s; restores of GPU artifacts take minutes.
 HANDLER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 1.6, 2.0, 5.0)
-PREWARM_STATES = ("absent", "warming", "warm", "refused")  # nri_plugin.prewarm.State
+PREWARM_STATES = ("absent", "warming", "warm", "refused")  # nri_plugin.prewarm_state.State
 HOUSEKEEPING_STEPS = ("store_sweep", "restore_copies", "logs", "status")  # nri_plugin.agent's steps
 FLOW_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
 

@@ -12,9 +12,10 @@ from __future__ import annotations
 import asyncio
 import os
 
-from runtime.doctor import Check, DoctorSettings
+from runtime.doctor import Check
 from runtime.doctor import run_checks as node_checks
 
+from .config import Settings
 from .stub import RUNTIME_SERVICE
 from .transport.mux import RUNTIME_SERVICE_CONN, MuxTrunk
 from .transport.rpc_errors import Code, RpcError, TransportError
@@ -66,9 +67,9 @@ def check_kubernetes_client(events: bool) -> Check:
                  f"condition would be reported; {INSTALL_HINT}", required=False)
 
 
-def run_checks(settings: DoctorSettings) -> list[Check]:
+def run_checks(settings: Settings) -> list[Check]:
     checks = [c for c in node_checks(settings) if c.name != "nri-socket"]
-    checks.append(check_kubernetes_client(bool(getattr(settings, "events", False))))
+    checks.append(check_kubernetes_client(settings.report.events))
     sock = settings.socket_path
     if sock:
         checks.insert(next((i for i, c in enumerate(checks) if c.name == "containerd-api"), len(checks)),

@@ -21,31 +21,31 @@ the ``rekindle_prewarm_*`` metrics.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
-import enum
 import json
 import logging
 import os
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Protocol
 
-from runtime import layout, names
+from runtime import layout, libc, names
 from runtime.errors import RekindleError
 from runtime.fdfs import remove_tree_path
 from runtime.housekeeping import STAGED_PREFIX
 from runtime.owner import write_owner
 from runtime.pages import mapping as bulk_map
 from runtime.pages import nodecache
+from runtime.route import RestorePath
 from runtime.store import Artifact, ArtifactStore, readahead
 from runtime.testpause import pause_for_test
 
+from .prewarm_state import State, Status, parse_names
+
 if TYPE_CHECKING:
-    from .agent import NodeEngine
+    from .cache import CacheWriter
     from .config import Settings
     from .metrics import Metrics
 
@@ -56,38 +56,18 @@ DEFAULT_INTERVAL = 30.0
 STATE_FILE = "prewarm.json"
 
 
-class State(str, enum.Enum):
-    ABSENT = "absent"      # no entry (not published, not looked at yet, or evicted since)
-    WARMING = "warming"    # queued or being written
-    WARM = "warm"          # the entry of the version the name points to is complete
-    REFUSED = "refused"    # not written: ``reason`` says why (the bound, a bad version, ...)
+class PrewarmEngine(Protocol):
+    """What the pre-warmer needs of the plugin's engine (``nri_plugin.agent.NodeEngine``): the
+    node cache, its one writer and the gate restores hold."""
 
+    @property
+    def cache(self) -> nodecache.NodeCache | None: ...
 
-@dataclass
-class Status:
-    artifact: str  # namespace/name
-    state: State = State.ABSENT
-    version: str = ""
-    bytes: int = 0  # bulk bytes verified and written so far (warming), or the entry's
-    total: int = 0
-    rate: float = 0.0  # bytes a second, time paused for restores not counted
-    paused: bool = False  # waiting for a restore to end
-    reason: str = ""
+    @property
+    def cache_writer(self) -> CacheWriter | None: ...
 
-    def to_obj(self) -> dict[str, object]:
-        return {**dataclasses.asdict(self), "state": self.state.value, "rate": round(self.rate, 1)}
-
-
-def parse_names(items: Iterable[str]) -> tuple[tuple[str, str], ...]:
-    """``namespace/name`` items (the setting) as pairs; raises ValueError naming a bad one."""
-    out = []
-    for item in items:
-        ns, sep, name = item.strip().partition("/")
-        if not sep or not names.is_dns_label(ns) or not names.is_artifact_name(name):
-            raise ValueError(f"not namespace/name: {item!r}")
-        if (ns, name) not in out:
-            out.append((ns, name))
-    return tuple(out)
+    @property
+    def disk(self) -> DiskGate: ...
 
 
 class DiskGate:
@@ -128,8 +108,7 @@ def _lower_io_priority() -> None:
     if getattr(_idle_io, "set", False) or _SYS_IOPRIO_SET is None:
         return
     _idle_io.set = True
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.syscall(_SYS_IOPRIO_SET, IOPRIO_WHO_PROCESS, 0, IOPRIO_CLASS_IDLE << IOPRIO_CLASS_SHIFT)
+    libc.function("syscall")(_SYS_IOPRIO_SET, IOPRIO_WHO_PROCESS, 0, IOPRIO_CLASS_IDLE << IOPRIO_CLASS_SHIFT)
 
 
 class Pacer:
@@ -415,25 +394,28 @@ def read_states(state_dir: str) -> list[dict[str, object]]:
     return [a for a in arts if isinstance(a, dict)] if isinstance(arts, list) else []
 
 
-def start_prewarm(settings: Settings, store: ArtifactStore, key: bytes, engine: NodeEngine,
+def start_prewarm(settings: Settings, store: ArtifactStore, key: bytes, engine: PrewarmEngine,
                   metrics: Metrics | None) -> Prewarmer | None:
     """The plugin's pre-warmer, looking on a thread of its own; None when off (no cache, no
     interval, or a restore path that does not use the cache)."""
-    if engine.cache is None or engine.cache_writer is None or not settings.prewarm_interval:
-        if settings.prewarm:
-            log.warning("pre-warm: %s listed, but %s", ", ".join(settings.prewarm),
+    if engine.cache is None or engine.cache_writer is None or not settings.cache.prewarm_interval:
+        if settings.cache.prewarm:
+            log.warning("pre-warm: %s listed, but %s", ", ".join(settings.cache.prewarm),
                         "the node cache is off" if engine.cache_writer is None else "--prewarm-interval is 0")
         return None
-    if settings.restore_path == "stock":
+    if settings.restore.path is RestorePath.STOCK:
         log.warning("pre-warm: off (--restore-path stock restores never use the node cache)")
         return None
-    prewarmer = Prewarmer(store, key, engine.cache, engine.cache_writer.warm, bulk_map.MapMode(settings.map_ranges),
-                          engine.disk, os.path.join(settings.state_dir, "logs"), named=parse_names(settings.prewarm),
+    prewarmer = Prewarmer(store, key, engine.cache, engine.cache_writer.warm,
+                          bulk_map.MapMode(settings.cache.map_ranges.value),
+                          engine.disk, os.path.join(settings.state_dir, "logs"),
+                          named=parse_names(settings.cache.prewarm),
                           state_path=os.path.join(settings.state_dir, STATE_FILE),
                           on_change=metrics.prewarm if metrics is not None else None)
-    threading.Thread(target=prewarmer.run, args=(settings.prewarm_interval,), name="rekindle-prewarm",
+    threading.Thread(target=prewarmer.run, args=(settings.cache.prewarm_interval,), name="rekindle-prewarm",
                      daemon=True).start()
-    log.info("pre-warm: looking at the store every %.0fs (%d listed)", settings.prewarm_interval, len(prewarmer.named))
+    log.info("pre-warm: looking at the store every %.0fs (%d listed)", settings.cache.prewarm_interval,
+             len(prewarmer.named))
     return prewarmer
 
 

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 from runtime import checkpointable as preflight
 from runtime import control as control_mod
-from runtime import frozen, hostfiles, layout, overlay, tasks, tcpmode
+from runtime import frozen, hostfiles, layout, overlay, procfs, tasks, tcpmode
 from runtime.containers import ContainerInfo, ns_pids, process_tree, resolve_container, workload_root
 from runtime.criu import DumpResult, dump_workload
 from runtime.digests import Hashed
@@ -355,11 +355,8 @@ def _ends_source_on(kind: type[BaseException], root_host: int) -> Iterator[None]
 
 
 def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return False
+    st = procfs.read_stat(pid)
+    return st is not None and st.state not in ("Z", "X")
 
 
 def _driver_state(cuda: Checkpointer, pid: int) -> str:

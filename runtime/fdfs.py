@@ -8,7 +8,6 @@ readers in one process hold two locks) and honoured over NFS.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import fcntl
 import os
@@ -18,6 +17,7 @@ import struct
 import time
 from collections.abc import Iterator
 
+from runtime import libc
 from runtime.errors import ArtifactRejected, TreeTooLarge
 from runtime.layout import MANIFEST, SIGNATURE
 
@@ -327,21 +327,14 @@ def walk_files_path(path: str) -> Iterator[str]:
 
 # renameat2(2) flags; glibc has the call since 2.28, Python has no wrapper for it.
 RENAME_NOREPLACE = 1
-_renameat2 = None
 
 
 def rename_noreplace(src_dir_fd: int, src: str, dst_dir_fd: int, dst: str) -> None:
     """Rename ``src`` below ``src_dir_fd`` to ``dst`` below ``dst_dir_fd``, failing (``EEXIST``)
     rather than replacing whatever sits at ``dst``. Neither name is followed if it is a symlink."""
-    global _renameat2
-    if _renameat2 is None:
-        fn = ctypes.CDLL(None, use_errno=True).renameat2
-        fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-        fn.restype = ctypes.c_int
-        _renameat2 = fn
-    if _renameat2(src_dir_fd, os.fsencode(src), dst_dir_fd, os.fsencode(dst), RENAME_NOREPLACE) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err), dst)
+    renameat2 = libc.function("renameat2")
+    if renameat2(src_dir_fd, os.fsencode(src), dst_dir_fd, os.fsencode(dst), RENAME_NOREPLACE) != 0:
+        raise libc.error("", dst)
 
 
 def same_inode(a: os.stat_result, b: os.stat_result) -> bool:

@@ -17,7 +17,7 @@ import os
 import signal
 from collections.abc import Iterable
 
-from runtime import strict_json
+from runtime import procfs, strict_json
 from runtime.fdfs import write_file
 
 log = logging.getLogger(__name__)
@@ -25,14 +25,6 @@ log = logging.getLogger(__name__)
 
 def _path(log_dir: str, container_id: str) -> str:
     return os.path.join(log_dir, f"frozen-{container_id}.json")
-
-
-def _start_time(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
 
 
 def thaw_left_over(log_dir: str, container_id: str) -> list[int]:
@@ -48,7 +40,7 @@ def thaw_left_over(log_dir: str, container_id: str) -> list[int]:
     try:
         entries = strict_json.loads(raw, max_bytes=1 << 20)["stopped"]
         for pid, start in entries:
-            if isinstance(pid, int) and isinstance(start, int) and _start_time(pid) == start:
+            if isinstance(pid, int) and isinstance(start, int) and procfs.start_time(pid) == start:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGCONT)
                     thawed.append(pid)
@@ -63,7 +55,7 @@ def thaw_left_over(log_dir: str, container_id: str) -> list[int]:
 
 def record(log_dir: str, container_id: str, pids: Iterable[int]) -> None:
     """Record ``pids``, about to be stopped by the checkpoint (cleared once they run again)."""
-    entries = [[p, s] for p in pids if (s := _start_time(p)) is not None]
+    entries = [[p, s] for p in pids if (s := procfs.start_time(p)) is not None]
     write_file(_path(log_dir, container_id), json.dumps({"stopped": entries}).encode())
 
 

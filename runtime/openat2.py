@@ -21,6 +21,8 @@ import errno
 import os
 from collections import deque
 
+from runtime import libc
+
 SYS_OPENAT2 = 437  # the same number on every Linux architecture (added after the syscall table merge)
 
 RESOLVE_NO_XDEV = 0x01
@@ -37,23 +39,17 @@ class _OpenHow(ctypes.Structure):
     _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
 
 
-_syscall = None
 _have_openat2 = True  # cleared the first time the kernel answers ENOSYS
 
 
 def openat2(dir_fd: int, path: str, flags: int, resolve: int, mode: int = 0) -> int:
     """The openat2 system call; raises OSError(errno) on failure."""
-    global _syscall
-    if _syscall is None:
-        fn = ctypes.CDLL(None, use_errno=True).syscall
-        fn.restype = ctypes.c_long
-        _syscall = fn
     how = _OpenHow(flags | os.O_CLOEXEC, mode, resolve)
-    fd = _syscall(ctypes.c_long(SYS_OPENAT2), ctypes.c_int(dir_fd), ctypes.c_char_p(os.fsencode(path)),
-                  ctypes.byref(how), ctypes.c_size_t(ctypes.sizeof(how)))
+    syscall = libc.function("syscall")
+    fd = syscall(ctypes.c_long(SYS_OPENAT2), ctypes.c_int(dir_fd), ctypes.c_char_p(os.fsencode(path)),
+                 ctypes.byref(how), ctypes.c_size_t(ctypes.sizeof(how)))
     if fd < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err), path)
+        raise libc.error("", path)
     return int(fd)
 
 

@@ -10,7 +10,7 @@ import socket
 import time
 from dataclasses import dataclass
 
-from runtime import strict_json
+from runtime import procfs, strict_json
 from runtime.fdfs import DIR_FLAGS, FILE_FLAGS, write_file
 
 OWNER = ".owner.json"
@@ -22,14 +22,6 @@ def _boot_id() -> str:
             return f.read().strip()
     except OSError:
         return ""
-
-
-def _start_time(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
 
 
 @dataclass(frozen=True)
@@ -45,14 +37,14 @@ class Owner:
     @classmethod
     def me(cls) -> Owner:
         pid = os.getpid()
-        return cls(socket.gethostname(), _boot_id(), pid, _start_time(pid) or 0, time.time())
+        return cls(socket.gethostname(), _boot_id(), pid, procfs.start_time(pid) or 0, time.time())
 
     def provably_dead(self) -> bool:
         if self.node != socket.gethostname():
             return False
         if self.boot_id != _boot_id():
             return True
-        return _start_time(self.pid) != self.start_time
+        return procfs.start_time(self.pid) != self.start_time
 
 
 def read_owner(dir_fd: int) -> Owner | None:

@@ -11,6 +11,8 @@ import errno
 import mmap
 import platform
 
+from runtime import libc
+
 _NR_CACHESTAT = {"x86_64": 451, "aarch64": 451}.get(platform.machine())
 PAGE = mmap.PAGESIZE
 
@@ -25,7 +27,6 @@ class _Stat(ctypes.Structure):
                 ("nr_recently_evicted", ctypes.c_uint64)]
 
 
-_libc = ctypes.CDLL(None, use_errno=True)
 _available = _NR_CACHESTAT is not None
 
 
@@ -36,8 +37,9 @@ def cached_pages(fd: int, offset: int, length: int) -> int | None:
     if not _available or length <= 0:
         return None if not _available else 0
     rng, st = _Range(offset, length), _Stat()
-    if _libc.syscall(_NR_CACHESTAT, ctypes.c_uint(fd), ctypes.byref(rng), ctypes.byref(st), ctypes.c_uint(0)) != 0:
-        if ctypes.get_errno() in (errno.ENOSYS, errno.EPERM):
+    cachestat = libc.function("syscall")
+    if cachestat(_NR_CACHESTAT, ctypes.c_uint(fd), ctypes.byref(rng), ctypes.byref(st), ctypes.c_uint(0)) != 0:
+        if libc.errno() in (errno.ENOSYS, errno.EPERM):
             _available = False  # an old kernel, or seccomp: stop asking
         return None
     return int(st.nr_cache)

@@ -33,7 +33,6 @@ most ``MAX_PARKED`` per namespace (a probe finding them all still queued connect
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import errno
 import ipaddress
 import logging
@@ -42,6 +41,8 @@ import socket
 import struct
 import threading
 from dataclasses import dataclass
+
+from runtime import libc
 
 log = logging.getLogger(__name__)
 
@@ -69,15 +70,12 @@ _SOCKID_TAIL = struct.Struct("=III")              # idiag_if, idiag_cookie[2]
 _MSG_HEAD = struct.Struct("=BBBB")                # inet_diag_msg: family, state, timer, retrans
 _MSG_TAIL = struct.Struct("=IIIII")               # expires, rqueue, wqueue, uid, inode
 _ERR = struct.Struct("=i")                        # nlmsgerr.error (-errno)
-_libc = ctypes.CDLL(None, use_errno=True)
 
 
 def _setns(path: str) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        if _libc.setns(fd, CLONE_NEWNET) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"setns({path}): {os.strerror(err)}")
+        libc.call("setns", fd, CLONE_NEWNET, what=f"setns({path})")
     finally:
         os.close(fd)
 

@@ -1,4 +1,4 @@
-"""Read-only views of one process in a procfs tree: open fds, mappings, environment, sockets.
+"""Read-only views of one process in a procfs tree: its stat line, open fds, mappings, environment, sockets.
 
 Contract:
 
@@ -6,6 +6,9 @@ Contract:
   directory that stands in for it. Nothing here signals, ptraces or writes.
 - A process that is gone, or a file that cannot be read, gives an empty result (never raises):
   callers judge what they can see, and CRIU sees the rest.
+- :func:`parse_stat` is the one parser of a ``stat`` line: the command name may hold spaces and
+  ``)``, so the fields are counted after its last ``)`` (``proc(5)``). :func:`read_stat` and
+  :func:`start_time` read one process's (or thread's) line.
 - :func:`fds` returns each fd's link text (``readlink``) and, where ``stat`` through the link
   works, its file type and device numbers; in a stand-in tree the links point nowhere and only
   the text is known.
@@ -68,6 +71,48 @@ class TcpSocket:
     def peer_key(self) -> tuple[tuple[str, int], tuple[str, int]]:
         """(local, remote) as the other end of this connection sees it."""
         return self.remote, self.local
+
+
+@dataclass(frozen=True, slots=True)
+class Stat:
+    """The fields of ``/proc/<pid>/stat`` the engine uses."""
+
+    pid: int
+    comm: str  # undecodable bytes as surrogate escapes
+    state: str  # R, S, D, T, t, Z, X, ...
+    ppid: int
+    pgrp: int
+    session: int
+    start_time: int  # clock ticks since boot (field 22)
+
+
+def parse_stat(line: bytes | str) -> Stat:
+    """A ``stat`` line's fields; ValueError when it is not one."""
+    raw = line.encode(errors="surrogateescape") if isinstance(line, str) else line
+    head, paren, tail = raw.rpartition(b")")
+    pid, open_paren, name = head.partition(b" (")
+    rest = tail.split()
+    if not paren or not open_paren or len(rest) < 20:
+        raise ValueError(f"not a stat line: {raw[:80]!r}")
+    return Stat(int(pid), name.decode(errors="surrogateescape"), rest[0].decode(errors="replace"),
+                int(rest[1]), int(rest[2]), int(rest[3]), int(rest[19]))
+
+
+def read_stat(pid: int | str, proc: str = PROC, *, tid: int | str | None = None) -> Stat | None:
+    """Process ``pid``'s stat line (or its thread ``tid``'s); None when it is gone or unreadable."""
+    path = f"{proc}/{pid}/stat" if tid is None else f"{proc}/{pid}/task/{tid}/stat"
+    try:
+        with open(path, "rb") as f:
+            return parse_stat(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def start_time(pid: int | str, proc: str = PROC) -> int | None:
+    """When ``pid`` started, in clock ticks since boot; None when it is gone. With the pid, the
+    identity of a process: a pid reused later has a later start."""
+    st = read_stat(pid, proc)
+    return st.start_time if st is not None else None
 
 
 def _read(path: str, limit: int = 8 << 20) -> bytes:

@@ -91,6 +91,15 @@ class RestoreRequest:
     log_dir: str
     path: RestorePath = RestorePath.AUTO  # as asked; the restore's route decides (runtime.route)
     threads: int = 0  # fill threads; 0: the fill's own default (bulk.fill_threads)
+    # The streamed path's install threads (runtime.pages.stream.threads); None: as ``threads``
+    # where set, else the serve's own default. 0 serves faults only (a measurement setting).
+    serve_threads: int | None = None
+    # A restore that maps ranges from a complete node cache entry serves the bulk pages it does
+    # not map, as the first restore of a version does, instead of filling them before the tree
+    # runs. Four LLM-worker pods mapped from one entry spent 1.06-1.26 s each in that fill (0.29 s
+    # alone; bench/results/h200/scale-out-llm-warm.json) before their CUDA restores could start;
+    # served, it runs beside them. Off until measured on a GPU node (a measurement setting).
+    warm_rest: bool = False
     max_layer_bytes: int = overlay.DEFAULT_MAX_LAYER_BYTES  # what a layer may write, at most
     # Node-local dir of the rootfs undo journals (runtime.overlay.pending), where the next agent
     # finds them; "": in the restore's work dir (rolled back on failure, not after a kill).
@@ -287,7 +296,7 @@ def _route(req: RestoreRequest, artifact: Artifact, mapped: bool,
     asks_stream = req.path in (RestorePath.STREAM, RestorePath.AUTO)
     return choose_route(req.path, RouteFacts(
         node_cannot_stream=stream.unsupported() if asks_stream and not mapped else None,
-        mapped_entry=mapped, warm_rest=stream.warm_rest(), cuda_host_copy=artifact.manifest.cuda is not None,
+        mapped_entry=mapped, warm_rest=req.warm_rest, cuda_host_copy=artifact.manifest.cuda is not None,
         serve_bytes=sum(b.bytes for b in bulk_files), concurrent=req.concurrent))
 
 
@@ -412,7 +421,8 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
                     mapped = ([stream.Mapped(sp, share.out(sp.name)) for sp in share.build.spans]
                               if share is not None else [])
                     streamed = stream.Session.begin(work, target, control, artifact.label, served_files, fds, sums,
-                                                    threads=stream.threads(req.threads), progress=stream_report,
+                                                    threads=stream.threads(req.threads, req.serve_threads),
+                                                    progress=stream_report,
                                                     first=first, mapped=mapped,
                                                     book=share.build.book if share is not None else None)
             if generations is not None:

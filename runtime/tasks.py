@@ -10,6 +10,7 @@ import signal
 import time
 from collections.abc import Iterable
 
+from runtime import procfs
 from runtime.errors import CriuError
 
 
@@ -26,11 +27,9 @@ def _task_states(pid: int) -> list[str]:
     except FileNotFoundError:
         return []
     for tid in tids:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                states.append(f.read().rsplit(")", 1)[1].split()[0])
-        except OSError:
-            continue
+        st = procfs.read_stat(pid, tid=tid)
+        if st is not None:
+            states.append(st.state)
     return states
 
 
@@ -75,12 +74,10 @@ def descendants(root: int, proc: str = "/proc") -> list[int]:
     for name in os.listdir(proc):
         if not name.isdigit():
             continue
-        try:
-            with open(f"{proc}/{name}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
+        st = procfs.read_stat(name, proc)
+        if st is None:
             continue  # gone meanwhile
-        kids.setdefault(ppid, []).append(int(name))
+        kids.setdefault(st.ppid, []).append(int(name))
     found: list[int] = []
     seen = {root}  # a pid reused while /proc was read must not make a cycle
     todo = list(kids.get(root, ()))
@@ -124,8 +121,5 @@ def _pidns(pid: int) -> int | None:
 
 def _started(pid: int) -> int:
     """Start time of ``pid`` in clock ticks since boot (a huge number for one that is gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return 1 << 62
+    start = procfs.start_time(pid)
+    return start if start is not None else 1 << 62

@@ -21,7 +21,6 @@ Contract:
 
 from __future__ import annotations
 
-import ctypes
 import ipaddress
 import logging
 import os
@@ -29,7 +28,7 @@ import socket
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from runtime import procfs
+from runtime import libc, procfs
 
 log = logging.getLogger(__name__)
 
@@ -143,14 +142,9 @@ def plan(pids: Iterable[int], proc: str = procfs.PROC, reuse: bool = True) -> Tc
 
 def _socket_of(pid: int, fd: int) -> socket.socket:
     """A copy of ``pid``'s fd ``fd`` in this process (pidfd_getfd), as a socket object."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.syscall.restype = ctypes.c_long
     pidfd = os.pidfd_open(pid)
     try:
-        got = libc.syscall(SYS_PIDFD_GETFD, pidfd, fd, 0)
-        if got < 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"pidfd_getfd({pid}, {fd}): {os.strerror(err)}")
+        got = libc.call("syscall", SYS_PIDFD_GETFD, pidfd, fd, 0, what=f"pidfd_getfd({pid}, {fd})")
     finally:
         os.close(pidfd)
     return socket.socket(fileno=int(got))

@@ -24,7 +24,6 @@ Contract:
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import logging
 import os
@@ -35,7 +34,7 @@ import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from runtime import procfs
+from runtime import libc, procfs
 
 log = logging.getLogger(__name__)
 
@@ -174,10 +173,7 @@ def _dump_in(ns_path: str, wanted: Iterable[int] = ()) -> dict[int, procfs.UnixS
         try:
             fd = os.open(ns_path, os.O_RDONLY | os.O_CLOEXEC)
             try:
-                libc = ctypes.CDLL(None, use_errno=True)
-                if libc.setns(fd, CLONE_NEWNET) != 0:
-                    err = ctypes.get_errno()
-                    raise OSError(err, f"setns {ns_path}: {os.strerror(err)}")
+                libc.call("setns", fd, CLONE_NEWNET, what=f"setns {ns_path}")
             finally:
                 os.close(fd)
             result.append(_dump_here(wanted))  # this thread ends here, still in that namespace

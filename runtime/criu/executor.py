@@ -41,7 +41,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from runtime import hostview
+from runtime import hostview, procfs
 from runtime import namespaces as ns
 from runtime.confine import confine
 from runtime.containers import ContainerInfo, Pid, process_tree, read_mountinfo, read_stdio, workload_root
@@ -86,9 +86,9 @@ class RestoreResult:
 
 
 def _session_ids(host_pid: int) -> tuple[int, int]:
-    with open(f"/proc/{host_pid}/stat") as f:
-        rest = f.read().rsplit(")", 1)[1].split()
-    return int(rest[2]), int(rest[3])  # pgrp, session
+    with open(f"/proc/{host_pid}/stat", "rb") as f:
+        st = procfs.parse_stat(f.read())
+    return st.pgrp, st.session
 
 
 def _is_shell_job(tree: list[int]) -> bool:

@@ -48,7 +48,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from runtime import digests, layout
+from runtime import digests, layout, libc
 from runtime.criu import image_files as img
 from runtime.digests import WORKERS, Hashed, new_hash, piece_ranges
 from runtime.errors import Reason, RekindleError
@@ -374,23 +374,13 @@ def split(artifact_dir: str, huge: Mapping[int, Sequence[tuple[int, int]]] | Non
 
 # --- fill ----------------------------------------------------------------------------------------
 
-class _Iovec(ctypes.Structure):
-    _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
-
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_process_vm_writev = _libc.process_vm_writev
-_process_vm_writev.argtypes = [ctypes.c_int, ctypes.POINTER(_Iovec), ctypes.c_ulong,
-                               ctypes.POINTER(_Iovec), ctypes.c_ulong, ctypes.c_ulong]
-_process_vm_writev.restype = ctypes.c_ssize_t
-
-
 def write_remote(pid: int, local: int, remote: int, length: int) -> None:
     """Copy ``length`` bytes at our address ``local`` to ``remote`` in process ``pid``
     (ctypes drops the GIL for the call, so threads copy in parallel)."""
+    writev = libc.function("process_vm_writev")
     while length:
-        liov, riov = _Iovec(local, length), _Iovec(remote, length)
-        n = _process_vm_writev(pid, ctypes.byref(liov), 1, ctypes.byref(riov), 1, 0)
+        liov, riov = libc.Iovec(local, length), libc.Iovec(remote, length)
+        n = writev(pid, ctypes.byref(liov), 1, ctypes.byref(riov), 1, 0)
         if n < 0:
             err = ctypes.get_errno()
             if err == errno.EINTR:

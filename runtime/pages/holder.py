@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 from runtime import control as control_mod
-from runtime import tasks
+from runtime import procfs, tasks
 
 log = logging.getLogger("rekindle.stream_holder")
 REASON = "the agent went away while it served the restored memory"
@@ -53,11 +53,10 @@ def _stat(pid: str) -> tuple[int, int] | None:
     """(pid namespace inode, start time in clock ticks since boot) of ``pid``."""
     try:
         ns = os.stat(f"/proc/{pid}/ns/pid").st_ino
-        with open(f"/proc/{pid}/stat") as f:
-            start = int(f.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
+    except OSError:
         return None
-    return ns, start
+    start = procfs.start_time(pid)
+    return (ns, start) if start is not None else None
 
 
 def kill_namespace(pidns: int, init_pid: int, started_before: int) -> list[int]:
@@ -150,11 +149,8 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 
 
 def _zombie_or_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    st = procfs.read_stat(pid)
+    return st is not None and st.state != "Z"
 
 
 def main(argv: list[str] | None = None) -> int:

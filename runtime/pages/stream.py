@@ -156,35 +156,18 @@ def unsupported(criu: str = CRIU) -> str | None:
 
 # --- one streamed restore, as runtime.restore drives it -------------------------------------------
 
-THREADS_ENV = "REKINDLE_STREAM_THREADS"
-
-
 # Measured on 16 cores beside the driver's CUDA restore (bench/results/h200): 8 and 12 threads
 # serve 5.9-6.4 GB/s, 4 serve 4.5-5.0, and 16 fewer than 8 (they take the driver's cores).
 DEFAULT_THREADS = min(12, WORKERS)
 
 
-def threads(asked: int | None) -> int:
-    """Install threads: ``$REKINDLE_STREAM_THREADS`` when set, else ``asked`` (the restore's
+def threads(asked: int | None, serve: int | None = None) -> int:
+    """Install threads: ``serve`` when given (the restore's serve threads), else ``asked`` (its
     fill threads), else :data:`DEFAULT_THREADS`. 0 serves faults only (a measurement setting:
     the restore completes only once every piece was touched)."""
-    raw = os.environ.get(THREADS_ENV, "")
-    if raw.isdigit() and int(raw) <= 1024:
-        return int(raw)
+    if serve is not None:
+        return serve
     return asked if asked else DEFAULT_THREADS
-
-
-WARM_REST_ENV = "REKINDLE_STREAM_WARM_REST"
-
-
-def warm_rest() -> bool:
-    """Whether a restore that maps ranges from a complete node cache entry serves the bulk pages
-    it does not map (``$REKINDLE_STREAM_WARM_REST=1``), as the first restore of a version does,
-    instead of filling them before the tree runs. Four LLM-worker pods mapped from one entry
-    spent 1.06-1.26 s each in that fill (0.29 s alone; bench/results/h200/scale-out-llm-warm.json)
-    before their CUDA restores could start; served, it runs beside them. Off until measured on a
-    GPU node (a measurement setting, as ``$REKINDLE_STREAM_THREADS``)."""
-    return os.environ.get(WARM_REST_ENV, "") == "1"
 
 
 def driver_spans(images: str, cuda_pids: Sequence[int]) -> list[tuple[int, int, int]]:

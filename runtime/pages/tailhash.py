@@ -15,13 +15,13 @@ modification time; anything else is hashed again the usual way.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from runtime import libc
 from runtime.digests import PIECE, Hashed, combine_pieces, new_hash
 from runtime.layout import SUM_CHUNK
 
@@ -32,15 +32,12 @@ WORKERS = 4  # CRIU writes 1-2 GB/s; four threads hash both ways faster than tha
 POLL_S = 0.05
 
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_sync_file_range = _libc.sync_file_range
-_sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
 SYNC_FILE_RANGE_WRITE = 2  # start writing back the dirty pages of the range; wait for nothing
 
 
 def _write_back(fd: int, offset: int, length: int) -> None:
-    if _sync_file_range(fd, offset, length, SYNC_FILE_RANGE_WRITE) != 0:
-        log.debug("tail hash: sync_file_range: %s", os.strerror(ctypes.get_errno()))
+    if libc.function("sync_file_range")(fd, offset, length, SYNC_FILE_RANGE_WRITE) != 0:
+        log.debug("tail hash: sync_file_range: %s", os.strerror(libc.errno()))
 
 
 def _piece(fd: int, offset: int, length: int, write_back: bool = False) -> tuple[bytes, bytes]:

@@ -23,6 +23,8 @@ import os
 import platform
 from dataclasses import dataclass
 
+from runtime import libc
+
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
 _UFFD_API = 0xAA
@@ -80,19 +82,12 @@ UFFDIO_API = _ioc(_READ | _WRITE, 0x3F, ctypes.sizeof(_Api))
 _API_VERSION = 0xAA
 MSG_SIZE = 32
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_ioctl = _libc.ioctl
-_ioctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p]
-_ioctl.restype = ctypes.c_int
-_syscall = _libc.syscall
-_syscall.restype = ctypes.c_long
-
 
 def _call(fd: int, request: int, arg: ctypes.Structure) -> int:
     """0, or the errno of a failed ioctl."""
-    if _ioctl(fd, request, ctypes.addressof(arg)) == 0:
+    if libc.function("ioctl")(fd, request, ctypes.addressof(arg)) == 0:
         return 0
-    return ctypes.get_errno()
+    return libc.errno()
 
 
 class Gone(Exception):
@@ -207,10 +202,7 @@ def open_uffd(features: int = 0) -> int:
     OSError when the kernel refuses (no userfaultfd, or a feature missing)."""
     if _SYS_USERFAULTFD is None:
         raise OSError(errno.ENOSYS, f"userfaultfd: unknown syscall number on {platform.machine()}")
-    fd = _syscall(_SYS_USERFAULTFD, os.O_CLOEXEC | os.O_NONBLOCK)
-    if fd < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"userfaultfd: {os.strerror(err)}")
+    fd = libc.call("syscall", _SYS_USERFAULTFD, os.O_CLOEXEC | os.O_NONBLOCK, what="userfaultfd")
     api = _Api(_API_VERSION, features, 0)
     err = _call(fd, UFFDIO_API, api)
     if err:

@@ -32,8 +32,8 @@ def no_kubernetes(monkeypatch):
 
 
 def _settings(tmp_path: Path, **kw) -> Settings:
-    return Settings(state_dir=str(tmp_path), store=str(tmp_path / "store"), metrics_port=0, events=True,
-                    node_name="node-a", **kw)
+    return Settings.from_flags(dict(state_dir=str(tmp_path), store=str(tmp_path / "store"), metrics_port=0,
+                                    events=True, node_name="node-a", **kw))
 
 
 def test_reporting_without_the_client_warns_once_and_reports_no_events(tmp_path, no_kubernetes, caplog):
@@ -48,7 +48,8 @@ def test_reporting_without_the_client_warns_once_and_reports_no_events(tmp_path,
 
 def test_reporting_with_events_off_says_nothing_about_the_client(tmp_path, no_kubernetes, caplog):
     caplog.set_level(logging.INFO, logger="nri_plugin")
-    *_, kube = agent._reporting(Settings(state_dir=str(tmp_path), store=str(tmp_path), metrics_port=0),
+    *_, kube = agent._reporting(Settings.from_flags(dict(state_dir=str(tmp_path), store=str(tmp_path),
+                                                                    metrics_port=0)),
                                 StatusBook(str(tmp_path)))
     assert kube is None
     assert WARNING not in caplog.text

@@ -28,8 +28,8 @@ class NoEngine:
 @pytest.fixture
 def make_plugin(tmp_path):
     def make(version: str = "1.7.24~ds1", restore_timeout: int = 1800) -> RekindlePlugin:
-        settings = Settings(state_dir=str(tmp_path / "state"), store=str(tmp_path / "store"),
-                            restore_timeout=restore_timeout)
+        settings = Settings.from_flags(dict(state_dir=str(tmp_path / "state"), store=str(tmp_path / "store"),
+                                            restore_timeout=restore_timeout))
         status = StatusBook(settings.state_dir)
         plugin = RekindlePlugin(settings, store=ArtifactStore(settings.store), key=b"k" * 32, status=status,
                                 jobs=Jobs(NoEngine(), status), specs=None,

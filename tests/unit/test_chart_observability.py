@@ -156,4 +156,4 @@ def test_plugin_accepts_the_rendered_flags(events_render):
     from nri_plugin.cli import _settings, build_parser
     args = build_parser().parse_args(_plugin(events_render)["args"])
     settings = _settings(args)
-    assert (settings.metrics_port, settings.events) == (9464, True)
+    assert (settings.report.metrics_port, settings.report.events) == (9464, True)

@@ -13,6 +13,8 @@ yaml = pytest.importorskip("yaml", reason="pyyaml is in the test extra")
 pytest.importorskip("helm_sdkpy", reason="helm-sdkpy is in the test extra (see docs/install.md)")
 kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate is in the test extra")
 
+from nri_plugin.config import MapRanges  # noqa: E402
+from runtime.route import RestorePath  # noqa: E402
 from tests.unit.chart_render import RenderError, by_kind, render  # noqa: E402
 
 K8S_VERSION = "1.33"
@@ -47,6 +49,15 @@ def _parsed(r: dict):
     return args, _settings(args)
 
 
+def _flat(settings, name: str):
+    """A setting by its flag's flat name (config.FLAT: the group it lives in)."""
+    from nri_plugin.config import FLAT
+    if name in FLAT:
+        group, key = FLAT[name]
+        return getattr(getattr(settings, group), key)
+    return getattr(settings, name)
+
+
 TUNED = ["restore_path", "fill_threads", "max_layer_bytes", "bulk_min_run", "capture_timeout", "prefetch",
          "probes_per_pod", "probes_per_node", "cache_dir", "cache_bytes", "cache_entries", "map_ranges"]
 
@@ -56,23 +67,23 @@ def test_defaults_are_the_plugins_own(default_render):
     args, rendered = _parsed(default_render)
     bare = build_parser().parse_args(["plugin"])
     plain = _settings(bare)
-    assert {k: getattr(rendered, k) for k in TUNED} == {k: getattr(plain, k) for k in TUNED}
+    assert {k: _flat(rendered, k) for k in TUNED} == {k: _flat(plain, k) for k in TUNED}
     assert args.max_parallel == bare.max_parallel
-    assert rendered.restore_timeout == plain.restore_timeout == 1800
+    assert rendered.restore.timeout == plain.restore.timeout == 1800
 
 
 def test_the_chart_mounts_the_cache_tmpfs_by_default(default_render):
     """The one default that is not the plugin's: on a GPU node the mapped ranges want 2 MiB pages."""
     _, rendered = _parsed(default_render)
-    assert rendered.cache_tmpfs is True
+    assert rendered.cache.tmpfs is True
     r = render({"settings": {"cache": {"tmpfs": False}}}, namespace=NAMESPACE)
     assert "--cache-tmpfs" not in _plugin(r)["args"]
-    assert _parsed(r)[1].cache_tmpfs is False
+    assert _parsed(r)[1].cache.tmpfs is False
 
 
 # values, the Settings field (or "max_parallel", the flag), what the plugin gets, the flag rendered
 EACH_SETTING = [
-    ({"restorePath": "stock"}, "restore_path", "stock", ("--restore-path", "stock")),
+    ({"restorePath": "stock"}, "restore_path", RestorePath.STOCK, ("--restore-path", "stock")),
     ({"fillThreads": 12}, "fill_threads", 12, ("--fill-threads", "12")),
     ({"maxParallel": 4}, "max_parallel", 4, ("--max-parallel", "4")),
     ({"maxLayerSize": "16Gi"}, "max_layer_bytes", 16 << 30, ("--max-layer-bytes", "16Gi")),
@@ -88,8 +99,8 @@ EACH_SETTING = [
     ({"cache": {"bytes": "auto"}}, "cache_bytes", -1, ("--cache-bytes", "auto")),
     ({"cache": {"entries": 64}}, "cache_entries", 64, ("--cache-entries", "64")),
     ({"cache": {"tmpfs": True}}, "cache_tmpfs", True, ("--cache-tmpfs",)),
-    ({"cache": {"mapRanges": "all"}}, "map_ranges", "all", ("--map-ranges", "all")),
-    ({"cache": {"mapRanges": "none"}}, "map_ranges", "none", ("--map-ranges", "none")),
+    ({"cache": {"mapRanges": "all"}}, "map_ranges", MapRanges.ALL, ("--map-ranges", "all")),
+    ({"cache": {"mapRanges": "none"}}, "map_ranges", MapRanges.NONE, ("--map-ranges", "none")),
     ({"prewarm": {"artifacts": ["team-a/llm", "team-b/asr.v2"]}}, "prewarm", ("team-a/llm", "team-b/asr.v2"),
      ("--prewarm", "team-a/llm,team-b/asr.v2")),
     ({"prewarm": {"intervalSeconds": 0}}, "prewarm_interval", 0.0, ("--prewarm-interval", "0")),
@@ -101,7 +112,7 @@ EACH_SETTING = [
 def test_each_setting_reaches_the_plugin(values, field, want, flag):
     r = render({"settings": values}, namespace=NAMESPACE)
     args, settings = _parsed(r)
-    got = args.max_parallel if field == "max_parallel" else getattr(settings, field)
+    got = args.max_parallel if field == "max_parallel" else _flat(settings, field)
     assert got == want
     rendered = _plugin(r)["args"]
     i = rendered.index(flag[0])
@@ -250,7 +261,7 @@ def test_a_tmpfs_cache_must_fit_under_the_memory_limit(cache_bytes, limit, ok):
 ], ids=["no-tmpfs", "no-memory-limit"])
 def test_a_large_cache_without_tmpfs_or_limit_renders(values):
     args, settings = _parsed(render(values, namespace=NAMESPACE))
-    assert settings.cache_bytes == 64 << 30
+    assert settings.cache.bytes == 64 << 30
 
 
 def test_notes_say_when_the_auto_cache_outgrows_the_memory_limit(default_render):

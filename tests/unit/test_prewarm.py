@@ -10,7 +10,8 @@ from typing import Any, Callable
 import pytest
 
 from nri_plugin import prewarm
-from nri_plugin.prewarm import DiskGate, Pacer, Prewarmer, State, Status
+from nri_plugin.prewarm import DiskGate, Pacer, Prewarmer
+from nri_plugin.prewarm_state import State, Status, parse_names
 from runtime.manifest import Manifest
 from runtime.pages import nodecache
 from runtime.pages.mapping import MapMode
@@ -50,11 +51,11 @@ def _state(p: Prewarmer, artifact: str) -> Status | None:
 
 
 def test_names_parse_as_namespace_slash_name() -> None:
-    assert prewarm.parse_names(["team-a/llm", " team-b/asr.v2 ", "team-a/llm"]) == (("team-a", "llm"),
+    assert parse_names(["team-a/llm", " team-b/asr.v2 ", "team-a/llm"]) == (("team-a", "llm"),
                                                                                      ("team-b", "asr.v2"))
     for bad in ("llm", "Team/llm", "a/../b", "a/", "/b", "a/b/c"):
         with pytest.raises(ValueError, match="not namespace/name"):
-            prewarm.parse_names([bad])
+            parse_names([bad])
 
 
 def test_a_listed_name_is_absent_until_published_then_queued_once_per_version(tmp_path: Path) -> None:
