@@ -33,7 +33,7 @@ COPY --from=build /opt/criu/sbin/criu /usr/local/sbin/criu
 RUN criu --version
 COPY --from=build /opt/rekindle /opt/rekindle
 COPY --from=build /src/build/rekindle-init /usr/local/lib/rekindle/rekindle-init
-# CRIU in the host's mount namespace (runtime/hostview.py): the launcher and its shims
+# CRIU in the host's mount namespace (runtime/container/hostview.py): the launcher and its shims
 COPY --from=build /src/build/hostexec /usr/local/lib/rekindle/hostexec
 ENV PATH=/opt/rekindle/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
     PYTHONDONTWRITEBYTECODE=1

@@ -64,9 +64,9 @@ from bench.common.workload import CASES, Workload
 from devtools import phases
 from devtools.cri import Pod
 from devtools.sandbox import Runtime, Sandbox, SandboxConfig, hold_e2e_lock
-from runtime.containers import resolve_container
+from runtime.container.containers import resolve_container
+from runtime.container.namespaces import processes_in
 from runtime.errors import ContainerNotFound
-from runtime.namespaces import processes_in
 from tests.gpu import gpu_pods
 
 log = logging.getLogger(__name__)

@@ -74,7 +74,7 @@ missing=$(chroot "$rootfs" ldd /usr/local/sbin/criu | grep 'not found' || true)
 # the static init, where the plugin looks for it (nri_plugin/config.py)
 make --no-print-directory build/rekindle-init build/hostexec/rekindle-hostexec
 install -D -m 0755 build/rekindle-init "$rootfs/usr/local/lib/rekindle/rekindle-init"
-# the launcher that runs this CRIU in the host's mount namespace (runtime/hostview.py), and its
+# the launcher that runs this CRIU in the host's mount namespace (runtime/container/hostview.py), and its
 # shims: links named after what CRIU runs by name
 hostexec=/usr/local/lib/rekindle/hostexec
 install -D -m 0755 build/hostexec/rekindle-hostexec "$rootfs$hostexec/rekindle-hostexec"

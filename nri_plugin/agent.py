@@ -25,20 +25,23 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 from runtime import checkpoint as checkpoint_flow
-from runtime import control, hooks, hostfiles, housekeeping, thp
+from runtime import control, housekeeping
 from runtime import restore as restore_flow
 from runtime.compat import NodeFacts
+from runtime.container import hostfiles
 from runtime.containerd.cri_lookup import CRIError
 from runtime.gpu import Checkpointer, node_cuda
 from runtime.overlay import pending as overlay_pending
 from runtime.pages import NodeCache
-from runtime.probe import probe as run_probe
+from runtime.pod import hooks
+from runtime.pod.probe import probe as run_probe
+from runtime.proc import thp
+from runtime.proc.thp import ThpSwitch
 from runtime.rollback import GenerationBook
 from runtime.route import RestorePath
 from runtime.status import StatusBook
 from runtime.store import ArtifactStore, load_key
 from runtime.store import gc as store_gc
-from runtime.thp import ThpSwitch
 
 from . import guards
 from .cache import CacheWriter, cache_bytes, cache_dir, map_mode, open_cache
@@ -63,7 +66,7 @@ if TYPE_CHECKING:  # imported where used: the Kubernetes client only with --even
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-HOST_DIGESTS = "hostfile-digests.json"  # in the state dir: runtime.hostfiles.DigestCache.persist
+HOST_DIGESTS = "hostfile-digests.json"  # in the state dir: runtime.container.hostfiles.DigestCache.persist
 ExitCode = Callable[[str], "int | None"]  # container id -> its exit code once exited
 
 
@@ -120,7 +123,7 @@ class NodeEngine:
         self.cache_writer: CacheWriter | None = None
         self.disk = DiskGate()  # restores running: a pre-warm waits for them (nri_plugin.prewarm)
         self.exit_code: ExitCode | None = None      # set by _engine when containerd answers
-        # THP switched to always around CUDA checkpoints, where asked (runtime.thp)
+        # THP switched to always around CUDA checkpoints, where asked (runtime.proc.thp)
         self.thp = ThpSwitch(settings.thp_record) if settings.checkpoint.thp is CheckpointThp.ALWAYS else None
         self._restores = 0  # restores running now: each is told how many others run (runtime.route)
         self._restores_lock = threading.Lock()
@@ -498,7 +501,7 @@ def _housekeeping(settings: Settings, store: ArtifactStore, stop: threading.Even
 
 def _control_of(settings: Settings, container_id: str) -> control.ControlDir | None:
     """The control dir of a container, found through its bundle's mounts."""
-    from runtime.containers import resolve_container
+    from runtime.container.containers import resolve_container
     info = resolve_container(settings.containerd_state, container_id)
     for m in info.spec_mounts:
         if m.get("destination") == control.CONTAINER_PATH and m.get("source"):

@@ -63,7 +63,7 @@ class MapRanges(enum.Enum):
 
 
 class CheckpointThp(enum.Enum):
-    """The node's transparent huge page mode during a CUDA checkpoint (runtime.thp)."""
+    """The node's transparent huge page mode during a CUDA checkpoint (runtime.proc.thp)."""
 
     KEEP = "keep"
     ALWAYS = "always"  # node-wide for those seconds: the driver's host copy comes in huge pages
@@ -194,7 +194,7 @@ class Settings:
 
     @property
     def thp_record(self) -> str:
-        """The THP mode found before a CUDA checkpoint switched it (runtime.thp)."""
+        """The THP mode found before a CUDA checkpoint switched it (runtime.proc.thp)."""
         return os.path.join(self.state_dir, "thp-mode-found")
 
     @property

@@ -28,9 +28,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NoReturn
 
+from runtime.container.namespaces import pid_max
 from runtime.errors import RekindleError
 from runtime.gpu.cuda import CudaCheckpointer, ProcessState
-from runtime.namespaces import pid_max
 
 log = logging.getLogger(__name__)
 

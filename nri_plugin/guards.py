@@ -13,7 +13,7 @@
   OCI spec; ``shareProcessNamespace``: the pod sandbox's, joined by path) is neither
   checkpointed nor restored: a failed restore's clean-up must reach the restored tree only, and
   a dump would take the pod's or the node's other tasks' pids. Decided here from the spec, and
-  again from /proc when the job runs (``runtime.namespaces.pid_namespace_shared``).
+  again from /proc when the job runs (``runtime.container.namespaces.pid_namespace_shared``).
 Each rule returns the reason to skip (its wording is what ``outcomes.classify`` recognises),
 or None.
 """

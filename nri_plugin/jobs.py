@@ -40,9 +40,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from runtime import control, procfs
+from runtime import control
 from runtime.errors import RekindleError, reason_of
-from runtime.probe import release as release_probes
+from runtime.pod.probe import release as release_probes
+from runtime.proc import procfs
 from runtime.status import ContainerStatus, Phase, Progress, StatusBook
 
 from . import logs

@@ -48,8 +48,9 @@ from dataclasses import dataclass
 from enum import Enum
 from urllib.parse import urlsplit
 
-from runtime import hooks, names
+from runtime import names
 from runtime.errors import AnnotationError
+from runtime.pod import hooks
 
 PREFIX = "rekindle.dev/"
 CHECKPOINT = PREFIX + "checkpoint"

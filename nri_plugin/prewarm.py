@@ -33,9 +33,9 @@ from typing import TYPE_CHECKING, Protocol
 
 from runtime import layout, libc, names
 from runtime.errors import RekindleError
-from runtime.fdfs import remove_tree_path
+from runtime.fs.fdfs import remove_tree_path
+from runtime.fs.owner import write_owner
 from runtime.housekeeping import STAGED_PREFIX
-from runtime.owner import write_owner
 from runtime.pages import mapping as bulk_map
 from runtime.pages import nodecache
 from runtime.route import RestorePath

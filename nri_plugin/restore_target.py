@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from runtime import control
-from runtime.containers import ContainerInfo, children, resolve_container
+from runtime.container.containers import ContainerInfo, children, resolve_container
 from runtime.errors import Reason, RekindleError
 
 from .handlers import IMAGE_NAME_ANNOTATION

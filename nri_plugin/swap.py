@@ -22,7 +22,7 @@ import json
 from enum import Enum
 from typing import Protocol
 
-from runtime import oci
+from runtime.container import oci
 from runtime.control import CONTAINER_PATH, INIT_IN_CONTAINER, ORIGINAL_ARGS_ANNOTATION
 
 from .events import RuntimeInfo

@@ -7,16 +7,16 @@ Steps, each timed (the timings go into the manifest and the container's status):
      NCCL communicators on transports the driver cannot restore, io_uring, fds CRIU cannot dump);
   3. cuda_checkpoint: lock all, checkpoint all (device memory -> host); a process without CUDA
      is skipped; the driver's new host staging mappings are noted (huge pages on restore); with
-     ``thp``, the node's THP mode is ``always`` meanwhile (runtime.thp);
+     ``thp``, the node's THP mode is ``always`` meanwhile (runtime.proc.thp);
   4. criu_dump: CRIU dumps the tree and leaves it stopped (netns and mounts external); TCP
-     connections are kept when all are loopback ones inside the tree (``runtime.tcpmode``), else
+     connections are kept when all are loopback ones inside the tree (``runtime.proc.tcpmode``), else
      closed, and the restore plan records which; its pages images are hashed while it writes
      them (``runtime.pages.tailhash``), so the split and the publish read none of them again;
   5. rootfs_capture / shm_capture: the writable layer and /dev/shm, while the tree is still
      stopped, so files and memory are one instant;
   6. resume: SIGCONT, then CUDA restore + unlock (unless the source is to exit), on a thread of
      its own beside step 7 (``source_stopped``: from the CUDA lock, or the dump, to here);
-  7. host_files: digests of the files the tree uses from bind mounts (runtime.hostfiles);
+  7. host_files: digests of the files the tree uses from bind mounts (runtime.container.hostfiles);
      layer_sums: the digest of each 1 MiB of the layer archives, so a restore applies them from
      the store without staging a copy (runtime.overlay.verified);
      split: the large private anonymous page runs move beside CRIU's images (runtime.pages.bulk);
@@ -48,8 +48,10 @@ from dataclasses import dataclass
 
 from runtime import checkpointable as preflight
 from runtime import control as control_mod
-from runtime import frozen, hostfiles, layout, overlay, procfs, tasks, tcpmode
-from runtime.containers import ContainerInfo, ns_pids, process_tree, resolve_container, workload_root
+from runtime import layout, overlay
+from runtime.container import hostfiles
+from runtime.container.containers import ContainerInfo, ns_pids, process_tree, resolve_container, workload_root
+from runtime.container.namespaces import pid_namespace_shared
 from runtime.criu import DumpResult, dump_workload
 from runtime.digests import Hashed
 from runtime.errors import (
@@ -61,18 +63,18 @@ from runtime.errors import (
     SharedPidNamespace,
     SourceResumeFailed,
 )
+from runtime.fs.owner import write_owner
 from runtime.gpu import Checkpointer, source_gpus
 from runtime.gpu.cuda import ProcessState
 from runtime.manifest import CriuInfo, CudaInfo, Manifest, MountInfo, NodeInfo, ProcessInfo, Source
-from runtime.namespaces import pid_namespace_shared
 from runtime.overlay.verified import write_sums as write_layer_sums
-from runtime.owner import write_owner
 from runtime.pages import bulk
 from runtime.pages.tailhash import TailHasher
-from runtime.procfs import anon_mappings
+from runtime.proc import frozen, procfs, tasks, tcpmode
+from runtime.proc.procfs import anon_mappings
+from runtime.proc.thp import ThpSwitch
 from runtime.security import SecurityProfile
 from runtime.store import ArtifactStore
-from runtime.thp import ThpSwitch
 from runtime.timings import Timings
 
 log = logging.getLogger(__name__)
@@ -117,7 +119,7 @@ Progress = Callable[[str, int, int], None]  # (phase, bytes done, bytes total)
 def checkpoint(req: CheckpointRequest, store: ArtifactStore, key: bytes, *,
                control: control_mod.ControlDir | None = None, cuda: Checkpointer | None = None,
                progress: Progress | None = None, thp: ThpSwitch | None = None) -> dict[str, float]:
-    """``thp``: the node's THP mode is ``always`` during the CUDA checkpoint (runtime.thp)."""
+    """``thp``: the node's THP mode is ``always`` during the CUDA checkpoint (runtime.proc.thp)."""
     if req.image and not req.image_ref:
         raise ImageUnknown(f"checkpoint {req.namespace}/{req.name}: the id of image {req.image} is unknown "
                            "(containerd did not say); an artifact without it could never be restored")
@@ -178,7 +180,7 @@ def checkpoint(req: CheckpointRequest, store: ArtifactStore, key: bytes, *,
                 log.info("CUDA process %d: %d new staging mapping(s) after the checkpoint: %s", h, len(new),
                          ", ".join(f"{a:#x}+{(b - a) >> 20}MiB" for a, b in new))
         tcp = tcpmode.TcpPlan(False, "not looked at")
-        # Processes the workload itself keeps stopped stay stopped after the dump (runtime.frozen).
+        # Processes the workload itself keeps stopped stay stopped after the dump (runtime.proc.frozen).
         held = tasks.stopped(tree)
         frozen.record(req.log_dir, req.container_id, [p for p in tree if p not in held])
         resume = _SourceResume(cuda, cuda_host, root.host) \

@@ -3,7 +3,7 @@
 Contract:
 
 - :func:`inspect` reads, for every process of the tree, its fds, mappings, start environment
-  and its network namespace's unix sockets under a procfs root (``runtime.procfs``); it never
+  and its network namespace's unix sockets under a procfs root (``runtime.proc.procfs``); it never
   locks, signals or ptraces, so a refusal leaves the source exactly as it was. ``cuda_pids``
   are the processes the driver will checkpoint (what they hold of the driver's is released
   before CRIU runs).
@@ -38,7 +38,7 @@ Blocking findings, and why:
 
 What decides is what the kernel shows of the process: fd links, mappings (``/proc/<pid>/maps``
 escapes newlines in paths) and its unix sockets by the inodes of its own socket fds, named by
-sock_diag netlink (``runtime.unixdiag``), where no socket's name can pose as another's. A socket
+sock_diag netlink (``runtime.proc.unixdiag``), where no socket's name can pose as another's. A socket
 whose name cannot be read for sure (``net/unix`` text with a forged line) counts as NCCL's.
 """
 
@@ -50,7 +50,7 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from runtime import procfs, unixdiag
+from runtime.proc import procfs, unixdiag
 
 # criu/files.c dump_one_file: the anon inodes CRIU 4.2 dumps (link text after "anon_inode:").
 CRIU_ANON = frozenset({"[eventfd]", "[eventpoll]", "inotify", "[fanotify]", "[signalfd]", "[timerfd]", "[pidfd]"})

@@ -19,7 +19,8 @@ import os
 import secrets
 from pathlib import Path
 
-from runtime import names, oci
+from runtime import names
+from runtime.container import oci
 from runtime.errors import AnnotationError
 
 CONTAINER_PATH = "/rekindle"

@@ -24,8 +24,8 @@ from typing import Any, Protocol
 from runtime.containerd.defaults import DEFAULT_SOCKET, NRI_PLUGIN
 from runtime.criu import CRIU, MIN_VERSION, parse_version, version_tuple
 from runtime.errors import ConfigError, KeyMissing
+from runtime.proc.thp import read_mode
 from runtime.store import read_key
-from runtime.thp import read_mode
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ def check_nonroot(criu: str = CRIU) -> Check:
     user, or a root parent whose workers drop to one). Reading (and setting) another uid's rlimits
     with prlimit(2) needs CAP_SYS_RESOURCE, which some nodes drop from the bounding set; the
     project's CRIU reads /proc/<pid>/limits instead (hack/criu-patches), the agent lowers a
-    restored tree's limits as the tree's owner with util-linux prlimit (runtime.rlimits)."""
+    restored tree's limits as the tree's owner with util-linux prlimit (runtime.proc.rlimits)."""
     if _has_cap(CAP_SYS_RESOURCE):
         return Check("non-root-pods", True, "CAP_SYS_RESOURCE held: trees of any uid checkpoint and restore",
                      required=False)
@@ -162,7 +162,7 @@ def check_thp(path: str = THP_ENABLED) -> Check:
     checkpointed process gets no huge pages; under ``always`` it does, and the checkpoint (and a
     restore from it) is faster. Either the node's setting (it holds for every process of the
     node), or the plugin's ``--checkpoint-thp always``, which switches it for the seconds of each
-    CUDA checkpoint only (runtime.thp; docs/install.md, "Transparent huge pages")."""
+    CUDA checkpoint only (runtime.proc.thp; docs/install.md, "Transparent huge pages")."""
     try:
         mode = read_mode(path)
     except (OSError, ValueError) as exc:

@@ -13,7 +13,7 @@ dirs and old status records are rotated away.
 - :func:`run_steps` runs such steps one after the other, each on its own: one that fails is
   logged and reported, and the others still run.
 
-Trees are removed without recursion and without following a symlink (``runtime.fdfs``); one that
+Trees are removed without recursion and without following a symlink (``runtime.fs.fdfs``); one that
 cannot be removed is logged and the next one is taken.
 """
 
@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from runtime.errors import RekindleError
-from runtime.fdfs import remove_tree_path
-from runtime.owner import read_owner_of
+from runtime.fs.fdfs import remove_tree_path
+from runtime.fs.owner import read_owner_of
 from runtime.status import FINAL_PHASES, StatusBook
 
 log = logging.getLogger(__name__)

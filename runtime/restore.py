@@ -7,7 +7,7 @@ The target container runs ``rekindle-init --mode restore`` as PID 1 and waits. S
      that the source's privilege does not exceed the target's (``runtime.security``: uid/gid,
      capabilities, privileged, seccomp, no_new_privs, LSM, user namespace, masked and read-only
      paths, device cgroup, sysctls) — CRIU restores what the source had; the files the tree
-     uses from bind mounts have the checkpoint's content (``runtime.hostfiles``);
+     uses from bind mounts have the checkpoint's content (``runtime.container.hostfiles``);
   3. stage: every file but the bulk pages and the layer archives whose chunk digests are listed
      is copied into a private node-local directory while hashed; only those copies are used
      afterwards (CRIU reads its images from there). The
@@ -21,14 +21,14 @@ The target container runs ``rekindle-init --mode restore`` as PID 1 and waits. S
   5. criu_restore: CRIU inside the target's namespaces and cgroups with the target's LSM labels,
      TCP connections kept or closed as the dump decided (``RestorePlan.tcp_established``), left
      stopped; the target's oom_score_adj, rlimits and mount flags are forced on the stopped
-     tree (runtime.criu.executor, runtime.confine);
+     tree (runtime.criu.executor, runtime.container.confine);
   6. fill: the bulk pages are read, hashed and written into the stopped process on many
      threads; the process is resumed only when every digest matched;
   7. cuda_restore: the target's GPU device nodes (created from the host by syscalls), restore
      (remapped by UUID onto the GPUs this container was given) of every CUDA process, then
      unlock of every one; any failure kills the restored tree (a process left locked, or a rank
      whose peer failed, would never go on);
-  8. after_restore (only when asked): the workload's wake-up call (``runtime.hooks``), while
+  8. after_restore (only when asked): the workload's wake-up call (``runtime.pod.hooks``), while
      the stream goes on; not answered 2xx in time, the restore fails;
   9. ``restore-pid`` + ``restore-complete`` for the init.
 Progress: ``progress(phase, 0, 0)`` at each phase start, ``("fill", done, total)`` bytes during
@@ -56,19 +56,21 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from runtime import control as control_mod
-from runtime import hostfiles, layout, overlay, tasks
+from runtime import layout, overlay
 from runtime.compat import NodeFacts, check_compatibility
-from runtime.containers import ContainerInfo, resolve_container
+from runtime.container import hostfiles
+from runtime.container.containers import ContainerInfo, resolve_container
+from runtime.container.namespaces import host_pid_of, pid_namespace_shared
 from runtime.criu import image_files, restore_into
 from runtime.errors import ArtifactRejected, Reason, RekindleError, SharedPidNamespace
+from runtime.fs.owner import write_owner
 from runtime.gpu import Checkpointer, build_gpu_map, cuda_restore, ensure_device_nodes, target_facts
-from runtime.namespaces import host_pid_of, pid_namespace_shared
 from runtime.overlay import pending as overlay_pending
 from runtime.overlay.verified import VerifiedArchive
-from runtime.owner import write_owner
 from runtime.pages import bulk, nodecache, stream
 from runtime.pages import mapping as bulk_map
 from runtime.pages.entry import EntryBuild, Left, Share
+from runtime.proc import tasks
 from runtime.rollback import GenerationBook
 from runtime.route import RestorePath, Route, RouteFacts
 from runtime.route import choose as choose_route
@@ -489,7 +491,7 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
             log.info("CUDA restored for %d process(es)%s", len(host_pids),
                      f", remapped {gpu_map}" if gpu_map else "")
         if after_restore is not None:
-            # The engine's wake-up (runtime.hooks), beside the stream: its failure is the
+            # The engine's wake-up (runtime.pod.hooks), beside the stream: its failure is the
             # restore's, and the tree that ran is ended like any other after CRIU.
             with t.phase("after_restore"):
                 after_restore()

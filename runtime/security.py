@@ -5,7 +5,7 @@ filters, LSM label, rlimits, oom_score_adj and its mount tree (CRIU 4.2: ``cr-re
 ``prepare_creds``/``prepare_rlimits``/``prepare_proc_misc``, ``pie/restorer.c``). A restore is
 allowed only where the TARGET's value can be forced on the restored process or the source's
 value never exceeds the target's. What is recorded here (the ``security`` record of the signed
-manifest) and refused by :func:`check_privilege`; what is forced lives in ``runtime.confine``
+manifest) and refused by :func:`check_privilege`; what is forced lives in ``runtime.container.confine``
 (oom_score_adj, rlimits, mount flags) and in the CRIU options of :func:`lsm_options`.
 
 Security rules (documented here because the checks depend on them):
@@ -37,9 +37,9 @@ Security rules (documented here because the checks depend on them):
 - ``masked_paths`` / ``readonly_paths`` (``linux.maskedPaths``/``readonlyPaths``, normalised,
   sorted): runc makes them mounts, and CRIU restores the source's mount tree, so a path the target
   masks must be masked in the source, and a path the target makes read-only must be read-only or
-  masked in the source; otherwise refused. (``runtime.confine`` also checks the restored mount
+  masked in the source; otherwise refused. (``runtime.container.confine`` also checks the restored mount
   tree against the target's mounts after CRIU.)
-- ``devices``: the device cgroup rules as ``runtime.devrules`` parses them (NVIDIA nodes left to
+- ``devices``: the device cgroup rules as ``runtime.container.devrules`` parses them (NVIDIA nodes left to
   the GPU compatibility check). Refused when the source allows a device/access the target denies.
   The restored tree runs in the target's cgroups from CRIU's first step, so the kernel applies the
   target's rules to every open, the restore's included.
@@ -59,8 +59,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from runtime import oci
-from runtime.devrules import DeviceRule, excess, parse_rules
+from runtime.container import oci
+from runtime.container.devrules import DeviceRule, excess, parse_rules
 from runtime.errors import ArtifactRejected
 
 _CAP_RE = re.compile(r"CAP_[A-Z0-9_]+")

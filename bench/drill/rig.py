@@ -26,7 +26,7 @@ from bench.drill import observe
 from bench.drill.faults import StoreDisk
 from devtools.cri import CRIClient, Pod
 from devtools.sandbox import Runtime, Sandbox, SandboxConfig
-from runtime.containers import resolve_container
+from runtime.container.containers import resolve_container
 from runtime.status import ContainerStatus, Phase, StatusBook
 from runtime.store import ArtifactStore, read_key
 from tests.e2e.plugin_process import PluginProcess, build_native

@@ -22,7 +22,7 @@ from typing import Any, cast
 import grpc
 from google.protobuf import any_pb2, field_mask_pb2
 
-from runtime import oci
+from runtime.container import oci
 from runtime.containerd import RECONNECT_OPTIONS
 from runtime.containerd.proto import containers_pb2 as pb
 from runtime.containerd.proto import containers_pb2_grpc as pb_grpc

@@ -4,7 +4,7 @@ Contract:
 
 - :class:`DumpOptions` / :class:`RestoreOptions` hold every option Rekindle passes;
   :func:`criu_argv` turns one into argv (always ``-o <log> -v4``), :func:`run_criu` runs it
-  (optionally wrapped, e.g. by ``nsenter``, and started by a ``launcher``: ``runtime.hostview``'s,
+  (optionally wrapped, e.g. by ``nsenter``, and started by a ``launcher``: ``runtime.container.hostview``'s,
   which runs it in the runtime's mount namespace) with a timeout and raises
   ``CriuError(op, <last error lines of the log>, log_path)`` on any failure. ``view_root`` is where
   the plugin's files are in the view CRIU runs in (prefixed to the images, work, log and pidfile
@@ -15,7 +15,7 @@ Contract:
   come back closed; listening sockets restore, so a server keeps serving in a new netns with a new
   IP as long as it listened on a wildcard address); ``tcp_established`` passes
   ``--tcp-established`` instead (connections dumped and restored as they were: only for loopback
-  connections inside the tree, see ``runtime.tcpmode``; dump and restore must agree).
+  connections inside the tree, see ``runtime.proc.tcpmode``; dump and restore must agree).
   ``--skip-in-flight`` on dump: a connection still in a listener's accept queue (a client of a
   server under load) belongs to the source's address; the restored pod has another one and an
   empty queue, like every established connection it does not keep. The source's queue is
@@ -27,7 +27,7 @@ Contract:
 - Version: :func:`criu_version` runs ``criu --version``; :func:`parse_version` and
   :func:`version_tuple` are the one parser of its output (the doctor, the node facts and the
   test suite's skip reasons use them); :data:`MIN_VERSION` is the oldest CRIU Rekindle runs.
-Which mounts are external is ``runtime.mount_plan``'s job; reading CRIU's log,
+Which mounts are external is ``runtime.container.mount_plan``'s job; reading CRIU's log,
 ``runtime.criu.log``'s; the image files, ``runtime.criu.image_files``'s.
 """
 
@@ -105,7 +105,7 @@ def criu_argv(opts: DumpOptions | RestoreOptions, criu: str = CRIU) -> list[str]
     work = opts.work_dir or opts.images_dir
     at = opts.view_root
     # File mappings are checked by size only: the image (by digest), the driver version, the
-    # writable layer and the files from bind mounts (runtime.hostfiles) are matched before a
+    # writable layer and the files from bind mounts (runtime.container.hostfiles) are matched before a
     # restore already, and CRIU's default build-id check reads every mapped library's ELF
     # section headers, which no loader ever faulted in (about 10 ms a library from disk; 0.27 s
     # of an LLM worker's 0.68 s CRIU restore on the H200).

@@ -4,14 +4,14 @@ Contract (the container's PID 1 is ``rekindle-init``; the tree to move is its si
 
 - :func:`dump_workload` runs CRIU inside the source container's pid namespace with a /proc of that
   namespace (``nsenter -p`` + ``unshare -m --mount-proc``), so the image holds namespace pids. The
-  netns, every spec bind mount and every cgroup mount are external (see ``runtime.mount_plan``). It
+  netns, every spec bind mount and every cgroup mount are external (see ``runtime.container.mount_plan``). It
   returns what restore needs and the manifest stores: the mount plan, the source's stdio links
   (``pipe:[ino]`` keys for ``--inherit-fd``), and the host source of ``/dev/shm`` when that is an
   external bind (CRIU does not save it; the caller tars it).
 - :func:`restore_into` restores an image into a running target container whose init waits in
   restore mode. CRIU runs in the mount namespace of the target's runtime (its shim's), where
   its bind sources and rootfs are, even when the plugin has one of its own
-  (``runtime.hostview.criu_launch``: the plugin's CRIU, loader and libraries, nothing of the
+  (``runtime.container.hostview.criu_launch``: the plugin's CRIU, loader and libraries, nothing of the
   host's). Before CRIU: the mount plan is mapped to the target's sources, every pid and thread
   id of the image is checked free in the target pid ns and the ns's ``ns_last_pid`` is raised above
   them (CRIU and its helpers are forked into that ns too, and would take them). CRIU then runs in
@@ -24,7 +24,7 @@ Contract (the container's PID 1 is ``rekindle-init``; the tree to move is its si
   root an orphan, the kernel reparents it to the pid ns's init): verified, else NamespaceError.
   The tree is (re)written into the target cgroups and the target's hostname/domainname, which
   CRIU overwrites with the source's, are put back. While still stopped, the tree gets the
-  target's oom_score_adj, rlimits and mount flags (``runtime.confine``, verified, else
+  target's oom_score_adj, rlimits and mount flags (``runtime.container.confine``, verified, else
   ConfinementError); only then is it sent SIGCONT. The caller then writes ``restore-pid`` and
   ``restore-complete``; on any error it writes ``restore-failed`` (the init kills leftovers,
   stopped ones included).
@@ -41,19 +41,20 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from runtime import hostview, procfs
-from runtime import namespaces as ns
-from runtime.confine import confine
-from runtime.containers import ContainerInfo, Pid, process_tree, read_mountinfo, read_stdio, workload_root
+from runtime.container import hostview
+from runtime.container import namespaces as ns
+from runtime.container.confine import confine
+from runtime.container.containers import ContainerInfo, Pid, process_tree, read_mountinfo, read_stdio, workload_root
+from runtime.container.mount_plan import map_mounts, plan_external_mounts
 from runtime.criu import command as criu_mod
 from runtime.criu.command import DumpOptions, RestoreOptions
 from runtime.criu.image_files import image_is_shell_job, image_pids
 from runtime.criu.log import unexpected_errors
 from runtime.errors import CriuError, NamespaceError
 from runtime.layout import MountPlanEntry
-from runtime.mount_plan import map_mounts, plan_external_mounts
+from runtime.proc import procfs
+from runtime.proc.tasks import descendants, kill_all, wait_stopped
 from runtime.security import LsmOptions
-from runtime.tasks import descendants, kill_all, wait_stopped
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +118,7 @@ def dump_workload(
 
     ``leave_stopped``: the tree stays stopped after the dump, so the caller can capture the
     writable layer and /dev/shm at the same instant as the memory, then resume it (SIGCONT).
-    ``tcp_established``: keep TCP connections (``runtime.tcpmode`` decides), else close them."""
+    ``tcp_established``: keep TCP connections (``runtime.proc.tcpmode`` decides), else close them."""
     root: Pid = workload_root(info)
     if os.stat(f"/proc/{root.host}/ns/pid").st_ino != info.namespaces["pid"].inode:
         raise NamespaceError(f"workload {root.host} is not in container {info.id}'s pid namespace")

@@ -18,7 +18,7 @@ import os
 import re
 from collections.abc import Iterable
 
-from runtime import oci
+from runtime.container import oci
 from runtime.manifest import Gpu
 
 PROC_GPUS = "/proc/driver/nvidia/gpus"

@@ -18,7 +18,7 @@ import stat
 from dataclasses import dataclass
 
 from runtime.errors import NamespaceError
-from runtime.openat2 import RESOLVE_IN_ROOT, RESOLVE_NO_MAGICLINKS, RESOLVE_NO_SYMLINKS, openat2
+from runtime.fs.openat2 import RESOLVE_IN_ROOT, RESOLVE_NO_MAGICLINKS, RESOLVE_NO_SYMLINKS, openat2
 
 
 @dataclass(frozen=True)

@@ -21,14 +21,15 @@ import dataclasses
 import logging
 from collections.abc import Iterable
 
-from runtime import oci, tasks
 from runtime.compat import NodeFacts
-from runtime.containers import process_tree
+from runtime.container import oci
+from runtime.container.containers import process_tree
 from runtime.errors import RekindleError
 from runtime.gpu.cuda import Checkpointer
 from runtime.gpu.devices import NVIDIA_MAJOR, spec_devices, visible_gpus
 from runtime.gpu.devnodes import CharDevice, ensure_char_devices
 from runtime.manifest import CudaInfo, Gpu
+from runtime.proc import tasks
 
 log = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 from runtime.digests import new_hash
 from runtime.errors import Reason, RekindleError
+from runtime.fs.pagecache import is_cached
 from runtime.layout import DIGEST_BYTES, SUM_CHUNK
-from runtime.pagecache import is_cached
 
 SCRATCH = SUM_CHUNK  # what :func:`read` needs beside the caller's buffer: the rest of one chunk
 

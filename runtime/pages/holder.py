@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 from runtime import control as control_mod
-from runtime import procfs, tasks
+from runtime.proc import procfs, tasks
 
 log = logging.getLogger("rekindle.stream_holder")
 REASON = "the agent went away while it served the restored memory"

@@ -34,14 +34,14 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 
-from runtime.containers import ContainerInfo
+from runtime.container.containers import ContainerInfo
+from runtime.container.namespaces import enter_cgroups_argv
 from runtime.control import ControlDir
 from runtime.criu import CRIU, lazy_pages
 from runtime.criu import image_files as img
 from runtime.criu.lazy_pages import LazyPagesError, Listener
 from runtime.digests import WORKERS
 from runtime.layout import BulkFile
-from runtime.namespaces import enter_cgroups_argv
 from runtime.pages import holder as holder_mod
 from runtime.pages import uffd
 from runtime.pages.book import MappedBook

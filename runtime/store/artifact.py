@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from runtime.digests import WORKERS, hash_fd
 from runtime.errors import ArtifactRejected
-from runtime.fdfs import DIR_FLAGS, FILE_FLAGS, safe_parts, why
+from runtime.fs.fdfs import DIR_FLAGS, FILE_FLAGS, safe_parts, why
 from runtime.manifest import FileEntry, Manifest
 
 

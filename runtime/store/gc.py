@@ -8,7 +8,7 @@ older than a grace period; never a version a reader holds (its OFD lock). :func:
 artifacts by age or keeps the newest N versions of a name, under the same rule.
 
 Anything in the store may have been planted: its trees are walked and removed without recursion,
-within bounds (``runtime.fdfs``: depth and entries); a leftover past them is reported (its
+within bounds (``runtime.fs.fdfs``: depth and entries); a leftover past them is reported (its
 ``problem``) and removed like any other once abandoned, and no one entry stops the sweep.
 """
 
@@ -23,8 +23,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from runtime.errors import ArtifactRejected, RekindleError, StoreError, TreeTooLarge
-from runtime.fdfs import DIR_FLAGS, remove_tree, tree_bytes
-from runtime.owner import Owner, read_owner
+from runtime.fs.fdfs import DIR_FLAGS, remove_tree, tree_bytes
+from runtime.fs.owner import Owner, read_owner
 from runtime.store.volume import (
     LINK_PREFIX,
     STAGING_PREFIX,

@@ -3,7 +3,7 @@
 Contract:
 
 - :func:`read_key` ``(path) -> bytes``: the key's directory is opened once (O_DIRECTORY) and the
-  key is resolved beneath it (:func:`runtime.openat2.open_beneath`), so the symlinks kubelet makes
+  key is resolved beneath it (:func:`runtime.fs.openat2.open_beneath`), so the symlinks kubelet makes
   for a Secret volume (``hmac.key -> ..data/hmac.key``, ``..data -> ..<timestamp>``) are followed,
   while an absolute symlink or a ``..`` that leaves the directory is refused. The key is first
   opened O_PATH and checked with fstat: only a regular file is ever opened for reading, and that
@@ -27,7 +27,7 @@ import secrets
 import stat
 
 from runtime.errors import ConfigError, KeyMissing
-from runtime.openat2 import open_beneath
+from runtime.fs.openat2 import open_beneath
 
 log = logging.getLogger(__name__)
 

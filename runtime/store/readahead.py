@@ -6,7 +6,7 @@ threads makes the restore's own reads page-cache hits. Nothing read here is used
 still copies and hashes what it uses (``runtime.store.volume``), so a prefetch needs no trust, only
 bounds: it reads only when the artifact fits in a share of the memory available, stops when
 cancelled, and reads through the same version fd the store hands out. What is cached already
-is not read again (``runtime.pagecache``): those copies would only take cores from the restore.
+is not read again (``runtime.fs.pagecache``): those copies would only take cores from the restore.
 
 The reads keep the disk's queue short: the pod's own start (runc, the shim, the init, CRIU) reads
 small files from the same disk meanwhile, and each of its reads waits behind whatever is queued.
@@ -24,7 +24,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from runtime.pagecache import is_cached
+from runtime.fs.pagecache import is_cached
 from runtime.store.artifact import Artifact
 
 log = logging.getLogger(__name__)

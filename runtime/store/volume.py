@@ -30,8 +30,8 @@ Contract:
   private node-local file while hashing it and refuses a mismatch; :meth:`Artifact.open_file`
   hands out an fd for callers that hash exactly the bytes they consume (the bulk page fill).
 - Digests: ``runtime.digests``; the open version: ``runtime.store.artifact``; fd-relative file
-  operations and the OFD locks: ``runtime.fdfs``.
-- Leaks: a staging dir records its owner (``runtime.owner``); ``runtime.store.gc`` lists what is
+  operations and the OFD locks: ``runtime.fs.fdfs``.
+- Leaks: a staging dir records its owner (``runtime.fs.owner``); ``runtime.store.gc`` lists what is
   left over and sweeps or prunes it.
 """
 
@@ -58,7 +58,7 @@ from types import TracebackType
 from runtime import layout, names
 from runtime.digests import Hashed, hash_fd
 from runtime.errors import ArtifactNotFound, ArtifactRejected, RekindleError, StoreError
-from runtime.fdfs import (
+from runtime.fs.fdfs import (
     DIR_FLAGS,
     FILE_FLAGS,
     exclusive,
@@ -72,9 +72,9 @@ from runtime.fdfs import (
     why,
     write_file,
 )
+from runtime.fs.owner import OWNER, write_owner_at
 from runtime.manifest import MAX_MANIFEST_BYTES as MAX_MANIFEST
 from runtime.manifest import FileEntry, Manifest, sign, verify
-from runtime.owner import OWNER, write_owner_at
 from runtime.store.artifact import Artifact, Vanished
 
 log = logging.getLogger(__name__)

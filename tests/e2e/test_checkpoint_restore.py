@@ -231,7 +231,7 @@ def test_restore_into_less_privileged_container_is_refused(sandbox, pod, plugin)
 
 
 def _only_child(sandbox, cid: str) -> int:
-    from runtime.containers import children
+    from runtime.container.containers import children
     init = sandbox.cri.container_status(cid, verbose=True).pid
     kids = children(init)
     assert len(kids) == 1, (init, kids)
@@ -464,7 +464,7 @@ def test_plugin_killed_during_a_restore_leaves_a_cold_start_not_a_stuck_pod(sand
     """The agent dies mid-restore: in CRIU (stock path; CRIU dies with it) or while it fills the
     stopped tree's bulk pages (bulk path). When it comes back it fails that restore, once, and the
     init kills whatever was left and starts the original command."""
-    from runtime.containers import resolve_container
+    from runtime.container.containers import resolve_container
     name = f"interrupted-{path}"
     warm = {"WARMUP_MIB": "2048" if path == "bulk" else "1024", "WARMUP_PASSES": "1"}
     plugin.kill()

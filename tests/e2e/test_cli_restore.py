@@ -32,7 +32,7 @@ def tree(root: str) -> dict[str, tuple[int, int]]:
 
 
 def test_restore_into_a_running_container_it_did_not_prepare_is_refused_untouched(sandbox, pod, plugin):
-    from runtime.containers import resolve_container
+    from runtime.container.containers import resolve_container
     checkpoint_source(sandbox, pod, plugin, "cli-live-target")
     # A live container of the same image, not annotated: Rekindle never prepared it.
     live = pod("cli-live")

@@ -2,7 +2,7 @@
 
 Two runc containers are built by hand (busybox-static rootfs on overlay, own netns joined by a veth
 pair with different IPs, the real rekindle-init as PID 1). The source runs a shell counter; the
-target's init waits in restore mode. No containerd is involved: this exercises runtime.containers,
+target's init waits in restore mode. No containerd is involved: this exercises runtime.container.containers,
 runtime.criu.command and runtime.criu.executor alone.
 """
 
@@ -23,12 +23,12 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from runtime.containers import ContainerInfo, inspect_bundle, ns_pids, process_tree, workload_root
+from runtime.container.containers import ContainerInfo, inspect_bundle, ns_pids, process_tree, workload_root
 from runtime.criu import command as criu_mod
 from runtime.criu.executor import DumpResult, dump_workload, restore_into
 from runtime.errors import CriuError
 from runtime.layout import MountPlanEntry
-from runtime.tasks import signal_all
+from runtime.proc.tasks import signal_all
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
@@ -333,7 +333,7 @@ def test_restore_into_target(env: Env) -> None:
 
 def test_restore_into_other_pod_via_containerd(sandbox, pod) -> None:  # type: ignore[no-untyped-def]
     from devtools.cri import ContainerState, Mount
-    from runtime.containers import resolve_container
+    from runtime.container.containers import resolve_container
 
     reason = _skip_reason()
     if reason:

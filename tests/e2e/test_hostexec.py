@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime import hostview
+from runtime.container import hostview
 
 REPO = Path(__file__).resolve().parents[2]
 HELPER = REPO / "build" / "hostexec" / "rekindle-hostexec"

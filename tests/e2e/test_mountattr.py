@@ -1,4 +1,4 @@
-"""runtime.mountattr on a real mount namespace: flags are added inside it only, paths are looked up
+"""runtime.container.mountattr on a real mount namespace: flags are added inside it only, paths are looked up
 there, and nothing from inside it is executed."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from runtime.confine import visible_mounts
-from runtime.containers import read_mountinfo
-from runtime.mountattr import MOUNT_ATTR_NOEXEC, MOUNT_ATTR_RDONLY, adjust
+from runtime.container.confine import visible_mounts
+from runtime.container.containers import read_mountinfo
+from runtime.container.mountattr import MOUNT_ATTR_NOEXEC, MOUNT_ATTR_RDONLY, adjust
 
 
 @pytest.fixture

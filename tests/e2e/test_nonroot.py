@@ -22,7 +22,7 @@ import pytest
 
 from devtools.cri import SecurityContext
 from devtools.gpu import host_python_mounts
-from runtime import rlimits
+from runtime.proc import rlimits
 from tests.e2e.test_checkpoint_restore import _edit_spec, get, wait_status
 from tests.e2e.test_stream_restore import _tree_in
 from tests.waiting import wait_for

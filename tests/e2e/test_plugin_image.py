@@ -11,7 +11,7 @@ containerd's log says the plugin connected, and a pod annotated
 rekindle.dev/checkpoint gets the control dir (REKINDLE_CONTROL_DIR) in its spec.
 A workload whose bind source is a host dir the plugin's pod does not mount (as a
 host-installed driver's libraries are) is checkpointed and restored warm by the
-plugin in its pod: CRIU runs in the host's mount namespace (runtime/hostview.py).
+plugin in its pod: CRIU runs in the host's mount namespace (runtime/container/hostview.py).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from runtime.probe import probe
+from runtime.pod.probe import probe
 from tests.waiting import wait_for
 
 SERVER = """

@@ -72,7 +72,7 @@ def rootfs_of(pid: int) -> dict[str, Any]:
 
 
 def init_pid(sandbox: Any, cid: str) -> int:
-    from runtime.containers import resolve_container
+    from runtime.container.containers import resolve_container
     return resolve_container(str(sandbox.state_dir), cid).init_pid
 
 

@@ -197,8 +197,8 @@ def test_a_flipped_byte_in_a_streamed_piece_kills_the_running_tree_and_the_pod_s
 
 def _tree_in(sandbox, cid: str) -> list[int]:
     """Host pids of the container's processes but its init."""
-    from runtime.containers import resolve_container
-    from runtime.namespaces import used_pids
+    from runtime.container.containers import resolve_container
+    from runtime.container.namespaces import used_pids
     info = resolve_container(str(sandbox.state_dir), cid)
     return [host for ns, host in used_pids(info.namespaces["pid"].inode).items() if ns != 1]
 

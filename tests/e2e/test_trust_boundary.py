@@ -68,9 +68,9 @@ def checkpoint(sandbox, pod, plugin, name: str, pod_name: str, requests: int,  #
 
 
 def test_no_container_binary_runs_with_the_plugins_privileges(sandbox, pod, plugin):
-    from runtime.containers import resolve_container
+    from runtime.container.containers import resolve_container
+    from runtime.container.namespaces import host_pid_of
     from runtime.gpu.target import ensure_device_nodes
-    from runtime.namespaces import host_pid_of
     from runtime.status import Phase, StatusBook
 
     plant = (f"/bin/busybox rm -f /bin/sh && /bin/busybox printf '%s' '{RECORDER}' > /bin/sh && "
@@ -139,7 +139,7 @@ def _attack_hardlink(store_ns: Path, opened: Path, older: Path) -> None:
 def test_a_restore_uses_only_the_bytes_it_verified(sandbox, pod, plugin, tmp_path, monkeypatch, attack):
     import runtime.restore as restore_flow
     from runtime.compat import NodeFacts
-    from runtime.containers import resolve_container
+    from runtime.container.containers import resolve_container
     from runtime.control import ControlDir
     from runtime.errors import RekindleError
     from runtime.store.keys import read_key

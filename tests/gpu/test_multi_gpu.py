@@ -147,7 +147,7 @@ def status(plugin: PluginProcess, pod: Pod, phases: set[str], timeout: float = 6
 def nccl_findings(sandbox: Sandbox, cid: str) -> list[dict[str, Any]]:
     """What the preflight sees of NCCL in the container right now (for the record)."""
     from runtime import checkpointable as preflight
-    from runtime.containers import process_tree, resolve_container
+    from runtime.container.containers import process_tree, resolve_container
 
     try:
         tree = process_tree(resolve_container(str(sandbox.paths.state), cid).init_pid)
@@ -274,7 +274,7 @@ def test_tp2_with_rebuild_restored_on_the_same_gpus(sandbox, cri, plugin, pods):
 def test_tp2_with_rebuild_restored_onto_swapped_gpus(tmp_path: Path):
     gpus = need_gpus(2)
     from runtime import checkpointable as preflight
-    from runtime.containers import process_tree
+    from runtime.container.containers import process_tree
     from runtime.gpu.cuda import CudaCheckpointer
 
     case = "tp2-rebuild-swapped-gpus"

@@ -17,12 +17,13 @@ from typing import Any
 
 import pytest
 
-from runtime import digests, tasks
+from runtime import digests
 from runtime.criu import image_files as img
 from runtime.criu.proto import core_pb2, mm_pb2, pstree_pb2, vma_pb2
 from runtime.errors import ArtifactRejected
 from runtime.layout import SUM_CHUNK, BulkFile, BulkRange, bulk_file, bulk_sums
 from runtime.pages import bulk, chunks
+from runtime.proc import tasks
 from runtime.store.volume import ArtifactStore
 from tests.unit.test_store import KEY, publish
 from tests.waiting import wait_for

@@ -7,9 +7,9 @@ import resource
 
 import pytest
 
-from runtime.confine import clamp, exceeds, mount_attrs, mount_fixes, visible_mounts
-from runtime.containers import parse_mountinfo
-from runtime.mountattr import MOUNT_ATTR_NODEV, MOUNT_ATTR_NOEXEC, MOUNT_ATTR_NOSUID, MOUNT_ATTR_RDONLY
+from runtime.container.confine import clamp, exceeds, mount_attrs, mount_fixes, visible_mounts
+from runtime.container.containers import parse_mountinfo
+from runtime.container.mountattr import MOUNT_ATTR_NODEV, MOUNT_ATTR_NOEXEC, MOUNT_ATTR_NOSUID, MOUNT_ATTR_RDONLY
 
 INF = resource.RLIM_INFINITY
 

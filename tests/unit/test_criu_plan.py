@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from runtime import mount_plan
-from runtime.containers import ContainerInfo, NsRef, overlay_upperdir, parse_cgroup_paths, parse_mountinfo
+from runtime.container import mount_plan
+from runtime.container.containers import ContainerInfo, NsRef, overlay_upperdir, parse_cgroup_paths, parse_mountinfo
 from runtime.criu import command as criu_mod
 from runtime.criu import image_files
 from runtime.criu import log as criu_log

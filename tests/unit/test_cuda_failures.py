@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from runtime import checkpoint
-from runtime.containers import process_tree
+from runtime.container.containers import process_tree
 from runtime.errors import CudaError, CudaStuck, SourceResumeFailed
 from runtime.gpu import target
 from runtime.gpu.cuda import ProcessState

@@ -17,7 +17,7 @@ from typing import TypeVar
 import pytest
 
 from runtime import checkpoint
-from runtime.containers import process_tree
+from runtime.container.containers import process_tree
 from runtime.errors import CudaError, CudaStuck, CudaUnavailable
 from runtime.gpu import cuda
 from runtime.gpu.cuda import CudaCheckpointer, CudaTimeout, ProcessState

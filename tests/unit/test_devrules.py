@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from runtime.devrules import DeviceRule, allowed, excess, parse_rules
+from runtime.container.devrules import DeviceRule, allowed, excess, parse_rules
 
 DENY_ALL = {"allow": False, "access": "rwm"}
 

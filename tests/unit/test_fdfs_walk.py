@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from runtime import fdfs
 from runtime.errors import TreeTooLarge
+from runtime.fs import fdfs
 from tests.unit.test_store_gc import _no_deep_trees_left, deep_tree  # noqa: F401 - the fixture
 
 

@@ -1,4 +1,4 @@
-"""runtime.frozen: what a checkpoint stopped is continued by the next one if the agent died."""
+"""runtime.proc.frozen: what a checkpoint stopped is continued by the next one if the agent died."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import signal
 import subprocess
 from pathlib import Path
 
-from runtime import frozen, tasks
+from runtime.proc import frozen, tasks
 from tests.waiting import wait_for
 
 

@@ -1,4 +1,4 @@
-"""The release path's HTTP calls (runtime.hooks) and their annotations (nri_plugin.policy)."""
+"""The release path's HTTP calls (runtime.pod.hooks) and their annotations (nri_plugin.policy)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from nri_plugin.policy import decide
-from runtime import hooks
 from runtime.errors import AnnotationError
+from runtime.pod import hooks
 
 SRC = {"rekindle.dev/checkpoint": "engine"}
 DST = {"rekindle.dev/restore": "engine"}

@@ -1,4 +1,4 @@
-"""Pure parts of runtime.hostview, and CRIU's argv in another view (runtime.criu.command)."""
+"""Pure parts of runtime.container.hostview, and CRIU's argv in another view (runtime.criu.command)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime import hostfiles, hostview
+from runtime.container import hostfiles, hostview
 from runtime.criu import command as criu_mod
 from runtime.criu.command import RestoreOptions
 

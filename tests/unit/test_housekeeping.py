@@ -8,8 +8,8 @@ import os
 import time
 from pathlib import Path
 
+from runtime.fs.owner import OWNER, Owner, write_owner
 from runtime.housekeeping import expire_status, rotate_logs, sweep_restore_copies
-from runtime.owner import OWNER, Owner, write_owner
 from runtime.status import ContainerStatus, Phase, StatusBook
 from tests.unit.test_store_gc import _no_deep_trees_left  # noqa: F401 - the fixture
 
@@ -146,7 +146,7 @@ def test_a_planted_tree_in_the_store_is_counted_and_housekeeping_goes_on(tmp_pat
     from nri_plugin import agent
     from nri_plugin.config import Settings
     from nri_plugin.metrics import Metrics
-    from runtime import fdfs
+    from runtime.fs import fdfs
     from runtime.store.volume import ArtifactStore
     from tests.unit.test_store_gc import deep_tree
 

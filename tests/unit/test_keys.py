@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from runtime import openat2
 from runtime.errors import ConfigError, KeyMissing
+from runtime.fs import openat2
 from runtime.store.keys import create_key, load_key, read_key
 from tests.e2e.kubelet_volumes import project
 

@@ -1,4 +1,4 @@
-"""runtime.openat2.open_beneath: the kernel's openat2 and the component walk used on kernels
+"""runtime.fs.openat2.open_beneath: the kernel's openat2 and the component walk used on kernels
 without it must agree, case by case, on what they follow and what they refuse."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime import openat2
+from runtime.fs import openat2
 
 
 @pytest.fixture(params=["openat2", "walk"])

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from nri_plugin.prefetch import Prefetcher
+from runtime.fs.pagecache import is_cached
 from runtime.housekeeping import rotate_logs
-from runtime.pagecache import is_cached
 from runtime.store import readahead
 from runtime.store.readahead import warm
 from runtime.store.volume import ArtifactStore

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from runtime import checkpointable as preflight
-from runtime import procfs, unixdiag
 from runtime.checkpointable import Kind, NcclTransport
+from runtime.proc import procfs, unixdiag
 from tests.nccl_forge import FORGE_HELPERS, FORGE_PROXY_SOCKET
 
 NCCL_SOCK_INODE = 5001
@@ -24,7 +24,7 @@ NCCL_SOCK_INODE = 5001
 def fake_process(proc: Path, pid: int, *, fds: dict[int, str] | None = None, maps: list[str] | None = None,
                  env: dict[str, str] | None = None, unix: list[tuple[int, str]] | None = None,
                  comm: str = "python3") -> None:
-    """A /proc/<pid> the way the kernel shows it, as far as runtime.procfs reads it."""
+    """A /proc/<pid> the way the kernel shows it, as far as runtime.proc.procfs reads it."""
     d = proc / str(pid)
     (d / "fd").mkdir(parents=True)
     (d / "net").mkdir()
@@ -151,7 +151,7 @@ def test_anon_inodes_criu_cannot_dump(tmp_path: Path, link: str, cuda: bool, blo
 def test_nvidia_majors_come_from_proc_devices(tmp_path: Path) -> None:
     (tmp_path / "devices").write_text("Character devices:\n  1 mem\n195 nvidia-frontend\n508 nvidia-uvm\n"
                                       "\nBlock devices:\n  8 sd\n")
-    from runtime import procfs
+    from runtime.proc import procfs
     assert procfs.char_majors("nvidia", str(tmp_path)) == {195, 508}
 
 

@@ -1,4 +1,4 @@
-"""runtime.probe against local servers that answer, refuse, or stall on purpose (slow-loris)."""
+"""runtime.pod.probe against local servers that answer, refuse, or stall on purpose (slow-loris)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from runtime.probe import MAX_PARKED, probe, release
+from runtime.pod.probe import MAX_PARKED, probe, release
 
 
 async def _server(mode: str) -> tuple[asyncio.base_events.Server, int]:
@@ -236,7 +236,7 @@ def test_sock_diag_answers_are_read_strictly():
     import errno
     import struct
 
-    from runtime import probe as p
+    from runtime.pod import probe as p
     req = p.diag_request(socket.AF_INET, ("10.0.0.1", 8080), ("10.0.0.2", 40000))
     assert len(req) == 16 + 56 and struct.unpack_from("=IH", req) == (72, p.SOCK_DIAG_BY_FAMILY)
     err = struct.pack("=IHHII", 36, p.NLMSG_ERROR, 0, 1, 0) + struct.pack("=i", -errno.ENOENT) + bytes(16)

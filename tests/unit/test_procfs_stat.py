@@ -1,4 +1,4 @@
-"""The one parser of ``/proc/<pid>/stat`` (runtime.procfs.parse_stat): fields counted after the
+"""The one parser of ``/proc/<pid>/stat`` (runtime.proc.procfs.parse_stat): fields counted after the
 command name's last ``)``, whatever the name holds."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime import procfs
+from runtime.proc import procfs
 
 TAIL = "0 0 0 0 0 0 0 0 0 0 0 20 0 1 0 {start} 0 0 18446744073709551615"  # tty_nr .. itrealvalue, starttime, ...
 

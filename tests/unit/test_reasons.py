@@ -32,12 +32,12 @@ EXPECTED = {
     "runtime.errors.Incompatible": Reason.INCOMPATIBLE, "runtime.errors.LessPrivileged": Reason.PRIVILEGE,
     "runtime.errors.SharedPidNamespace": Reason.INCOMPATIBLE,
     "runtime.containerd.client.ContainerdError": Reason.RUNTIME,
-    "runtime.hooks.HookFailed": Reason.RUNTIME,  # the workload did not answer its release-path call
+    "runtime.pod.hooks.HookFailed": Reason.RUNTIME,  # the workload did not answer its release-path call
     "runtime.containerd.cri_lookup.CRIError": Reason.RUNTIME,
     "runtime.pages.serve.StreamError": Reason.CRIU, "runtime.pages.serve.StreamIntegrityError": Reason.INTEGRITY,
     "runtime.restore.RestoreRolledBackBadly": Reason.RUNTIME, "runtime.pages.bulk.FillError": Reason.INTEGRITY,
     "runtime.pages.chunks.IntegrityError": Reason.INTEGRITY, "runtime.criu.lazy_pages.LazyPagesError": Reason.CRIU,
-    "runtime.overlay.tar._Invalid": Reason.RUNTIME, "runtime.hostfiles.HostFilesError": Reason.INCOMPATIBLE,
+    "runtime.overlay.tar._Invalid": Reason.RUNTIME, "runtime.container.hostfiles.HostFilesError": Reason.INCOMPATIBLE,
     "runtime.pages.mapping.MapError": Reason.INTEGRITY, "runtime.pages.nodecache.CacheError": Reason.STORE,
     "runtime.gpu.cuda.CudaTimeout": Reason.CUDA, "runtime.gpu.cuda.GpuMapError": Reason.INCOMPATIBLE,
     "nri_plugin.restore_target.TargetRefused": Reason.RUNTIME,
@@ -76,7 +76,7 @@ def test_a_rejection_says_whether_privilege_or_compatibility() -> None:
     assert ArtifactRejected("a/b", "bad signature").reason_class is Reason.INTEGRITY
 
 
-CONFINE = [  # runtime/confine.py's own messages: "restored" holds "store"
+CONFINE = [  # runtime/container/confine.py's own messages: "restored" holds "store"
     "the restored mount tree lacks the target's mounts at /data",
     "restored mounts still lack the target's flags: /data ro",
     "cannot set limits of restored process 4242: [Errno 1] Operation not permitted",

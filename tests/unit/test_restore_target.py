@@ -13,7 +13,7 @@ import pytest
 from nri_plugin import restore_target
 from nri_plugin.swap import init_command
 from runtime import control
-from runtime.containers import ContainerInfo
+from runtime.container.containers import ContainerInfo
 from tests.waiting import wait_for
 
 CID = "e" * 64
@@ -91,7 +91,7 @@ def test_a_pid_1_that_is_not_the_init_or_has_children_is_refused(monkeypatch, tm
     try:
         with pytest.raises(restore_target.TargetRefused, match="no longer runs the init"):
             check(monkeypatch, tmp_path, state, _target(tmp_path, other.pid, args, src))
-        from runtime.containers import children
+        from runtime.container.containers import children
         wait_for(lambda: children(parent.pid), 5, "the child to start", interval=0.02)
         with pytest.raises(restore_target.TargetRefused, match="has started processes"):
             check(monkeypatch, tmp_path, state, _target(tmp_path, parent.pid, args, src))

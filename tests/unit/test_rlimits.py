@@ -1,4 +1,4 @@
-"""runtime.rlimits: /proc/<pid>/limits gives what prlimit gives."""
+"""runtime.proc.rlimits: /proc/<pid>/limits gives what prlimit gives."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import resource
 
 import pytest
 
-from runtime import rlimits
+from runtime.proc import rlimits
 
 
 def test_proc_limits_of_this_process_match_prlimit():

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from runtime import security
-from runtime.devrules import DeviceRule
+from runtime.container.devrules import DeviceRule
 from runtime.errors import ArtifactRejected
 from runtime.manifest import CriuInfo, FileEntry, Manifest, NodeInfo, ProcessInfo, Source
 from runtime.security import IdMapping, LsmOptions, LsmSupport, SecurityProfile, Sysctl, check_privilege, lsm_options

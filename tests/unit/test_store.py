@@ -16,6 +16,7 @@ import pytest
 
 from runtime import digests
 from runtime.errors import ArtifactNotFound, ArtifactRejected, StoreError
+from runtime.fs.owner import Owner
 from runtime.manifest import (
     CriuInfo,
     FileEntry,
@@ -26,7 +27,6 @@ from runtime.manifest import (
     Source,
     sign,
 )
-from runtime.owner import Owner
 from runtime.rollback import GenerationBook
 from runtime.store import gc as store_gc
 from runtime.store.volume import ArtifactStore, validate_name, validate_namespace
@@ -138,7 +138,7 @@ def test_publish_whose_owner_record_cannot_be_written_leaves_nothing(tmp_path: P
     def full(path: str, data: bytes, dir_fd: int | None = None, *, exclusive: bool = False) -> None:
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600, dir_fd=dir_fd))  # created, then the disk is full
         raise OSError(28, "No space left on device")
-    from runtime import owner
+    from runtime.fs import owner
     monkeypatch.setattr(owner, "write_file", full)
     with pytest.raises(StoreError, match="No space left"):
         with ArtifactStore(str(tmp_path)).stage("team-a", "x") as staging:
@@ -685,7 +685,7 @@ def test_racing_same_name_publishes_leave_no_unreferenced_version(tmp_path: Path
     from runtime.store import volume as store_mod
     store = ArtifactStore(str(tmp_path / "store"))
     publish(store)  # a first version: both racers read it as the previous one
-    from runtime.fdfs import rename_noreplace as real
+    from runtime.fs.fdfs import rename_noreplace as real
     raced: list[str] = []
 
     def a_first(src_fd: int, src: str, dst_fd: int, dst: str) -> None:

@@ -1,4 +1,4 @@
-"""runtime.tcpmode: keep a tree's TCP connections only when all are loopback and between its own
+"""runtime.proc.tcpmode: keep a tree's TCP connections only when all are loopback and between its own
 processes; on stand-in /proc tables and on real sockets."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from runtime import procfs, tcpmode
 from runtime.criu import command as criu
+from runtime.proc import procfs, tcpmode
 
 LISTEN, ESTABLISHED, TIME_WAIT, CLOSE_WAIT = 0x0A, 0x01, 0x06, 0x08
 

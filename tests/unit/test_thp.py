@@ -1,4 +1,4 @@
-"""The node's THP mode switched to always around CUDA checkpoints (runtime.thp): once for
+"""The node's THP mode switched to always around CUDA checkpoints (runtime.proc.thp): once for
 checkpoints at once, back after the last, put back at start-up after a kill; and on the real knob."""
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from runtime import thp
-from runtime.thp import ThpSwitch, read_mode
+from runtime.proc import thp
+from runtime.proc.thp import ThpSwitch, read_mode
 
 
 def _knob(tmp_path: Path, mode: str = "madvise") -> Path:

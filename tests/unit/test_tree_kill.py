@@ -15,10 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from runtime import restore, tasks
-from runtime.containers import children
-from runtime.namespaces import pid_namespace_shared
+from runtime import restore
+from runtime.container.containers import children
+from runtime.container.namespaces import pid_namespace_shared
 from runtime.pages import holder
+from runtime.proc import tasks
 from tests.waiting import wait_for
 
 # ns pid 1 runs the "container init" (a shell whose tree is sleeps two deep) and a sidecar sleep.

@@ -17,7 +17,7 @@ import os
 import subprocess
 from collections.abc import Iterable, Sequence
 
-from runtime.containers import children, parse_nspid
+from runtime.container.containers import children, parse_nspid
 from runtime.errors import ContainerNotFound, NamespaceError
 
 log = logging.getLogger(__name__)

@@ -10,8 +10,9 @@ import socket
 import time
 from dataclasses import dataclass
 
-from runtime import procfs, strict_json
-from runtime.fdfs import DIR_FLAGS, FILE_FLAGS, write_file
+from runtime import strict_json
+from runtime.fs.fdfs import DIR_FLAGS, FILE_FLAGS, write_file
+from runtime.proc import procfs
 
 OWNER = ".owner.json"
 

@@ -34,7 +34,8 @@ import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from runtime import libc, procfs
+from runtime import libc
+from runtime.proc import procfs
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,8 @@ import socket
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from runtime import libc, procfs
+from runtime import libc
+from runtime.proc import procfs
 
 log = logging.getLogger(__name__)
 

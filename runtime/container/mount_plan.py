@@ -7,7 +7,7 @@ Contract:
   the rootfs as runc resolves it).
 - :func:`map_mounts` (restore) resolves each key to the TARGET container's host source (bind:
   the target spec's source at that destination; cgroup: the host dir the target's mount shows,
-  as a path in the mount namespace of ``view_pid``, the one CRIU runs in: ``runtime.hostview``)
+  as a path in the mount namespace of ``view_pid``, the one CRIU runs in: ``runtime.container.hostview``)
   and raises CriuError naming any entry without a counterpart.
 """
 
@@ -16,8 +16,8 @@ from __future__ import annotations
 import logging
 import os
 
-from runtime import oci
-from runtime.containers import ContainerInfo, MountInfo, read_mountinfo
+from runtime.container import oci
+from runtime.container.containers import ContainerInfo, MountInfo, read_mountinfo
 from runtime.errors import CriuError
 from runtime.layout import MountPlanEntry
 

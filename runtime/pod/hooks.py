@@ -6,7 +6,7 @@ SGLang's ``/sleep?level=1`` copy the weights to pinned host memory and free the 
 (``rekindle.dev/before-checkpoint``) and after the restored process runs
 (``rekindle.dev/after-restore``); a source it put to sleep it wakes again with the latter.
 
-The target is the tenant's, so a call is made like a ready probe (``runtime.probe``): the socket
+The target is the tenant's, so a call is made like a ready probe (``runtime.pod.probe``): the socket
 is made in the pod's netns by a fresh thread that ends at once, the host is an IP address (the
 policy refuses names), the connect, the request and the status line run under one deadline,
 and the connection ends with a reset once the workload closed it (or a short wait), so it never
@@ -24,8 +24,8 @@ import socket
 import time
 from dataclasses import dataclass
 
-from runtime import probe
 from runtime.errors import Reason, RekindleError
+from runtime.pod import probe
 
 DEFAULT_TIMEOUT = 120   # seconds: an engine's sleep copies its weights to host memory
 MAX_TIMEOUT = 3600

@@ -9,11 +9,11 @@ mount tree, with the mount flags of the image. ``runtime.criu.executor.restore_i
 - rlimits: every hard limit is lowered to the target init's, every soft limit to at most the new
   hard limit. A limit the process had set lower is kept: up to its hard limit, a soft limit is the
   process's own choice. Processes of another uid (a non-root tree, a non-root target init) are
-  read and lowered through ``runtime.rlimits`` where the node lacks CAP_SYS_RESOURCE.
+  read and lowered through ``runtime.proc.rlimits`` where the node lacks CAP_SYS_RESOURCE.
 - mounts: every mount point of the target init's mount namespace must be a mount point in each
   mount namespace of the restored tree, holding at least the target's ``ro``, ``nosuid``,
   ``nodev`` and ``noexec`` flags (so a read-only rootfs, read-only volumes, ``readonlyPaths``,
-  a read-only ``/sys``). Missing flags are added with ``runtime.mountattr``. A missing mount point
+  a read-only ``/sys``). Missing flags are added with ``runtime.container.mountattr``. A missing mount point
   whose path exists in the restored tree (say a masked path the source did not have: the process
   would see what the target hides) cannot be re-created and raises; one whose path does not exist
   there exposes nothing (a GPU's ``/proc/driver/nvidia/gpus/<bus>`` after a remap). The rootfs and
@@ -30,9 +30,10 @@ import resource
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from runtime import mountattr, rlimits
-from runtime.containers import MountInfo, read_mountinfo
+from runtime.container import mountattr
+from runtime.container.containers import MountInfo, read_mountinfo
 from runtime.errors import ConfinementError, ContainerNotFound, NamespaceError
+from runtime.proc import rlimits
 
 log = logging.getLogger(__name__)
 

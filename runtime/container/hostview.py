@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from runtime.errors import CriuError
-from runtime.openat2 import RESOLVE_IN_ROOT, RESOLVE_NO_MAGICLINKS, openat2
+from runtime.fs.openat2 import RESOLVE_IN_ROOT, RESOLVE_NO_MAGICLINKS, openat2
 
 AT = "/run/rekindle-criu"  # where the plugin's tree is, in CRIU's copy of the runtime's namespace
 SHIMMED = ("tar", "gzip")  # what CRIU runs by name (tmpfs contents), and what tar runs

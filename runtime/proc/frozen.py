@@ -17,8 +17,9 @@ import os
 import signal
 from collections.abc import Iterable
 
-from runtime import procfs, strict_json
-from runtime.fdfs import write_file
+from runtime import strict_json
+from runtime.fs.fdfs import write_file
+from runtime.proc import procfs
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 
-from runtime import oci
+from runtime.container import oci
 from runtime.errors import ContainerNotFound, NamespaceError
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ Contract:
   the text is known.
 - :func:`socket_inodes` are the inodes of ``socket:[N]`` links; :func:`tcp_sockets` reads the
   process's network namespace tables (``net/tcp``, ``net/tcp6``), keyed by inode (unix sockets:
-  ``runtime.unixdiag``, since their names can forge ``net/unix`` lines); IPv4-mapped IPv6
+  ``runtime.proc.unixdiag``, since their names can forge ``net/unix`` lines); IPv4-mapped IPv6
   addresses are given as IPv4, so both ends of a connection between a dual-stack and an IPv4
   socket name the same addresses.
 """

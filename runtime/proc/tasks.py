@@ -10,8 +10,8 @@ import signal
 import time
 from collections.abc import Iterable
 
-from runtime import procfs
 from runtime.errors import CriuError
+from runtime.proc import procfs
 
 
 def stopped(pids: Iterable[int]) -> set[int]:

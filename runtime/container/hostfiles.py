@@ -18,7 +18,7 @@ Contract:
   there, is not a regular file, is not the size CRIU saw, or when together they exceed
   ``max_bytes`` (:data:`MAX_BYTES`): a restore would have to hash them all before it starts.
 - :func:`check` (restore, before anything is staged or restored): the same files resolved
-  through the TARGET's spec (its bind source at the same destination, as ``runtime.mount_plan``
+  through the TARGET's spec (its bind source at the same destination, as ``runtime.container.mount_plan``
   hands CRIU), every reason one is missing, not regular, of another size or content. An
   artifact without records (``host_files`` None: a format 2 manifest, written before this check
   existed) is restored as before, with a warning: it is signed by a node key, so no one without
@@ -26,8 +26,8 @@ Contract:
   cold start at once, for a check those artifacts never had.
 - Resolution never leaves a bind source: the source path itself is the runtime's (the spec,
   opened as runc did: resolved in the root of the container's runtime, ``view_of``, through
-  ``runtime.hostview``, so a source only the host has, such as its driver libraries, is found
-  when the plugin runs in a pod of its own), everything beneath it is resolved with ``runtime.openat2.open_beneath``
+  ``runtime.container.hostview``, so a source only the host has, such as its driver libraries, is found
+  when the plugin runs in a pod of its own), everything beneath it is resolved with ``runtime.fs.openat2.open_beneath``
   (a symlink a tenant planted in a volume is followed only while it stays inside), opened
   ``O_PATH`` first and reopened for reading only when it is a regular file (no device or FIFO
   is ever opened for real).
@@ -58,13 +58,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from runtime import control as control_mod
-from runtime import hostview
+from runtime.container import hostview
 from runtime.criu.image_files import read_reg_files
 from runtime.digests import WORKERS, hash_fd
 from runtime.errors import Reason, RekindleError
+from runtime.fs.openat2 import open_beneath
 from runtime.layout import MountPlanEntry
 from runtime.manifest import HostFile
-from runtime.openat2 import open_beneath
 
 log = logging.getLogger(__name__)
 

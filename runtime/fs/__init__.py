@@ -1,0 +1,1 @@
+"""File access that follows nothing it should not: openat2, fd-relative trees, owners, the page cache."""
