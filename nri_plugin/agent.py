@@ -25,10 +25,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 from runtime import checkpoint as checkpoint_flow
-from runtime import control, housekeeping
+from runtime import control, hostfiles, housekeeping
 from runtime import restore as restore_flow
 from runtime.compat import NodeFacts
-from runtime.container import hostfiles
 from runtime.containerd.cri_lookup import CRIError
 from runtime.gpu import Checkpointer, node_cuda
 from runtime.overlay import pending as overlay_pending
@@ -66,7 +65,7 @@ if TYPE_CHECKING:  # imported where used: the Kubernetes client only with --even
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-HOST_DIGESTS = "hostfile-digests.json"  # in the state dir: runtime.container.hostfiles.DigestCache.persist
+HOST_DIGESTS = "hostfile-digests.json"  # in the state dir: runtime.hostfiles.DigestCache.persist
 ExitCode = Callable[[str], "int | None"]  # container id -> its exit code once exited
 
 

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from runtime import layout, names
 from runtime.errors import RekindleError
 from runtime.fs.fdfs import remove_tree_path
-from runtime.fs.owner import write_owner
 from runtime.housekeeping import STAGED_PREFIX  # swept like a restore's copies once its owner is dead
+from runtime.proc.owner import write_owner
 from runtime.store import Artifact, ArtifactStore, readahead
 
 log = logging.getLogger(__name__)

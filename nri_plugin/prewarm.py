@@ -34,10 +34,10 @@ from typing import TYPE_CHECKING, Protocol
 from runtime import layout, libc, names
 from runtime.errors import RekindleError
 from runtime.fs.fdfs import remove_tree_path
-from runtime.fs.owner import write_owner
 from runtime.housekeeping import STAGED_PREFIX
 from runtime.pages import mapping as bulk_map
 from runtime.pages import nodecache
+from runtime.proc.owner import write_owner
 from runtime.route import RestorePath
 from runtime.store import Artifact, ArtifactStore, readahead
 from runtime.testpause import pause_for_test

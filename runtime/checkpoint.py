@@ -16,7 +16,7 @@ Steps, each timed (the timings go into the manifest and the container's status):
      stopped, so files and memory are one instant;
   6. resume: SIGCONT, then CUDA restore + unlock (unless the source is to exit), on a thread of
      its own beside step 7 (``source_stopped``: from the CUDA lock, or the dump, to here);
-  7. host_files: digests of the files the tree uses from bind mounts (runtime.container.hostfiles);
+  7. host_files: digests of the files the tree uses from bind mounts (runtime.hostfiles);
      layer_sums: the digest of each 1 MiB of the layer archives, so a restore applies them from
      the store without staging a copy (runtime.overlay.verified);
      split: the large private anonymous page runs move beside CRIU's images (runtime.pages.bulk);
@@ -48,8 +48,7 @@ from dataclasses import dataclass
 
 from runtime import checkpointable as preflight
 from runtime import control as control_mod
-from runtime import layout, overlay
-from runtime.container import hostfiles
+from runtime import hostfiles, layout, overlay
 from runtime.container.containers import ContainerInfo, ns_pids, process_tree, resolve_container, workload_root
 from runtime.container.namespaces import pid_namespace_shared
 from runtime.criu import DumpResult, dump_workload
@@ -63,7 +62,6 @@ from runtime.errors import (
     SharedPidNamespace,
     SourceResumeFailed,
 )
-from runtime.fs.owner import write_owner
 from runtime.gpu import Checkpointer, source_gpus
 from runtime.gpu.cuda import ProcessState
 from runtime.manifest import CriuInfo, CudaInfo, Manifest, MountInfo, NodeInfo, ProcessInfo, Source
@@ -71,6 +69,7 @@ from runtime.overlay.verified import write_sums as write_layer_sums
 from runtime.pages import bulk
 from runtime.pages.tailhash import TailHasher
 from runtime.proc import frozen, procfs, tasks, tcpmode
+from runtime.proc.owner import write_owner
 from runtime.proc.procfs import anon_mappings
 from runtime.proc.thp import ThpSwitch
 from runtime.security import SecurityProfile

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from runtime.errors import RekindleError
 from runtime.fs.fdfs import remove_tree_path
-from runtime.fs.owner import read_owner_of
+from runtime.proc.owner import read_owner_of
 from runtime.status import FINAL_PHASES, StatusBook
 
 log = logging.getLogger(__name__)

@@ -8,7 +8,7 @@ Contract:
   untrusted: exact key sets, strict JSON types (a bool is not an int), no duplicate keys, no
   NaN, a size cap, and an unknown ``format_version`` is refused by name. Every parse problem
   raises :class:`ArtifactRejected`. Version 2 (before ``host_files``) is still read: its
-  ``host_files`` is None, "not recorded" (``runtime.container.hostfiles`` says what a restore does then);
+  ``host_files`` is None, "not recorded" (``runtime.hostfiles`` says what a restore does then);
   versions 2 and 3 (before ``prewarm``) are read with ``prewarm`` false, and their bytes (the
   ones signed) are never rewritten.
 - :func:`sign` / :func:`verify`: ``"hmac-sha256:<hex>"`` over the exact manifest bytes.
@@ -124,7 +124,7 @@ class FileEntry:
 class HostFile:
     """A file the tree maps or holds open from a bind mount (host content, not the image's):
     ``mount`` is the mount's destination in the spec, ``path`` the file beneath it ("" when the
-    mount is the file itself); hashed from the host side at checkpoint (``runtime.container.hostfiles``)."""
+    mount is the file itself); hashed from the host side at checkpoint (``runtime.hostfiles``)."""
 
     mount: str
     path: str

@@ -7,7 +7,7 @@ The target container runs ``rekindle-init --mode restore`` as PID 1 and waits. S
      that the source's privilege does not exceed the target's (``runtime.security``: uid/gid,
      capabilities, privileged, seccomp, no_new_privs, LSM, user namespace, masked and read-only
      paths, device cgroup, sysctls) — CRIU restores what the source had; the files the tree
-     uses from bind mounts have the checkpoint's content (``runtime.container.hostfiles``);
+     uses from bind mounts have the checkpoint's content (``runtime.hostfiles``);
   3. stage: every file but the bulk pages and the layer archives whose chunk digests are listed
      is copied into a private node-local directory while hashed; only those copies are used
      afterwards (CRIU reads its images from there). The
@@ -56,14 +56,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from runtime import control as control_mod
-from runtime import layout, overlay
+from runtime import hostfiles, layout, overlay
 from runtime.compat import NodeFacts, check_compatibility
-from runtime.container import hostfiles
 from runtime.container.containers import ContainerInfo, resolve_container
 from runtime.container.namespaces import host_pid_of, pid_namespace_shared
 from runtime.criu import image_files, restore_into
 from runtime.errors import ArtifactRejected, Reason, RekindleError, SharedPidNamespace
-from runtime.fs.owner import write_owner
 from runtime.gpu import Checkpointer, build_gpu_map, cuda_restore, ensure_device_nodes, target_facts
 from runtime.overlay import pending as overlay_pending
 from runtime.overlay.verified import VerifiedArchive
@@ -71,6 +69,7 @@ from runtime.pages import bulk, nodecache, stream
 from runtime.pages import mapping as bulk_map
 from runtime.pages.entry import EntryBuild, Left, Share
 from runtime.proc import tasks
+from runtime.proc.owner import write_owner
 from runtime.rollback import GenerationBook
 from runtime.route import RestorePath, Route, RouteFacts
 from runtime.route import choose as choose_route

@@ -105,7 +105,7 @@ def criu_argv(opts: DumpOptions | RestoreOptions, criu: str = CRIU) -> list[str]
     work = opts.work_dir or opts.images_dir
     at = opts.view_root
     # File mappings are checked by size only: the image (by digest), the driver version, the
-    # writable layer and the files from bind mounts (runtime.container.hostfiles) are matched before a
+    # writable layer and the files from bind mounts (runtime.hostfiles) are matched before a
     # restore already, and CRIU's default build-id check reads every mapped library's ELF
     # section headers, which no loader ever faulted in (about 10 ms a library from disk; 0.27 s
     # of an LLM worker's 0.68 s CRIU restore on the H200).

@@ -5,7 +5,7 @@ A restore applies the writable layer (and /dev/shm) through undo journals
 state dir, never in the rootfs (nothing of them is seen by the container or captured by a later
 checkpoint of it). They stay there until the restore is final:
 
-- :meth:`Pending.begin` makes that directory (with an owner record, :mod:`runtime.fs.owner`) and
+- :meth:`Pending.begin` makes that directory (with an owner record, :mod:`runtime.proc.owner`) and
   writes :data:`runtime.control.ROOTFS_PENDING` into the container's control dir. The init never
   starts the original command while that file is there: a rollback is still owed.
 - :meth:`Pending.journal` names the journal of the next apply (numbered: rolled back newest first).
@@ -27,8 +27,8 @@ import os
 import shutil
 
 from runtime import control as control_mod
-from runtime.fs.owner import read_owner_of, write_owner
 from runtime.overlay import undo as overlay_undo
+from runtime.proc.owner import read_owner_of, write_owner
 
 log = logging.getLogger(__name__)
 

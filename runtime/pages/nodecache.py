@@ -52,11 +52,11 @@ from runtime import layout, strict_json
 from runtime.digests import WORKERS, new_hash, piece_ranges
 from runtime.errors import Reason, RekindleError
 from runtime.fs.fdfs import remove_tree, safe_parts
-from runtime.fs.owner import read_owner, write_owner_at
 from runtime.layout import DIGEST_BYTES, SUM_CHUNK, BulkFile
 from runtime.pages import bulk, uffd
 from runtime.pages.entry import EntryBuild, Share, State
 from runtime.pages.mapping import MapMode, Span
+from runtime.proc.owner import read_owner, write_owner_at
 from runtime.store import Artifact
 from runtime.testpause import pause_for_test
 

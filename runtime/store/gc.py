@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from runtime.errors import ArtifactRejected, RekindleError, StoreError, TreeTooLarge
 from runtime.fs.fdfs import DIR_FLAGS, remove_tree, tree_bytes
-from runtime.fs.owner import Owner, read_owner
+from runtime.proc.owner import Owner, read_owner
 from runtime.store.volume import (
     LINK_PREFIX,
     STAGING_PREFIX,

@@ -31,7 +31,7 @@ Contract:
   hands out an fd for callers that hash exactly the bytes they consume (the bulk page fill).
 - Digests: ``runtime.digests``; the open version: ``runtime.store.artifact``; fd-relative file
   operations and the OFD locks: ``runtime.fs.fdfs``.
-- Leaks: a staging dir records its owner (``runtime.fs.owner``); ``runtime.store.gc`` lists what is
+- Leaks: a staging dir records its owner (``runtime.proc.owner``); ``runtime.store.gc`` lists what is
   left over and sweeps or prunes it.
 """
 
@@ -72,9 +72,9 @@ from runtime.fs.fdfs import (
     why,
     write_file,
 )
-from runtime.fs.owner import OWNER, write_owner_at
 from runtime.manifest import MAX_MANIFEST_BYTES as MAX_MANIFEST
 from runtime.manifest import FileEntry, Manifest, sign, verify
+from runtime.proc.owner import OWNER, write_owner_at
 from runtime.store.artifact import Artifact, Vanished
 
 log = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ import subprocess
 import urllib.request
 from pathlib import Path
 
-from runtime.fs.owner import OWNER, Owner
+from runtime.proc.owner import OWNER, Owner
 from tests.e2e.plugin_process import PluginProcess
 from tests.unit.test_store_gc import deep_tree
 from tests.waiting import wait_for

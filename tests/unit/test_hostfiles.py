@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 
-from runtime.container import hostfiles
-from runtime.container.hostfiles import DigestCache, HostFilesError, check, record
+from runtime import hostfiles
 from runtime.criu.image_files import read_reg_files
 from runtime.criu.proto import fown_pb2, regfile_pb2
 from runtime.digests import hash_fd
+from runtime.hostfiles import DigestCache, HostFilesError, check, record
 from runtime.layout import MountPlanEntry
 from runtime.manifest import HostFile
 
@@ -204,7 +204,7 @@ def test_check_refuses_more_than_this_nodes_cap(host: dict[str, Any]) -> None:
 
 def test_an_artifact_without_records_is_restored_as_before_with_a_warning(
         host: dict[str, Any], caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="runtime.container.hostfiles"):
+    with caplog.at_level(logging.WARNING, logger="runtime.hostfiles"):
         assert check(None, host["spec"], label="team-a/old") == []
     assert "team-a/old: made before host files were recorded" in caplog.text
 
@@ -243,7 +243,7 @@ def test_the_cache_is_bounded() -> None:
 
 def test_settled_digests_outlive_the_process_and_a_changed_file_is_hashed_again(
         host: dict[str, Any], tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    import runtime.container.hostfiles as hf
+    import runtime.hostfiles as hf
     saved = tmp_path / "digests.json"
     first = DigestCache()
     first.persist(str(saved))

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from runtime.container import hostfiles, hostview
+from runtime import hostfiles
+from runtime.container import hostview
 from runtime.criu import command as criu_mod
 from runtime.criu.command import RestoreOptions
 

@@ -8,8 +8,8 @@ import os
 import time
 from pathlib import Path
 
-from runtime.fs.owner import OWNER, Owner, write_owner
 from runtime.housekeeping import expire_status, rotate_logs, sweep_restore_copies
+from runtime.proc.owner import OWNER, Owner, write_owner
 from runtime.status import ContainerStatus, Phase, StatusBook
 from tests.unit.test_store_gc import _no_deep_trees_left  # noqa: F401 - the fixture
 

@@ -113,7 +113,7 @@ def test_a_marked_manifest_records_prewarm_in_its_signed_bytes() -> None:
 
 
 def test_a_format_2_manifest_is_read_with_its_host_files_not_recorded() -> None:
-    """Artifacts written before host files were recorded still restore (runtime.container.hostfiles)."""
+    """Artifacts written before host files were recorded still restore (runtime.hostfiles)."""
     m = Manifest.from_json(json.dumps(_version_2()).encode())
     assert m.format_version == 2 and m.host_files is None
     assert m.source == make_manifest().source

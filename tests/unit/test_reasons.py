@@ -37,7 +37,7 @@ EXPECTED = {
     "runtime.pages.serve.StreamError": Reason.CRIU, "runtime.pages.serve.StreamIntegrityError": Reason.INTEGRITY,
     "runtime.restore.RestoreRolledBackBadly": Reason.RUNTIME, "runtime.pages.bulk.FillError": Reason.INTEGRITY,
     "runtime.pages.chunks.IntegrityError": Reason.INTEGRITY, "runtime.criu.lazy_pages.LazyPagesError": Reason.CRIU,
-    "runtime.overlay.tar._Invalid": Reason.RUNTIME, "runtime.container.hostfiles.HostFilesError": Reason.INCOMPATIBLE,
+    "runtime.overlay.tar._Invalid": Reason.RUNTIME, "runtime.hostfiles.HostFilesError": Reason.INCOMPATIBLE,
     "runtime.pages.mapping.MapError": Reason.INTEGRITY, "runtime.pages.nodecache.CacheError": Reason.STORE,
     "runtime.gpu.cuda.CudaTimeout": Reason.CUDA, "runtime.gpu.cuda.GpuMapError": Reason.INCOMPATIBLE,
     "nri_plugin.restore_target.TargetRefused": Reason.RUNTIME,

@@ -16,7 +16,6 @@ import pytest
 
 from runtime import digests
 from runtime.errors import ArtifactNotFound, ArtifactRejected, StoreError
-from runtime.fs.owner import Owner
 from runtime.manifest import (
     CriuInfo,
     FileEntry,
@@ -27,6 +26,7 @@ from runtime.manifest import (
     Source,
     sign,
 )
+from runtime.proc.owner import Owner
 from runtime.rollback import GenerationBook
 from runtime.store import gc as store_gc
 from runtime.store.volume import ArtifactStore, validate_name, validate_namespace
@@ -138,7 +138,7 @@ def test_publish_whose_owner_record_cannot_be_written_leaves_nothing(tmp_path: P
     def full(path: str, data: bytes, dir_fd: int | None = None, *, exclusive: bool = False) -> None:
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600, dir_fd=dir_fd))  # created, then the disk is full
         raise OSError(28, "No space left on device")
-    from runtime.fs import owner
+    from runtime.proc import owner
     monkeypatch.setattr(owner, "write_file", full)
     with pytest.raises(StoreError, match="No space left"):
         with ArtifactStore(str(tmp_path)).stage("team-a", "x") as staging:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.fs.owner import OWNER, Owner
+from runtime.proc.owner import OWNER, Owner
 from runtime.store import gc as store_gc
 from runtime.store.volume import ArtifactStore
 from tests.unit.test_store import KEY, publish
