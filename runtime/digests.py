@@ -36,6 +36,7 @@ class Hashed:
     mtime_ns: int
     sums: bytes   # the digest of each layout.SUM_CHUNK, in order (a bulk file's .sums)
     digest: str   # the file's digest, as hash_fd gives it
+    pieces: tuple[bytes, ...] = ()  # the digest of each PIECE, in order (what ``digest`` combines)
 
     def matches(self, st: os.stat_result) -> bool:
         return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) == (self.dev, self.ino, self.size, self.mtime_ns)
