@@ -49,7 +49,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from runtime import digests, layout
+from runtime import digests, holes, layout
 from runtime.criu import image_files as img
 from runtime.digests import WORKERS, Hashed, new_hash, piece_ranges
 from runtime.errors import Reason, RekindleError
@@ -64,7 +64,7 @@ from runtime.layout import (
     bulk_pagemap,
     bulk_sums,
 )
-from runtime.pages import chunks, holes, tailhash
+from runtime.pages import chunks, tailhash
 from runtime.pages.filemap import FileMap
 from runtime.store import Artifact
 

@@ -13,11 +13,12 @@ from typing import Any
 import blake3
 import pytest
 
+from runtime import holes
 from runtime.criu import image_files as img
 from runtime.criu.proto import core_pb2, mm_pb2, pagemap_pb2, pstree_pb2, vma_pb2
 from runtime.digests import hash_fd
 from runtime.layout import CRIU_DIR, SUM_CHUNK, BulkFile, BulkRange, RestorePlan, bulk_file, bulk_sums
-from runtime.pages import bulk, holes
+from runtime.pages import bulk
 from runtime.pages.tailhash import TailHasher
 
 P = img.PAGE

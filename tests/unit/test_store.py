@@ -701,3 +701,23 @@ def test_racing_same_name_publishes_leave_no_unreferenced_version(tmp_path: Path
     assert versions == [b.name], versions
     with store.open("team-a", "qwen-7b", KEY) as artifact:
         artifact.verify_files()
+
+
+def test_a_copy_while_hashed_keeps_the_holes_of_its_source(tmp_path):
+    """A bulk file holds only the runs moved out of CRIU's images, at their offsets: a copy into
+    the store (another file system) or into a private dir must not fill its holes with zeros."""
+    src, dst = tmp_path / "src.bulk", tmp_path / "dst.bulk"
+    size = digests.PIECE + (8 << 20)
+    with open(src, "wb") as f:
+        f.truncate(size)
+        for at in (0, digests.PIECE - 4096, size - 4096):  # one run across the pieces' edge
+            f.seek(at)
+            f.write(os.urandom(8192 if at < size - 4096 else 4096))
+    fd, out = os.open(src, os.O_RDONLY), os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        assert digests.hash_fd(fd, out) == digests.hash_fd(fd)
+    finally:
+        os.close(fd)
+        os.close(out)
+    assert dst.read_bytes() == src.read_bytes()
+    assert os.stat(dst).st_blocks * 512 <= 20 * 4096 + (1 << 20)
