@@ -14,7 +14,7 @@ from pathlib import Path
 import blake3
 import pytest
 
-from runtime import digests
+from runtime import digests, holes
 from runtime.errors import ArtifactNotFound, ArtifactRejected, StoreError
 from runtime.manifest import (
     CriuInfo,
@@ -721,3 +721,17 @@ def test_a_copy_while_hashed_keeps_the_holes_of_its_source(tmp_path):
         os.close(out)
     assert dst.read_bytes() == src.read_bytes()
     assert os.stat(dst).st_blocks * 512 <= 20 * 4096 + (1 << 20)
+
+
+def test_a_listing_counts_the_bytes_a_version_takes_not_its_holes(tmp_path):
+    store = ArtifactStore(str(tmp_path))
+    version = publish(store, files={"bulk/pages-1.bulk": os.urandom(8 << 20), "plan": b"x"})
+    bulk = version / "bulk/pages-1.bulk"
+    bulk.chmod(0o600)
+    fd = os.open(bulk, os.O_RDWR)
+    try:
+        holes.punch(fd, [(1 << 20, 6 << 20)])  # as the split leaves what CRIU keeps
+    finally:
+        os.close(fd)
+    (row,) = store.list("team-a", key=KEY)
+    assert (2 << 20) <= row.stored_bytes <= (2 << 20) + (256 << 10)
