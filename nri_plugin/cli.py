@@ -586,6 +586,7 @@ def _list(store: ArtifactStore, key: bytes, args: argparse.Namespace) -> int:
                 "generation": r.manifest.generation if r.manifest else None,
                 "created_at": r.manifest.created_at if r.manifest else None,
                 "bytes": sum(f.size for f in r.manifest.files) if r.manifest else None,
+                "stored_bytes": r.stored_bytes if r.manifest else None,
                 "cached_bytes": cached.get((f"{r.namespace}/{r.name}", r.version or ""), 0),
                 "prewarm": warming.get(f"{r.namespace}/{r.name}")}
                for r in rows]
@@ -600,7 +601,8 @@ def _list(store: ArtifactStore, key: bytes, args: argparse.Namespace) -> int:
             _say(f"{r.namespace}/{r.name}  BAD: {r.problem}")
         else:
             m = r.manifest
-            size = sum(f.size for f in m.files) / 2**20
+            # what it takes in the store (a bulk file's holes take nothing), else its files' sizes
+            size = (r.stored_bytes or sum(f.size for f in m.files)) / 2**20
             here = cached.get((f"{r.namespace}/{r.name}", r.version or ""), 0)
             _say(f"{r.namespace}/{r.name}  {m.created_at}  {size:.1f} MiB  from {m.source.pod or '?'}"
                   f"  image {m.source.image or '?'}" + ("  cuda" if m.cuda else "")

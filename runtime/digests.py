@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import errno
 import os
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import blake3
+
+from runtime.fs import holes
 
 _CHUNK = 1 << 20
 
@@ -36,6 +39,7 @@ class Hashed:
     mtime_ns: int
     sums: bytes   # the digest of each layout.SUM_CHUNK, in order (a bulk file's .sums)
     digest: str   # the file's digest, as hash_fd gives it
+    pieces: tuple[bytes, ...] = ()  # the digest of each PIECE, in order (what ``digest`` combines)
 
     def matches(self, st: os.stat_result) -> bool:
         return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) == (self.dev, self.ino, self.size, self.mtime_ns)
@@ -58,8 +62,10 @@ def piece_ranges(size: int) -> list[tuple[int, int]]:
     return [(off, min(PIECE, size - off)) for off in range(0, size, PIECE)] or [(0, 0)]
 
 
-def _copy_range(src: int, dst: int | None, offset: int, length: int) -> bytes:
-    """Digest of ``length`` bytes at ``offset`` of ``src``, written to ``dst`` at the same offset."""
+def _copy_range(src: int, dst: int | None, offset: int, length: int,
+                data_spans: Sequence[tuple[int, int]] = ()) -> bytes:
+    """Digest of ``length`` bytes at ``offset`` of ``src``, written to ``dst`` at the same offset
+    (only where they overlap ``data_spans``: the source's holes stay holes)."""
     digest, done = new_hash(), 0
     while done < length:
         data = os.pread(src, min(_CHUNK, length - done), offset + done)
@@ -67,24 +73,37 @@ def _copy_range(src: int, dst: int | None, offset: int, length: int) -> bytes:
             raise OSError(errno.EIO, "file shrank while being read")
         digest.update(data)  # releases the GIL for large buffers: threads hash in parallel
         if dst is not None:
-            view = memoryview(data)
-            pos = offset + done
-            while view:
-                n = os.pwrite(dst, view, pos)
-                view, pos = view[n:], pos + n
+            lo = offset + done
+            hi = lo + len(data)
+            for a, n in data_spans:
+                a, b = max(a, lo), min(a + n, hi)
+                view = memoryview(data)[a - lo:b - lo] if a < b else memoryview(b"")
+                pos = a
+                while view:
+                    w = os.pwrite(dst, view, pos)
+                    view, pos = view[w:], pos + w
         done += len(data)
     return digest.digest()
 
 
 def hash_fd(fd: int, dst: int | None = None) -> tuple[int, str]:
-    """(size, digest) of ``fd`` (copied to ``dst`` on the way when given)."""
+    """(size, digest) of ``fd`` (copied to ``dst`` on the way when given, holes kept: a bulk
+    file holds only the runs moved out of CRIU's images, at their offsets)."""
     size = os.fstat(fd).st_size
     ranges = piece_ranges(size)
+    spans: list[tuple[int, int]] = []
+    if dst is not None:
+        spans = holes.data_spans(fd, 0, size)
+        os.ftruncate(dst, size)  # a hole at the end stays one too
+
+    def one(r: tuple[int, int]) -> bytes:
+        return _copy_range(fd, dst, *r, [s for s in spans if s[0] < r[0] + r[1] and r[0] < s[0] + s[1]])
+
     if len(ranges) == 1:
-        pieces = [_copy_range(fd, dst, *ranges[0])]
+        pieces = [one(ranges[0])]
     else:
         with ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="rekindle-hash") as pool:
-            pieces = list(pool.map(lambda r: _copy_range(fd, dst, *r), ranges))
+            pieces = list(pool.map(one, ranges))
     return size, combine_pieces(size, pieces)
 
 

@@ -7,13 +7,14 @@ driver holds its whole device memory as one private anonymous mapping. So:
   entries that lie in one plain private anonymous writable VMA are merged into runs; runs of at
   least ``min_run`` bytes (by default all) move out of CRIU's images. The process's pages file is renamed to
   ``bulk/pages-<pid>.bulk`` (no copy), a new pages file gets the bytes of the entries CRIU keeps,
-  and the pagemap loses the moved entries outright (an entry kept with flags 0 makes CRIU's
+  which are then punched out of the bulk file (``runtime.pages.holes``; its offsets stay, so
+  each byte is stored once, where a file system can punch), and the pagemap loses the moved entries outright (an entry kept with flags 0 makes CRIU's
   restorer spin). An entry straddling two VMAs stays with CRIU. Shared mappings, file mappings
   and read-only ones stay with CRIU (process_vm_writev cannot write read-only mappings), and so
   does whatever is written into the process after CRIU restored it and before the fill
   (``runtime.criu.image_files.written_after_restore``: the VMAs a pending signal's frame can land in, each
   thread's rseq area), which the fill would otherwise overwrite with the dumped bytes. The
-  digest of each SUM_CHUNK of the bulk file goes to ``bulk/pages-<pid>.sums``. VMAs
+  digest of each SUM_CHUNK of the punched bulk file goes to ``bulk/pages-<pid>.sums``. VMAs
   named in ``huge`` (the CUDA driver's host staging copy) get MADV_HUGEPAGE in mm-<pid>.img:
   CRIU applies madvise after its own page reads, so the empty range is THP-eligible before the
   fill; no other VMA changes, so the restored process has the advice the source had.
@@ -43,7 +44,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +53,7 @@ from runtime import digests, layout, libc
 from runtime.criu import image_files as img
 from runtime.digests import WORKERS, Hashed, new_hash, piece_ranges
 from runtime.errors import Reason, RekindleError
+from runtime.fs import holes
 from runtime.layout import (
     BULK_DIR,
     CRIU_DIR,
@@ -63,7 +65,7 @@ from runtime.layout import (
     bulk_pagemap,
     bulk_sums,
 )
-from runtime.pages import chunks
+from runtime.pages import chunks, tailhash
 from runtime.pages.filemap import FileMap
 from runtime.store import Artifact
 
@@ -101,6 +103,7 @@ class SplitStats:
     moved_bytes: int
     kept_bytes: int
     seconds: float
+    punched_bytes: int = 0  # of kept_bytes, punched out of the bulk files (stored once, by CRIU)
 
 
 @dataclass(frozen=True)
@@ -242,6 +245,41 @@ def _copy_kept(pagemap: img.Pagemap, src: str, moved: set[int]) -> int:
     return kept
 
 
+def _kept_spans(pagemap: img.Pagemap, moved: set[int]) -> list[tuple[int, int]]:
+    """``(offset, length)`` in the old pages file of each entry CRIU keeps (merged)."""
+    spans, offset = [], 0
+    for idx, e in enumerate(pagemap.entries):
+        if not img.has_data(e):
+            continue
+        length = img.nr_pages(e) * img.PAGE
+        if idx not in moved:
+            spans.append((offset, length))
+        offset += length
+    return holes.merge(spans)
+
+
+@dataclass(frozen=True)
+class _Punched:
+    punched: int  # bytes punched out
+    hashed: Hashed | None  # what the punched file hashes to, where the head start could be kept
+
+
+def _punch_kept(path: str, pagemap: img.Pagemap, moved: set[int], ahead: Hashed | None) -> _Punched:
+    """Punch the bytes CRIU keeps (copied into its new pages file) out of the bulk file at
+    ``path``: they would be stored twice (a forked tree's copy-on-write memory stays with CRIU
+    whole). Offsets do not move, so the ranges still point at their bytes. ``ahead`` (hashed
+    while CRIU wrote the file) is brought up to date by hashing again only the pieces punched."""
+    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        fresh = ahead if ahead is not None and ahead.matches(os.fstat(fd)) else None
+        punched = holes.punch(fd, _kept_spans(pagemap, moved))
+        if fresh is not None and punched:
+            fresh = tailhash.rehash(fd, fresh, punched, workers=WORKERS)
+        return _Punched(sum(n for _o, n in punched), fresh)
+    finally:
+        os.close(fd)
+
+
 def _chunk_digest(fd: int, offset: int, length: int) -> bytes:
     digest, done = new_hash(), 0
     while done < length:
@@ -319,7 +357,7 @@ def _inherited(procs: Sequence[img.PstreeEntry], vmas_of: Mapping[int, list[Any]
 
 
 def split(artifact_dir: str, huge: Mapping[int, Sequence[tuple[int, int]]] | None = None,
-          min_run: int = MIN_RUN, hashed: Mapping[str, Hashed] | None = None,
+          min_run: int = MIN_RUN, hashed: MutableMapping[str, Hashed] | None = None,
           ) -> tuple[tuple[BulkFile, ...], SplitStats]:
     """Move the bulk page runs of the dump in ``artifact_dir/criu`` to ``artifact_dir/bulk``.
 
@@ -327,11 +365,12 @@ def split(artifact_dir: str, huge: Mapping[int, Sequence[tuple[int, int]]] | Non
     VMAs get MADV_HUGEPAGE (the driver's staging copy, seen appear at the CUDA checkpoint; when
     none was seen, the process's largest bulk run, if at least 1 GiB). ``hashed``: what
     :mod:`runtime.pages.tailhash` hashed of the pages images, by path, while CRIU wrote them
-    (used for the very file only). Returns the bulk files."""
+    (used for the very file only); a pages image's entry is replaced by its bulk file's, made
+    after the punch (for the publish). Returns the bulk files."""
     t0 = time.monotonic()
-    hashed = hashed or {}
+    hashed = {} if hashed is None else hashed
     images = os.path.join(artifact_dir, CRIU_DIR)
-    files, moved_total, kept_total = [], 0, 0
+    files, moved_total, kept_total, punched_total = [], 0, 0, 0
     procs = [e for e in img.read_pstree(images)
              if os.path.exists(os.path.join(images, f"pagemap-{e.pid}.img"))]  # not zombies
     vmas_of = {p.pid: sorted(img.read_mm(images, p.pid).entry.vmas, key=lambda v: v.start) for p in procs}
@@ -353,12 +392,15 @@ def split(artifact_dir: str, huge: Mapping[int, Sequence[tuple[int, int]]] | Non
             continue
         os.makedirs(os.path.join(artifact_dir, BULK_DIR), mode=0o700, exist_ok=True)
         dest = os.path.join(artifact_dir, bulk_file(pid))
-        ahead = hashed.get(pagemap.pages_path)
+        ahead = hashed.pop(pagemap.pages_path, None)  # stands for the file only until punched
         os.rename(pagemap.pages_path, dest)
         shutil.copyfile(pagemap.path, os.path.join(artifact_dir, bulk_pagemap(pid)))
         kept_total += _copy_kept(pagemap, dest, moved)
-        if ahead is not None and ahead.matches(os.stat(dest)):
-            _write_sums_file(os.path.join(artifact_dir, bulk_sums(pid)), ahead.sums)
+        fresh = _punch_kept(dest, pagemap, moved, ahead)
+        punched_total += fresh.punched
+        if fresh.hashed is not None:
+            hashed[dest] = fresh.hashed
+            _write_sums_file(os.path.join(artifact_dir, bulk_sums(pid)), fresh.hashed.sums)
         else:
             write_sums(dest, os.path.join(artifact_dir, bulk_sums(pid)))
         img.write_pagemap(pagemap, [e for i, e in enumerate(pagemap.entries) if i not in moved])
@@ -366,9 +408,10 @@ def split(artifact_dir: str, huge: Mapping[int, Sequence[tuple[int, int]]] | Non
             _mark_huge(images, pid, huge[pid], ranges)
         files.append(BulkFile(pid, bulk_file(pid), pagemap.pages_id, tuple(ranges)))
         moved_total += sum(r.length for r in ranges)
-    stats = SplitStats(len(files), moved_total, kept_total, time.monotonic() - t0)
-    log.info("bulk split: %d processes, %.1f MiB to bulk files, %.1f MiB left with CRIU, %.2fs",
-             stats.processes, moved_total / 2**20, kept_total / 2**20, stats.seconds)
+    stats = SplitStats(len(files), moved_total, kept_total, time.monotonic() - t0, punched_total)
+    log.info("bulk split: %d processes, %.1f MiB to bulk files, %.1f MiB left with CRIU "
+             "(%.1f MiB of it punched out of the bulk files), %.2fs",
+             stats.processes, moved_total / 2**20, kept_total / 2**20, punched_total / 2**20, stats.seconds)
     return tuple(files), stats
 
 

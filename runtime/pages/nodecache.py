@@ -5,8 +5,8 @@ map mode), written by one writer into ``.tmp-<key>-<pid>`` (with an owner record
 into place whole; only root on the node can reach ``<root>`` (0700). An entry holds
 
 - ``fill-<pid>.bin``: each process's bulk file byte for byte, but holes in the chunks wholly
-  inside a mapped range (the fill, the streamed serve and the chunk digests work on it
-  unchanged);
+  inside a mapped range and in those that hold no range (the fill, the streamed serve and the
+  chunk digests work on it unchanged: none of them reads such a chunk);
 - ``map-<pid>-<vaddr>.bin``: one file per mapped range (``runtime.pages.mapping``), its bytes at
   ``vaddr % 2 MiB``;
 - ``files/``: verified copies of the artifact's other files (CRIU's images, the layer);
@@ -34,6 +34,7 @@ it (:meth:`NodeCache.write` with ``premade``), reading from the store only what 
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import fcntl
 import functools
@@ -138,10 +139,29 @@ def entry_key(manifest_id: str, mode: MapMode) -> str:
     return hashlib.sha256(f"rekindle-cache-v1\0{manifest_id}\0{mode.value}".encode()).hexdigest()[:32]
 
 
-def entry_bytes(artifact: Artifact, files: Sequence[BulkFile]) -> int:
-    """What an entry of ``artifact`` with bulk ``files`` takes, at most (the bound's measure)."""
+def range_chunks(f: BulkFile) -> list[tuple[int, int]]:
+    """``(offset, end)`` of each run of whole SUM_CHUNKs of ``f`` that holds a byte of its
+    ranges, by offset: all an entry copies of it (the rest is what CRIU keeps: punched out of
+    the bulk file, or in an older artifact's, read by no restore)."""
+    out: list[tuple[int, int]] = []
+    for off, length in sorted((r.offset, r.length) for r in f.ranges if r.length):
+        lo, hi = off // SUM_CHUNK * SUM_CHUNK, -(-(off + length) // SUM_CHUNK) * SUM_CHUNK
+        if out and lo <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return out
+
+
+def entry_bytes(artifact: Artifact, files: Sequence[BulkFile], spans: Sequence[Span] = ()) -> int:
+    """What an entry of ``artifact`` with bulk ``files`` (``spans`` of them mapped) takes, at
+    most (the bound's measure): the chunks of each fill file that hold a range, once more the
+    part of each mapped span in a chunk it does not fill whole (written to both files), the
+    other files."""
     others = sum(f.size for f in artifact.manifest.files if not layout.is_bulk_pages(f.path))
-    return sum(artifact.entry(f.path).size for f in files) + others
+    fills = sum(min(sum(b - a for a, b in range_chunks(f)), artifact.entry(f.path).size) for f in files)
+    twice = sum(min(s.length, -s.offset % SUM_CHUNK + (s.offset + s.length) % SUM_CHUNK) for s in spans)
+    return fills + twice + others
 
 
 def _seal(fd: int) -> Sealed:
@@ -445,17 +465,19 @@ class NodeCache:
     # --- writing ----------------------------------------------------------------------------
 
     def _reserve(self, root: int, artifact: Artifact, files: Sequence[BulkFile], key: str,
-                 spans: Sequence[Span] | None = None) -> tuple[str, EntryBuild | None] | None:
+                 spans: Sequence[Span] | None = None, mapped: Sequence[Span] = ()
+                 ) -> tuple[str, EntryBuild | None] | None:
         """Room for ``artifact``'s entry, and its unfinished directory made (the key reserved for
         this process's one writer of it); None when it exists, is being written, or does not fit.
         With ``spans``: the :class:`EntryBuild` its streamed restores make, registered at once (a
-        restore that comes a moment later joins it, once its files are there)."""
+        restore that comes a moment later joins it, once its files are there). ``mapped``: the
+        spans the entry maps, where it is made without them."""
         with self._lock:
             self.refused.pop(key, None)
             if key in self._writing or os.path.exists(os.path.join(self.dir, key, ENTRY)):
                 self.refused[key] = "being written, or written already"
                 return None
-            need = entry_bytes(artifact, files)
+            need = entry_bytes(artifact, files, mapped if spans is None else spans)
             why = self._fits(need)
             if why is not None:
                 self.refused[key] = why
@@ -590,7 +612,7 @@ class NodeCache:
                     raise CacheError(f"{artifact.label}: the entry begun by its restore is not this one, or not whole")
                 tmp = premade.tmp
             else:
-                got = self._reserve(root, artifact, files, key)
+                got = self._reserve(root, artifact, files, key, mapped=spans)
                 if got is None:
                     return None
                 tmp = got[0]
@@ -680,9 +702,10 @@ class NodeCache:
                     os.ftruncate(m, s.file_size)
                     outs[s.name] = m
                     maps.append((s.offset, s.offset + s.length, m, s.file_offset))
+                held = range_chunks(f)
                 for off, length in piece_ranges(size):
                     if length:
-                        jobs.append(_Job(src, sums, off, length, fill, sorted(maps), f.path, pace))
+                        jobs.append(_Job(src, sums, off, length, fill, sorted(maps), f.path, held, pace))
             with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="rekindle-cache") as pool:
                 list(pool.map(_copy_piece, jobs))
             pause_for_test("cache-write")  # bulk bytes written, no entry.json yet
@@ -731,6 +754,7 @@ class _Job:
     fill: int
     maps: list[tuple[int, int, int, int]]  # (lo, hi, fd, file offset of lo); fd -1: written already
     path: str
+    chunks: list[tuple[int, int]]  # the file's chunks that hold a range (range_chunks)
     pace: Callable[[int], None] | None = None
 
 
@@ -751,6 +775,10 @@ def _copy_piece(job: _Job) -> None:
     while pos < end:
         want = min(SUM_CHUNK, end - pos)
         hi = pos + want
+        i = bisect.bisect_right(job.chunks, (pos, 1 << 65)) - 1
+        if i < 0 or job.chunks[i][1] <= pos:
+            pos = hi  # holds no range (kept with CRIU): nothing to read, a hole in the fill file
+            continue
         if any(lo <= pos and hi <= top and fd < 0 for lo, top, fd, _at in job.maps):
             pos = hi  # wholly in a range its restore wrote: nothing to read, a hole in the fill file
             continue

@@ -19,11 +19,12 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from runtime import libc
-from runtime.digests import PIECE, Hashed, combine_pieces, new_hash
-from runtime.layout import SUM_CHUNK
+from runtime.digests import PIECE, Hashed, combine_pieces, new_hash, piece_ranges
+from runtime.layout import DIGEST_BYTES, SUM_CHUNK
 
 log = logging.getLogger(__name__)
 
@@ -150,8 +151,30 @@ class TailHasher:
                 continue  # changed after the last look: not what was hashed
             out[os.path.join(self.images_dir, name)] = Hashed(
                 f.dev, f.ino, st.st_size, st.st_mtime_ns, b"".join(s for _, s in results),
-                combine_pieces(st.st_size, [d for d, _ in results]))
+                combine_pieces(st.st_size, [d for d, _ in results]), tuple(d for d, _ in results))
             total += st.st_size
         log.info("tail hash: %d file(s), %.1f MiB, %.1f MiB of it while CRIU wrote; %.2fs after it",
                  len(out), total / 2**20, self.ahead_bytes / 2**20, time.monotonic() - t0)
         return out
+
+
+def rehash(fd: int, before: Hashed, changed: Sequence[tuple[int, int]], workers: int = WORKERS) -> Hashed | None:
+    """What ``fd`` hashes to now that the ``(offset, length)`` spans ``changed`` of it were
+    rewritten (punched) since ``before`` was made of it: only the pieces that hold a changed
+    byte are read again, their chunks' digests with them. None when ``before`` lacks the
+    pieces' digests or is not of this file at its size (then it must be hashed whole)."""
+    st = os.fstat(fd)
+    ranges = piece_ranges(st.st_size)
+    if (st.st_dev, st.st_ino, st.st_size) != (before.dev, before.ino, before.size) or len(before.pieces) != len(ranges):
+        return None
+    stale = [i for i, (off, length) in enumerate(ranges)
+             if any(a < off + length and off < a + n for a, n in changed)]
+    pieces, sums = list(before.pieces), bytearray(before.sums)
+    per_piece = PIECE // SUM_CHUNK * DIGEST_BYTES
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rekindle-rehash") as pool:
+        for i, (digest, chunk_sums) in zip(stale, pool.map(lambda i: _piece(fd, *ranges[i]), stale)):
+            pieces[i] = digest
+            sums[i * per_piece:i * per_piece + len(chunk_sums)] = chunk_sums
+    st = os.fstat(fd)  # the mtime the change left
+    return Hashed(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, bytes(sums),
+                  combine_pieces(st.st_size, pieces), tuple(pieces))

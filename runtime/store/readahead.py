@@ -24,6 +24,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from runtime.fs import holes
 from runtime.fs.pagecache import is_cached
 from runtime.store.artifact import Artifact
 
@@ -56,20 +57,22 @@ def mem_available() -> int:
 def warm(artifact: Artifact, cancel: threading.Event, threads: int = THREADS,
          budget: int | None = None) -> PrefetchResult:
     """Read every listed file once on ``threads`` threads: the small ones first (the restore
-    copies them first), then the bulk pages in file order (the order the fill takes them)."""
+    copies them first), then the bulk pages in file order (the order the fill takes them).
+    A file's holes (what CRIU keeps, punched out of a bulk file) are neither read nor counted."""
     t0 = time.monotonic()
     files = sorted(artifact.manifest.files, key=lambda f: f.size)
-    total = sum(f.size for f in files)
     limit = int(mem_available() * MEMORY_SHARE) if budget is None else budget
-    if total > limit:
-        return PrefetchResult(0, 0.0, f"{total} bytes do not fit the prefetch budget of {limit}")
     jobs: list[tuple[int, int, int]] = []
     fds: list[int] = []
     try:
         for f in files:
             fd = artifact.open_file(f.path)
             fds.append(fd)
-            jobs += [(fd, off, min(CHUNK, f.size - off)) for off in range(0, f.size, CHUNK)]
+            for lo, length in holes.data_spans(fd, 0, f.size):
+                jobs += [(fd, off, min(CHUNK, lo + length - off)) for off in range(lo, lo + length, CHUNK)]
+        total = sum(j[2] for j in jobs)
+        if total > limit:
+            return PrefetchResult(0, 0.0, f"{total} bytes do not fit the prefetch budget of {limit}")
         local = threading.local()
 
         def read(job: tuple[int, int, int]) -> tuple[int, int]:

@@ -68,6 +68,7 @@ from runtime.fs.fdfs import (
     remove_tree,
     rename_noreplace,
     same_inode,
+    tree_bytes,
     walk_files_path,
     why,
     write_file,
@@ -113,6 +114,7 @@ class Listing:
     manifest: Manifest | None
     problem: str | None
     version: str = ""
+    stored_bytes: int = 0  # what the version takes on the store's file system (holes take none)
 
 
 class Staging:
@@ -540,6 +542,27 @@ class ArtifactStore:
             raise StoreError(f"cannot list {path}: {exc}") from exc
 
     def _describe(self, ns: str, name: str, key: bytes | None) -> Listing:
+        got = self._read_listing(ns, name, key)
+        if not got.version:
+            return got
+        return dataclasses.replace(got, stored_bytes=self._stored_bytes(ns, got.version))
+
+    def _stored_bytes(self, ns: str, version: str) -> int:
+        """The allocated bytes of a version dir (0 when it cannot be read: only a figure)."""
+        try:
+            ns_fd = os.open(os.path.join(self.root, ns), DIR_FLAGS)
+            try:
+                dir_fd = os.open(version, DIR_FLAGS, dir_fd=ns_fd)
+            finally:
+                os.close(ns_fd)
+            try:
+                return tree_bytes(dir_fd)
+            finally:
+                os.close(dir_fd)
+        except (OSError, RekindleError):
+            return 0
+
+    def _read_listing(self, ns: str, name: str, key: bytes | None) -> Listing:
         try:
             validate_namespace(ns)
             validate_name(name)

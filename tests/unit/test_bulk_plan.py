@@ -3,6 +3,8 @@ the images are built from CRIU's own message types)."""
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import os
 from pathlib import Path
@@ -13,8 +15,11 @@ import pytest
 
 from runtime.criu import image_files as img
 from runtime.criu.proto import core_pb2, mm_pb2, pagemap_pb2, pstree_pb2, vma_pb2
-from runtime.layout import CRIU_DIR, BulkFile, BulkRange, RestorePlan, bulk_file, bulk_sums
+from runtime.digests import hash_fd
+from runtime.fs import holes
+from runtime.layout import CRIU_DIR, SUM_CHUNK, BulkFile, BulkRange, RestorePlan, bulk_file, bulk_sums
 from runtime.pages import bulk
+from runtime.pages.tailhash import TailHasher
 
 P = img.PAGE
 ANON = img.VMA_AREA_REGULAR | img.VMA_ANON_PRIVATE
@@ -162,8 +167,11 @@ def test_split_keeps_stacks_and_rseq_areas_with_criu_and_writes_chunk_digests(tm
     assert [(e.vaddr, img.nr_pages(e)) for e in kept.entries] == [
         (heap[0] + P, 1), (thread_stack[0], 4), (altstack[0], 4), (lowstack[0], 4), (0x810000, 4), (main_stack[0], 4)]
     assert (images / "pages-9.img").read_bytes() == data[P:2 * P] + data[4 * P:]
+    # what CRIU keeps is punched out of the bulk file (stored once); the offsets stay
+    bulk_data = (tmp_path / bulk_file(1)).read_bytes()
+    assert bulk_data == data[:P] + bytes(P) + data[2 * P:4 * P] + bytes(len(data) - 4 * P)
     sums = (tmp_path / bulk_sums(1)).read_bytes()
-    assert sums == blake3.blake3(data).digest()  # one chunk
+    assert sums == blake3.blake3(bulk_data).digest()  # one chunk, of the punched file
 
 
 def test_a_signal_frame_reaches_down_only_through_adjacent_writable_vmas(tmp_path: Path) -> None:
@@ -197,3 +205,67 @@ def test_what_is_written_after_restore_is_found_for_any_range() -> None:
     hit = {(0, 0x1001), (0x3000, 0x5001), (0x5fff, 0x7000), (0x1fff0, 0x30000), (0, 0x40000)}
     miss = {(0, 0x1000), (0x3000, 0x5000), (0x6000, 0x10000), (0x20000, 0x30000)}
     assert {r for r in hit | miss if w.hits(*r)} == hit
+
+
+def _forked_dump(tmp_path: Path, shared: int, own: int) -> tuple[Path, bytes, bytes]:
+    """A parent and its child with a private anonymous VMA at the same place (inherited at the
+    fork: it stays with CRIU in both) and one of their own each (moved to the bulk files)."""
+    images = tmp_path / CRIU_DIR
+    images.mkdir()
+    cow = (0x10000000, 0x10000000 + shared)
+    _image(images / "pstree.img", pstree_pb2.pstree_entry(pid=1, ppid=0, pgid=1, sid=1, threads=[1]),
+           pstree_pb2.pstree_entry(pid=2, ppid=1, pgid=1, sid=1, threads=[2]))
+    datas = []
+    for pid in (1, 2):
+        mine = (pid << 30, (pid << 30) + own)
+        mm = mm_pb2.mm_entry()
+        mm.vmas.extend([vma(*cow), vma(*mine)])
+        _image(images / f"mm-{pid}.img", mm)
+        _image(images / f"core-{pid}.img", _core(0x7ff000))
+        entries = [pagemap_pb2.pagemap_entry(vaddr=lo, compat_nr_pages=(hi - lo) // P, nr_pages=(hi - lo) // P,
+                                             flags=img.PE_PRESENT) for lo, hi in (cow, mine)]
+        _image(images / f"pagemap-{pid}.img", pagemap_pb2.pagemap_head(pages_id=pid), *entries)
+        data = os.urandom(shared + own)
+        (images / f"pages-{pid}.img").write_bytes(data)
+        datas.append(data)
+    return images, datas[0], datas[1]
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["hashed-after", "hashed-while-written"])
+def test_the_bytes_criu_keeps_are_punched_out_of_the_bulk_file_and_its_sums_are_of_the_punched_file(
+        tmp_path: Path, ahead: bool) -> None:
+    """A forked tree's copy-on-write memory stays with CRIU: the bulk file keeps only the moved
+    runs (its offsets unchanged), each byte is stored once, and the chunk digests (made after
+    the punch, or brought up to date from those made while CRIU wrote) match the punched file."""
+    shared, own = 3 * SUM_CHUNK + 5 * P, 2 * SUM_CHUNK  # the punch ends inside a chunk
+    images, parent, _child = _forked_dump(tmp_path, shared, own)
+    hashed: dict[str, Any] = {}
+    if ahead:
+        with TailHasher(str(images)) as th:
+            hashed = th.finish()
+    files, stats = bulk.split(str(tmp_path), hashed=hashed)
+    assert [f.ranges for f in files] == [(BulkRange(pid << 30, own, shared),) for pid in (1, 2)]
+    assert stats.kept_bytes == stats.punched_bytes == 2 * shared
+    path = tmp_path / bulk_file(1)
+    st = os.stat(path)
+    assert st.st_size == shared + own  # offsets unchanged
+    assert st.st_blocks * 512 <= own + (64 << 10)  # only the moved run takes room
+    punched = bytes(shared) + parent[shared:]
+    assert path.read_bytes() == punched
+    want = b"".join(blake3.blake3(punched[o:o + SUM_CHUNK]).digest() for o in range(0, len(punched), SUM_CHUNK))
+    assert (tmp_path / bulk_sums(1)).read_bytes() == want
+    assert (images / "pages-1.img").read_bytes() == parent[:shared]
+    if ahead:  # what the publish takes for the file: its digest after the punch
+        known = hashed[str(path)]
+        assert known.matches(st) and known.sums == want
+        assert known.digest == hash_fd(os.open(path, os.O_RDONLY))[1]
+        assert str(images / "pages-1.img") not in hashed
+
+
+def test_where_the_file_system_cannot_punch_the_bytes_stay(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    images, parent, _child = _forked_dump(tmp_path, 2 * P, 2 * P)
+    monkeypatch.setattr(holes, "_fallocate", lambda *_a: (ctypes.set_errno(errno.EOPNOTSUPP), -1)[1])
+    _files, stats = bulk.split(str(tmp_path))
+    assert stats.punched_bytes == 0
+    assert (tmp_path / bulk_file(1)).read_bytes() == parent
+    assert (tmp_path / bulk_sums(1)).read_bytes() == blake3.blake3(parent).digest()

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from nri_plugin.cache import CacheWriter
+from runtime import layout
 from runtime.layout import SUM_CHUNK, BulkFile, BulkRange, bulk_file, bulk_sums
 from runtime.pages import bulk, nodecache
 from runtime.pages.entry import EntryBuild, Left, Share, State
@@ -396,3 +397,24 @@ def test_the_writer_does_not_take_an_entry_abandoned_already(node: _Node, cache:
         assert not writer.submit(_work(node, build))
     finally:
         writer.shutdown()
+
+
+def test_an_entry_copies_only_the_chunks_that_hold_a_range(node: _Node, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """What CRIU keeps is punched out of a bulk file (in an older artifact it is there, read by
+    no restore): the entry leaves a hole there and its bound counts only the chunks it copies."""
+    cache = _cache(tmp_path, monkeypatch)
+    ranges = (BulkRange(VADDR, 1 << 20, 0), BulkRange(VADDR + (3 << 20), 4096, 3 << 20))
+    files = (BulkFile(PID, bulk_file(PID), 1, ranges),)
+    with node.open("llm") as art:
+        others = sum(f.size for f in art.manifest.files if not layout.is_bulk_pages(f.path))
+        assert nodecache.entry_bytes(art, files) == (2 << 20) + others
+        rec = cache.write(art, files, [], MODE, threads=2)
+    assert rec is not None
+    fill = Path(cache.dir, _key(node, "llm"), "fill-1.bin")
+    data, got = node.data["llm"], fill.read_bytes()
+    assert len(got) == SIZE
+    assert got[:1 << 20] == data[:1 << 20] and got[3 << 20:] == data[3 << 20:]
+    assert got[1 << 20:3 << 20] == bytes(2 << 20)  # a hole
+    assert os.stat(fill).st_blocks * 512 <= (2 << 20) + (64 << 10)
+    assert rec.bytes <= (2 << 20) + (64 << 10) + others

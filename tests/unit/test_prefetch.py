@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from nri_plugin.prefetch import Prefetcher
+from runtime.fs import holes
 from runtime.fs.pagecache import is_cached
 from runtime.housekeeping import rotate_logs
 from runtime.store import readahead
@@ -25,6 +26,24 @@ def test_warm_reads_every_file_once(tmp_path: Path) -> None:
     with store.open("team-a", "qwen-7b", KEY) as art:
         got = warm(art, threading.Event(), threads=2, budget=1 << 30)
     assert got.bytes == (9 << 20) + 1 and not got.skipped
+
+
+def test_warm_reads_and_counts_no_hole(tmp_path: Path) -> None:
+    """What CRIU keeps is punched out of a bulk file: a prefetch neither reads it into the page
+    cache nor counts it against its budget."""
+    store = ArtifactStore(str(tmp_path))
+    version = publish(store, files={"bulk/pages-1.bulk": b"p" * (9 << 20), "plan": b"x"})
+    bulk = version / "bulk/pages-1.bulk"
+    bulk.chmod(0o600)
+    fd = os.open(bulk, os.O_RDWR)
+    try:
+        assert holes.punch(fd, [(2 << 20, 6 << 20)]) == [(2 << 20, 6 << 20)]
+    finally:
+        os.close(fd)
+    with store.open("team-a", "qwen-7b", KEY) as art:
+        assert "budget" not in warm(art, threading.Event(), budget=(3 << 20) + 1).skipped
+        got = warm(art, threading.Event(), threads=2, budget=1 << 30)
+    assert got.bytes == (3 << 20) + 1 and not got.skipped
 
 
 def test_warm_skips_what_does_not_fit_and_stops_when_cancelled(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ import pytest
 
 from runtime import digests
 from runtime.errors import ArtifactNotFound, ArtifactRejected, StoreError
+from runtime.fs import holes
 from runtime.manifest import (
     CriuInfo,
     FileEntry,
@@ -701,3 +702,37 @@ def test_racing_same_name_publishes_leave_no_unreferenced_version(tmp_path: Path
     assert versions == [b.name], versions
     with store.open("team-a", "qwen-7b", KEY) as artifact:
         artifact.verify_files()
+
+
+def test_a_copy_while_hashed_keeps_the_holes_of_its_source(tmp_path):
+    """A bulk file holds only the runs moved out of CRIU's images, at their offsets: a copy into
+    the store (another file system) or into a private dir must not fill its holes with zeros."""
+    src, dst = tmp_path / "src.bulk", tmp_path / "dst.bulk"
+    size = digests.PIECE + (8 << 20)
+    with open(src, "wb") as f:
+        f.truncate(size)
+        for at in (0, digests.PIECE - 4096, size - 4096):  # one run across the pieces' edge
+            f.seek(at)
+            f.write(os.urandom(8192 if at < size - 4096 else 4096))
+    fd, out = os.open(src, os.O_RDONLY), os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        assert digests.hash_fd(fd, out) == digests.hash_fd(fd)
+    finally:
+        os.close(fd)
+        os.close(out)
+    assert dst.read_bytes() == src.read_bytes()
+    assert os.stat(dst).st_blocks * 512 <= 20 * 4096 + (1 << 20)
+
+
+def test_a_listing_counts_the_bytes_a_version_takes_not_its_holes(tmp_path):
+    store = ArtifactStore(str(tmp_path))
+    version = publish(store, files={"bulk/pages-1.bulk": os.urandom(8 << 20), "plan": b"x"})
+    bulk = version / "bulk/pages-1.bulk"
+    bulk.chmod(0o600)
+    fd = os.open(bulk, os.O_RDWR)
+    try:
+        holes.punch(fd, [(1 << 20, 6 << 20)])  # as the split leaves what CRIU keeps
+    finally:
+        os.close(fd)
+    (row,) = store.list("team-a", key=KEY)
+    assert (2 << 20) <= row.stored_bytes <= (2 << 20) + (256 << 10)
