@@ -23,6 +23,10 @@ FALLOC_FL_PUNCH_HOLE = 0x02
 _CANNOT = (errno.EOPNOTSUPP, errno.ENOSYS)
 
 
+def _fallocate(fd: int, mode: int, offset: int, length: int) -> int:
+    return int(libc.function("fallocate")(fd, mode, offset, length))
+
+
 
 def merge(spans: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
     """``(offset, length)`` spans sorted, with overlapping or adjacent ones merged; empty ones dropped."""
@@ -42,7 +46,7 @@ def punch(fd: int, spans: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
     only room. The file's mtime changes: a digest made before it does not stand for it."""
     done: list[tuple[int, int]] = []
     for off, length in merge(spans):
-        if libc.function("fallocate")(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, off, length) != 0:
+        if _fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, off, length) != 0:
             err = ctypes.get_errno()
             if err in _CANNOT and not done:
                 log.info("cannot punch holes here (%s): the bytes stay", os.strerror(err))
