@@ -36,6 +36,7 @@ SIGNATURES: dict[str, tuple[list[Any] | None, Any]] = {
     "mmap": ([ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long],
              ctypes.c_void_p),
     "munmap": ([ctypes.c_void_p, ctypes.c_size_t], ctypes.c_int),
+    "statfs": ([ctypes.c_char_p, ctypes.c_void_p], ctypes.c_int),
     "fallocate": ([ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64], ctypes.c_int),
     "sync_file_range": ([ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint], ctypes.c_int),
     "process_vm_writev": ([ctypes.c_int, ctypes.POINTER(Iovec), ctypes.c_ulong, ctypes.POINTER(Iovec),

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import ctypes
 import fcntl
 import functools
 import hashlib
@@ -49,7 +50,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from runtime import layout, strict_json
+from runtime import layout, libc, strict_json
 from runtime.digests import WORKERS, new_hash, piece_ranges
 from runtime.errors import Reason, RekindleError
 from runtime.fs.fdfs import remove_tree, safe_parts
@@ -737,11 +738,8 @@ def _minor_faults(directory: str) -> str | None:
 
 def fs_magic(path: str) -> int:
     """The file system type of ``path`` (statfs's f_type)."""
-    import ctypes
-    buf = ctypes.create_string_buffer(128)
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.statfs(os.fsencode(path), buf) != 0:
-        raise OSError(ctypes.get_errno(), "statfs")
+    buf = ctypes.create_string_buffer(128)  # struct statfs: 120 bytes on 64-bit Linux
+    libc.call("statfs", os.fsencode(path), buf, what="statfs")
     return int(struct.unpack_from("l", buf.raw, 0)[0])
 
 
