@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import functools
+import json
 import logging
 import os
 import signal
@@ -288,7 +289,7 @@ class Jobs:
             self._set(work, Phase.RESTORE_EXITED, died)
             return
         note = slower_than_cold(work.timings)
-        self._set(work, Phase.RESTORED, "", note=note)
+        self._set(work, Phase.RESTORED, "", note=note, route=_route_of(work.control))
         log.info("%s: restored from %s (%s)%s", work.who, work.artifact, _fmt(work.timings), f"; {note}" if note else "",
                  extra={"phase": "restored", "seconds": work.timings.get("total")})
 
@@ -364,13 +365,27 @@ class Jobs:
         return True
 
     def _set(self, work: Work, phase: Phase, reason: str, progress: Progress | None = None,
-             cause: BaseException | None = None, note: str = "") -> None:
+             cause: BaseException | None = None, note: str = "", route: str = "") -> None:
         kind = reason_of(cause) if cause is not None else None
         self.status.record(ContainerStatus(
             namespace=work.namespace, pod=work.pod, container=work.container,
             role=work.intent.role.value, artifact=work.artifact, phase=phase, reason=reason,
             container_id=work.container_id, pod_uid=work.pod_uid, timings=dict(work.timings),
-            progress=progress, bytes=work.bytes, reason_class=kind.value if kind is not None else "", note=note))
+            progress=progress, bytes=work.bytes, reason_class=kind.value if kind is not None else "", note=note,
+            route=route))
+
+
+def _route_of(ctl: control.ControlDir) -> str:
+    """The route the restore wrote into its timings (``""`` where it wrote none readable): the
+    status says how the pages came back, not only how long it took."""
+    try:
+        doc = json.loads(ctl.read(control.TIMINGS) or "{}")
+        route = doc.get("route") if isinstance(doc, dict) else None
+        if not isinstance(route, dict):
+            return ""
+        return f"{route.get('kind', '')}: {route.get('path', '')} ({route.get('reason', '')})"
+    except (OSError, ValueError):
+        return ""
 
 
 def _exit_text(code: int | None) -> str:

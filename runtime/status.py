@@ -86,6 +86,7 @@ class ContainerStatus:
     bytes: int = 0                     # the artifact's size, once published or restored
     reason_class: str = ""             # runtime.errors.Reason of a failure, when its error said ("": by its words)
     note: str = ""                     # a remark on a success (a restore no faster than a cold start)
+    route: str = ""                    # a restore's route: "<kind>: <path> (<reason>)" (runtime.route)
 
     def to_json(self) -> str:
         d = asdict(self)
