@@ -51,11 +51,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from runtime import layout, libc, strict_json
-from runtime.digests import WORKERS, new_hash, piece_ranges
+from runtime.digests import WORKERS, piece_ranges
 from runtime.errors import Reason, RekindleError
 from runtime.fs.fdfs import remove_tree, safe_parts
-from runtime.layout import DIGEST_BYTES, SUM_CHUNK, BulkFile
-from runtime.pages import bulk, uffd
+from runtime.layout import SUM_CHUNK, BulkFile
+from runtime.pages import bulk, chunks, uffd
 from runtime.pages.entry import EntryBuild, Share, State
 from runtime.pages.mapping import MapMode, Span
 from runtime.proc.owner import read_owner, write_owner_at
@@ -706,7 +706,7 @@ class NodeCache:
                 held = range_chunks(f)
                 for off, length in piece_ranges(size):
                     if length:
-                        jobs.append(_Job(src, sums, off, length, fill, sorted(maps), f.path, held, pace))
+                        jobs.append(_Job(src, sums, off, length, fill, sorted(maps), f.path, held, size, pace))
             with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="rekindle-cache") as pool:
                 list(pool.map(_copy_piece, jobs))
             pause_for_test("cache-write")  # bulk bytes written, no entry.json yet
@@ -753,6 +753,7 @@ class _Job:
     maps: list[tuple[int, int, int, int]]  # (lo, hi, fd, file offset of lo); fd -1: written already
     path: str
     chunks: list[tuple[int, int]]  # the file's chunks that hold a range (range_chunks)
+    size: int  # of the file, as its manifest says
     pace: Callable[[int], None] | None = None
 
 
@@ -782,12 +783,11 @@ def _copy_piece(job: _Job) -> None:
             continue
         if job.pace is not None:
             job.pace(want)
-        data = os.pread(job.src, want, pos)
-        if len(data) != want:
-            raise CacheError(f"{job.path}: shrank while read (at {pos})")
-        k = pos // SUM_CHUNK * DIGEST_BYTES
-        if new_hash(data).digest() != job.sums[k:k + DIGEST_BYTES]:
-            raise CacheError(f"{job.path}: the bytes at {pos} do not match their digest")
+        data = bytearray(want)
+        try:  # the one verified read (runtime.pages.chunks); a bad source is the store's fault here
+            chunks.read(job.src, pos, want, memoryview(data), job.sums, size=job.size, name=job.path)
+        except chunks.IntegrityError as e:
+            raise CacheError(str(e)) from e
         if not any(lo <= pos and hi <= top for lo, top, _fd, _at in job.maps):  # all but what is mapped
             os.pwrite(job.fill, data, pos)
         for lo, top, fd, at in job.maps:

@@ -205,7 +205,7 @@ def test_a_marked_version_a_store_writer_changed_is_refused_with_the_reason(sand
         f.write(data.replace(b'"pod":"', b'"pod":"x', 1))
     b = node(extra=["--prewarm", "default/pw-manifest"]).outside()
     st = wait_for(lambda: _state_is(b, "default/pw-bytes", {"warm", "refused"}), 120, "pw-bytes' verdict")
-    assert st["state"] == "refused" and "do not match their digest" in st["reason"], st
+    assert st["state"] == "refused" and "does not match its digest" in st["reason"], st
     st = wait_for(lambda: _state_is(b, "default/pw-manifest", {"warm", "refused"}), 120, "pw-manifest's verdict")
     assert st["state"] == "refused" and "bad signature" in st["reason"], st
     assert _entries(b, "pw-bytes") == [] and _entries(b, "pw-manifest") == []

@@ -139,7 +139,7 @@ def test_an_entry_changed_since_it_was_sealed_is_dropped(node: _Node, tmp_path: 
 def test_a_write_that_fails_leaves_nothing_and_frees_its_key(node: _Node, tmp_path: Path,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     cache = _cache(tmp_path, monkeypatch)
-    with node.open("llm") as art, pytest.raises(nodecache.CacheError, match="do not match their digest"):
+    with node.open("llm") as art, pytest.raises(nodecache.CacheError, match="does not match its digest"):
         monkeypatch.setattr(bulk, "read_sums", lambda a, f: bytes(32) * (SIZE // SUM_CHUNK))
         cache.write(art, FILES, [SPAN], MODE)
     monkeypatch.undo()
