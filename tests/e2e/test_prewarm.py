@@ -213,7 +213,7 @@ def test_a_marked_version_a_store_writer_changed_is_refused_with_the_reason(sand
     wait_for(lambda: not any(s["state"] == "warming" for s in _states(b).values()), 120, "the warm-ups to end")
     assert not glob.glob(str(b.state_dir / "cache" / "v1" / ".tmp-*"))
     text = _artifacts_list(b)
-    assert "pre-warm: refused:" in text and "do not match their digest" in text, text
+    assert "pre-warm: refused:" in text and "does not match its digest" in text, text
 
 
 def test_a_restore_takes_the_disk_first_and_the_warm_up_waits_for_it(sandbox, pod, plugin, node, tmp_path):
