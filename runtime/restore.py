@@ -177,12 +177,18 @@ def _stage(artifact: Artifact, private: str, path: RestorePath, ahead: str | Non
     if path is RestorePath.STOCK:
         images = os.path.join(private, layout.CRIU_DIR)
         for b in plan.bulk:
-            pages = os.path.join(images, f"pages-{b.pages_id}.img")
-            pagemap = os.path.join(images, f"pagemap-{b.pid}.img")
-            for p in (pages, pagemap):
-                os.unlink(p)
-            artifact.copy_verified(b.path, pages)
-            artifact.copy_verified(layout.bulk_pagemap(b.pid), pagemap)
+            kept = image_files.read_pagemap(images, b.pid)
+            kept_pages = kept.pages_path + ".kept"
+            os.rename(kept.pages_path, kept_pages)
+            os.unlink(kept.path)
+            artifact.copy_verified(b.path, kept.pages_path)
+            artifact.copy_verified(layout.bulk_pagemap(b.pid), kept.path)
+            # The bulk file lacks what CRIU keeps (punched out): its own pages file has them.
+            try:
+                bulk.rejoin(kept, image_files.read_pagemap(images, b.pid), kept_pages, kept.pages_path)
+            except OSError as exc:
+                raise ArtifactRejected(artifact.label, f"stock pages of {b.pid}: {exc}") from exc
+            os.unlink(kept_pages)
     return plan
 
 

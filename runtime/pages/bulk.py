@@ -280,6 +280,40 @@ def _punch_kept(path: str, pagemap: img.Pagemap, moved: set[int], ahead: Hashed 
         os.close(fd)
 
 
+def _data_offsets(entries: Sequence[Any]) -> list[tuple[int, int, int]]:
+    """``(vaddr, end, offset in the pages file)`` of each entry whose pages the file holds."""
+    out, offset = [], 0
+    for e in entries:
+        if img.has_data(e):
+            length = img.nr_pages(e) * img.PAGE
+            out.append((int(e.vaddr), int(e.vaddr) + length, offset))
+            offset += length
+    return out
+
+
+def rejoin(kept: img.Pagemap, whole: img.Pagemap, kept_pages: str, whole_pages: str) -> int:
+    """Write the bytes CRIU keeps (``kept_pages``, laid out by ``kept``) back into
+    ``whole_pages``, a private copy of the bulk file laid out by ``whole`` (the pagemap before
+    the split), whose copies of them were punched out: CRIU alone restores from the result (the
+    stock path). Returns the bytes written."""
+    spans = _data_offsets(whole.entries)
+    starts = [s[0] for s in spans]
+    written = 0
+    with open(kept_pages, "rb") as fin, open(whole_pages, "r+b") as fout:
+        for vaddr, end, src in _data_offsets(kept.entries):
+            i = bisect.bisect_right(starts, vaddr) - 1
+            if i < 0 or end > spans[i][1]:
+                raise OSError(errno.EINVAL, f"{kept.path}: entry at {vaddr:#x} is not in {whole.path}")
+            dst, done = spans[i][2] + vaddr - spans[i][0], 0
+            while done < end - vaddr:
+                n = os.copy_file_range(fin.fileno(), fout.fileno(), end - vaddr - done, src + done, dst + done)
+                if n <= 0:
+                    raise OSError(errno.EIO, f"{kept_pages}: short copy at {src + done}")
+                done += n
+            written += done
+    return written
+
+
 def _chunk_digest(fd: int, offset: int, length: int) -> bytes:
     digest, done = new_hash(), 0
     while done < length:

@@ -172,6 +172,17 @@ def test_split_keeps_stacks_and_rseq_areas_with_criu_and_writes_chunk_digests(tm
     assert bulk_data == data[:P] + bytes(P) + data[2 * P:4 * P] + bytes(len(data) - 4 * P)
     sums = (tmp_path / bulk_sums(1)).read_bytes()
     assert sums == blake3.blake3(bulk_data).digest()  # one chunk, of the punched file
+    # the stock path: the bulk file with CRIU's bytes written back is the dump's pages file again
+    whole = img.Pagemap(str(tmp_path / "bulk" / "pagemap-1.img"), kept.magic, 9, entries)
+    assert bulk.rejoin(kept, whole, str(images / "pages-9.img"), str(tmp_path / bulk_file(1))) == len(data) - 3 * P
+    assert (tmp_path / bulk_file(1)).read_bytes() == data
+
+
+def test_rejoin_refuses_an_entry_the_whole_pagemap_does_not_hold(tmp_path: Path) -> None:
+    (tmp_path / "kept").write_bytes(os.urandom(2 * P))
+    (tmp_path / "whole").write_bytes(bytes(4 * P))
+    with pytest.raises(OSError, match="entry at 0x3000 is not in"):
+        bulk.rejoin(pagemap((0x3000, 2)), pagemap((0x1000, 3)), str(tmp_path / "kept"), str(tmp_path / "whole"))
 
 
 def test_a_signal_frame_reaches_down_only_through_adjacent_writable_vmas(tmp_path: Path) -> None:
