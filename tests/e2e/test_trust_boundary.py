@@ -138,10 +138,11 @@ def _attack_hardlink(store_ns: Path, opened: Path, older: Path) -> None:
                          ids=["rename", "republish", "hardlink-rewrite"])
 def test_a_restore_uses_only_the_bytes_it_verified(sandbox, pod, plugin, tmp_path, monkeypatch, attack):
     import runtime.restore as restore_flow
+    from nri_plugin.outcomes import classify
     from runtime.compat import NodeFacts
     from runtime.container.containers import resolve_container
     from runtime.control import ControlDir
-    from runtime.errors import RekindleError
+    from runtime.errors import Reason, RekindleError
     from runtime.store.keys import read_key
     from runtime.store.volume import ArtifactStore
 
@@ -185,7 +186,8 @@ def test_a_restore_uses_only_the_bytes_it_verified(sandbox, pod, plugin, tmp_pat
                              control=ControlDir(ctl), check_image=False)
     except RekindleError as exc:
         # Only a tampered file may stop it; and then nothing of the restore ever ran.
-        assert attack is _attack_hardlink and "content changed" in str(exc), exc
+        # Refused as an integrity failure: by the whole file's digest or by a chunk's.
+        assert attack is _attack_hardlink and classify(str(exc)) is Reason.INTEGRITY, exc
         # The stopped tree was killed (SIGKILL): gone once the init has reaped it.
         def alone() -> bool:
             members = [p for p in os.listdir("/proc") if p.isdigit() and _in_pidns(p, target.namespaces["pid"].inode)]
