@@ -56,6 +56,14 @@ def punch(fd: int, spans: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
     return done
 
 
+def is_hole(fd: int, lo: int, hi: int) -> bool:
+    """Whether [lo, hi) of ``fd`` holds no data (where the file system cannot tell: False)."""
+    try:
+        return os.lseek(fd, lo, os.SEEK_DATA) >= hi
+    except OSError as exc:
+        return exc.errno == errno.ENXIO  # no data from lo on
+
+
 def data_spans(fd: int, offset: int = 0, end: int | None = None) -> list[tuple[int, int]]:
     """``(offset, length)`` of each run of ``fd`` between ``offset`` and ``end`` that is not a
     hole (SEEK_DATA/SEEK_HOLE; where the file system cannot tell, all of it)."""

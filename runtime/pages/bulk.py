@@ -104,6 +104,7 @@ class SplitStats:
     kept_bytes: int
     seconds: float
     punched_bytes: int = 0  # of kept_bytes, punched out of the bulk files (stored once, by CRIU)
+    zero_bytes: int = 0  # of moved_bytes, whole zero chunks punched out (stored as nothing)
 
 
 @dataclass(frozen=True)
@@ -314,6 +315,30 @@ def rejoin(kept: img.Pagemap, whole: img.Pagemap, kept_pages: str, whole_pages: 
     return written
 
 
+def _punch_zero(path: str, sums: bytes, hashed: MutableMapping[str, Hashed]) -> int:
+    """Punch each chunk of the bulk file at ``path`` whose digest in ``sums`` is that of zeros
+    (an engine's KV cache, memory touched and never written): stored as nothing, and read and
+    hashed as nothing at restore (:mod:`runtime.pages.chunks`). The file's content, so its
+    digests, do not change; a digest hashed ahead of it is kept with the new mtime. Returns the
+    bytes that held data before."""
+    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        ahead = hashed.get(path)
+        fresh = ahead is not None and ahead.matches(st)
+        zero = []
+        for i, off in enumerate(range(0, st.st_size, SUM_CHUNK)):
+            n = min(SUM_CHUNK, st.st_size - off)
+            if chunks.is_zero(sums[i * DIGEST_BYTES:(i + 1) * DIGEST_BYTES], n) and not holes.is_hole(fd, off, off + n):
+                zero.append((off, n))
+        done = holes.punch(fd, zero)
+        if ahead is not None and fresh and done:
+            hashed[path] = dataclasses.replace(ahead, mtime_ns=os.fstat(fd).st_mtime_ns)
+        return sum(n for _o, n in done)
+    finally:
+        os.close(fd)
+
+
 def _chunk_digest(fd: int, offset: int, length: int) -> bytes:
     digest, done = new_hash(), 0
     while done < length:
@@ -404,7 +429,7 @@ def split(artifact_dir: str, huge: Mapping[int, Sequence[tuple[int, int]]] | Non
     t0 = time.monotonic()
     hashed = {} if hashed is None else hashed
     images = os.path.join(artifact_dir, CRIU_DIR)
-    files, moved_total, kept_total, punched_total = [], 0, 0, 0
+    files, moved_total, kept_total, punched_total, zero_total = [], 0, 0, 0, 0
     procs = [e for e in img.read_pstree(images)
              if os.path.exists(os.path.join(images, f"pagemap-{e.pid}.img"))]  # not zombies
     vmas_of = {p.pid: sorted(img.read_mm(images, p.pid).entry.vmas, key=lambda v: v.start) for p in procs}
@@ -432,20 +457,24 @@ def split(artifact_dir: str, huge: Mapping[int, Sequence[tuple[int, int]]] | Non
         kept_total += _copy_kept(pagemap, dest, moved)
         fresh = _punch_kept(dest, pagemap, moved, ahead)
         punched_total += fresh.punched
+        sums_path = os.path.join(artifact_dir, bulk_sums(pid))
         if fresh.hashed is not None:
             hashed[dest] = fresh.hashed
-            _write_sums_file(os.path.join(artifact_dir, bulk_sums(pid)), fresh.hashed.sums)
+            _write_sums_file(sums_path, fresh.hashed.sums)
         else:
-            write_sums(dest, os.path.join(artifact_dir, bulk_sums(pid)))
+            write_sums(dest, sums_path)
+        with open(sums_path, "rb") as f:
+            zero_total += _punch_zero(dest, f.read(), hashed)
         img.write_pagemap(pagemap, [e for i, e in enumerate(pagemap.entries) if i not in moved])
         if huge is not None and pid in huge:  # a CUDA process
             _mark_huge(images, pid, huge[pid], ranges)
         files.append(BulkFile(pid, bulk_file(pid), pagemap.pages_id, tuple(ranges)))
         moved_total += sum(r.length for r in ranges)
-    stats = SplitStats(len(files), moved_total, kept_total, time.monotonic() - t0, punched_total)
-    log.info("bulk split: %d processes, %.1f MiB to bulk files, %.1f MiB left with CRIU "
-             "(%.1f MiB of it punched out of the bulk files), %.2fs",
-             stats.processes, moved_total / 2**20, kept_total / 2**20, punched_total / 2**20, stats.seconds)
+    stats = SplitStats(len(files), moved_total, kept_total, time.monotonic() - t0, punched_total, zero_total)
+    log.info("bulk split: %d processes, %.1f MiB to bulk files (%.1f MiB of it zero chunks, not stored), "
+             "%.1f MiB left with CRIU (%.1f MiB of it punched out of the bulk files), %.2fs",
+             stats.processes, moved_total / 2**20, zero_total / 2**20, kept_total / 2**20,
+             punched_total / 2**20, stats.seconds)
     return tuple(files), stats
 
 
@@ -664,9 +693,13 @@ class _Filler:
                 # is mapped instead): nothing of it is read or written.
                 pos += want
                 continue
-            read += want
+            read += want  # of the range done (a zero chunk's too: progress counts it)
             # Verified before a byte of it is written: what is written is exactly what was hashed.
-            chunks.read(fd, pos, want, view, sums, size=self.sizes[p.file], name=self.files[p.file].path)
+            spent = chunks.read(fd, pos, want, view, sums, size=self.sizes[p.file], name=self.files[p.file].path)
+            if spent.zero == want:
+                # A zero chunk: the target's pages there read zeros already (assert_untouched).
+                pos += want
+                continue
             while i < len(segs) and segs[i][0] < pos + want:
                 off, vaddr, length = segs[i]
                 lo, hi = max(off, pos), min(off + length, pos + want)

@@ -8,10 +8,16 @@ caller's buffer and the rest of their chunk into scratch, and hashes each chunk 
 returns. A chunk off its digest, a file shorter than it says, or a digest list too short for
 the file raises :class:`IntegrityError`; the caller uses the buffer only once :func:`read`
 returned, so what it uses is exactly what was hashed.
+
+A chunk whose signed digest is that of zeros (:func:`is_zero`) and which is a hole in the file
+(the checkpoint punches such chunks out: :mod:`runtime.pages.bulk`) is neither read nor hashed:
+its bytes are zeros by its digest (a file cut short is read, and found short). Where the file holds data there (a file system that cannot
+punch, or a store writer who filled the hole in), the chunk is read and checked like any other.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Callable
@@ -19,9 +25,11 @@ from dataclasses import dataclass
 
 from runtime.digests import new_hash
 from runtime.errors import Reason, RekindleError
+from runtime.fs import holes
 from runtime.fs.pagecache import is_cached
 from runtime.layout import DIGEST_BYTES, SUM_CHUNK
 
+_ZEROS = memoryview(bytes(SUM_CHUNK))
 SCRATCH = SUM_CHUNK  # what :func:`read` needs beside the caller's buffer: the rest of one chunk
 
 
@@ -40,6 +48,19 @@ class Spent:
     verified: int = 0
     read_s: float = 0.0
     hash_s: float = 0.0
+    zero: int = 0  # of ``verified``: bytes of zero chunks that are holes (neither read nor hashed)
+
+
+@functools.lru_cache(maxsize=64)
+def zero_digest(length: int) -> bytes:
+    """The digest of ``length`` zero bytes (a whole chunk's, or a file's short last one)."""
+    return new_hash(bytes(length)).digest()
+
+
+def is_zero(want: bytes, length: int) -> bool:
+    """Whether a chunk of ``length`` bytes whose digest is ``want`` holds only zeros."""
+    return want == zero_digest(length)
+
 
 
 def advise(fd: int, offset: int, length: int) -> None:
@@ -76,6 +97,11 @@ def read(fd: int, offset: int, length: int, into: memoryview, sums: bytes, *, si
         want = sums[k:k + DIGEST_BYTES]
         if len(want) != DIGEST_BYTES:
             raise IntegrityError(f"{name}: no digest for the chunk at {c}")
+        if is_zero(want, ce - c) and holes.is_hole(fd, c, ce) and os.fstat(fd).st_size >= ce:
+            into[a - offset:b - offset] = _ZEROS[:b - a]
+            spent.verified += b - a
+            spent.zero += b - a
+            continue
         head, tail = a - c, ce - b
         if (head or tail) and scratch is None:
             scratch = memoryview(bytearray(SCRATCH))

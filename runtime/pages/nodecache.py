@@ -785,10 +785,12 @@ def _copy_piece(job: _Job) -> None:
             job.pace(want)
         data = bytearray(want)
         try:  # the one verified read (runtime.pages.chunks); a bad source is the store's fault here
-            chunks.read(job.src, pos, want, memoryview(data), job.sums, size=job.size, name=job.path)
+            spent = chunks.read(job.src, pos, want, memoryview(data), job.sums, size=job.size, name=job.path)
         except chunks.IntegrityError as e:
             raise CacheError(str(e)) from e
-        if not any(lo <= pos and hi <= top for lo, top, _fd, _at in job.maps):  # all but what is mapped
+        if spent.zero == want:
+            pass  # a zero chunk, a hole in the source: a hole in the fill file too
+        elif not any(lo <= pos and hi <= top for lo, top, _fd, _at in job.maps):  # all but what is mapped
             os.pwrite(job.fill, data, pos)
         for lo, top, fd, at in job.maps:
             a, b = max(lo, pos), min(top, hi)

@@ -314,3 +314,23 @@ def test_zombies_and_gone_processes_count_as_settled() -> None:
     tasks.wait_stopped([child.pid], timeout=0.5)  # a zombie: it never runs again
     child.wait()
     tasks.wait_stopped([child.pid], timeout=0.5)  # gone
+
+
+def test_a_zero_chunk_that_is_a_hole_is_not_written(tmp_path: Path, start_target: Callable[..., Target]) -> None:
+    """The checkpoint punches zero chunks out; the target's pages there read zeros already (the
+    fill checks that none is written before it starts), so nothing is written there."""
+    from runtime.fs import holes
+    data = bytearray(os.urandom(SIZE))
+    data[SUM_CHUNK:2 * SUM_CHUNK] = bytes(SUM_CHUNK)
+    store = ArtifactStore(str(tmp_path / "store"))
+    _publish(store, bytes(data), tmp_path)
+    [stored] = Path(store.root).rglob(bulk_file(NS_PID).rsplit("/", 1)[-1])
+    fd = os.open(stored, os.O_RDWR)
+    try:
+        assert holes.punch(fd, [(SUM_CHUNK, SUM_CHUNK)])
+    finally:
+        os.close(fd)
+    t = start_target()
+    stats = _fill(store, BulkFile(NS_PID, bulk_file(NS_PID), 1, (BulkRange(t.anon, SIZE, 0),)), t)
+    assert _memory(t.pid, t.anon, SIZE) == data
+    assert stats.bytes_written == SIZE - SUM_CHUNK  # (whether a page is present says little: THP)

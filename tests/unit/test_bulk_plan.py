@@ -280,3 +280,45 @@ def test_where_the_file_system_cannot_punch_the_bytes_stay(tmp_path: Path, monke
     assert stats.punched_bytes == 0
     assert (tmp_path / bulk_file(1)).read_bytes() == parent
     assert (tmp_path / bulk_sums(1)).read_bytes() == blake3.blake3(parent).digest()
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["hashed-after", "hashed-while-written"])
+def test_zero_chunks_of_the_moved_runs_are_punched_out_and_the_digests_stay(tmp_path: Path, ahead: bool) -> None:
+    """Memory an engine touched and never wrote (a KV cache of zeros) is stored as nothing: each
+    whole zero chunk of a bulk file is a hole; its content, so its digests, do not change."""
+    images = tmp_path / CRIU_DIR
+    images.mkdir()
+    run = (0x10000000, 0x10000000 + 5 * SUM_CHUNK)
+    _image(images / "pstree.img", pstree_pb2.pstree_entry(pid=1, ppid=0, pgid=1, sid=1, threads=[1]))
+    mm = mm_pb2.mm_entry()
+    mm.vmas.extend([vma(*run)])
+    _image(images / "mm-1.img", mm)
+    _image(images / "core-1.img", _core(0x7ff000))
+    n = (run[1] - run[0]) // P
+    _image(images / "pagemap-1.img", pagemap_pb2.pagemap_head(pages_id=1),
+           pagemap_pb2.pagemap_entry(vaddr=run[0], compat_nr_pages=n, nr_pages=n, flags=img.PE_PRESENT))
+    # chunks 1 and 2 zero; chunk 3 zero but for one byte; the rest random
+    data = bytearray(os.urandom(5 * SUM_CHUNK))
+    data[SUM_CHUNK:4 * SUM_CHUNK] = bytes(3 * SUM_CHUNK)
+    data[4 * SUM_CHUNK - 1] = 1
+    (images / "pages-1.img").write_bytes(data)
+    hashed: dict[str, Any] = {}
+    if ahead:
+        with TailHasher(str(images)) as th:
+            hashed = th.finish()
+    _files, stats = bulk.split(str(tmp_path), hashed=hashed)
+    assert stats.zero_bytes == 2 * SUM_CHUNK and stats.moved_bytes == len(data)
+    path = tmp_path / bulk_file(1)
+    st = os.stat(path)
+    assert path.read_bytes() == bytes(data) and st.st_size == len(data)
+    assert st.st_blocks * 512 <= 3 * SUM_CHUNK + (64 << 10)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert holes.data_spans(fd) == [(0, SUM_CHUNK), (3 * SUM_CHUNK, 2 * SUM_CHUNK)]
+        if ahead:  # what the publish takes for the file still stands for it
+            assert hashed[str(path)].matches(st)
+            assert hashed[str(path)].digest == hash_fd(fd)[1]
+    finally:
+        os.close(fd)
+    want = b"".join(blake3.blake3(data[o:o + SUM_CHUNK]).digest() for o in range(0, len(data), SUM_CHUNK))
+    assert (tmp_path / bulk_sums(1)).read_bytes() == want

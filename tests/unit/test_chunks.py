@@ -11,6 +11,7 @@ from pathlib import Path
 import blake3
 import pytest
 
+from runtime.fs import holes
 from runtime.layout import SUM_CHUNK
 from runtime.pages import chunks
 
@@ -148,3 +149,72 @@ def test_a_given_scratch_holds_the_neighbours_bytes(bulk) -> None:
 def test_an_empty_range_reads_nothing(bulk) -> None:
     fd, sums, data = bulk(C)
     assert chunks.read(fd, 10, 0, memoryview(bytearray(0)), b"", size=len(data), name="f").verified == 0
+
+
+def _punched(tmp_path: Path, zero: tuple[int, ...], size: int = 3 * C + C // 2) -> tuple[Path, bytes, bytes]:
+    """A file whose chunks ``zero`` are zeros punched out (as the checkpoint leaves them)."""
+    data = bytearray(os.urandom(size))
+    for i in zero:
+        data[i * C:(i + 1) * C] = bytes(len(data[i * C:(i + 1) * C]))
+    path = tmp_path / "pages.bulk"
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        for i in zero:
+            assert holes.punch(fd, [(i * C, min(C, size - i * C))])
+    finally:
+        os.close(fd)
+    sums = b"".join(blake3.blake3(data[off:off + C]).digest() for off in range(0, size, C))
+    return path, sums, bytes(data)
+
+
+def test_a_zero_chunk_that_is_a_hole_is_neither_read_nor_hashed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path, sums, data = _punched(tmp_path, (1, 3))  # a whole chunk and the short last one
+    reads: list[int] = []
+    real = chunks._read_exact
+    monkeypatch.setattr(chunks, "_read_exact", lambda fd, view, pos, name: (reads.append(pos), real(fd, view, pos, name)))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        into = memoryview(bytearray(b"\xff" * len(data)))
+        spent = chunks.read(fd, 0, len(data), into, sums, size=len(data), name="f")
+    finally:
+        os.close(fd)
+    assert bytes(into) == data
+    assert spent.verified == len(data) and spent.zero == C + C // 2
+    assert sorted({p - p % C for p in reads}) == [0, 2 * C]  # chunks 1 and 3 never read
+
+
+def test_a_zero_chunk_stored_as_data_is_read_and_checked(tmp_path: Path) -> None:
+    """Where the file system kept the zeros (no punch), the chunk is read like any other."""
+    data = os.urandom(C) + bytes(C)
+    fd, sums = _file(tmp_path, data)
+    try:
+        into = memoryview(bytearray(2 * C))
+        spent = chunks.read(fd, 0, 2 * C, into, sums, size=2 * C, name="f")
+        assert bytes(into) == data and spent.zero == 0
+    finally:
+        os.close(fd)
+
+
+def test_a_zero_chunks_hole_filled_in_by_a_store_writer_is_refused(tmp_path: Path) -> None:
+    path, sums, data = _punched(tmp_path, (1,))
+    with open(path, "r+b") as f:  # written into the hole afterwards
+        f.seek(C + 4096)
+        f.write(b"\xa5" * 4096)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(chunks.IntegrityError, match=f"chunk at {C} does not match its digest"):
+            chunks.read(fd, C, C, memoryview(bytearray(C)), sums, size=len(data), name="f")
+    finally:
+        os.close(fd)
+
+
+def test_a_file_cut_short_over_its_zero_chunks_is_found_short(tmp_path: Path) -> None:
+    path, sums, data = _punched(tmp_path, (2, 3))
+    os.truncate(path, 2 * C)  # the zero chunks' holes gone with the rest
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(chunks.IntegrityError, match="shrank"):
+            chunks.read(fd, 0, len(data), memoryview(bytearray(len(data))), sums, size=len(data), name="f")
+    finally:
+        os.close(fd)

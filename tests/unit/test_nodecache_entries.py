@@ -418,3 +418,35 @@ def test_an_entry_copies_only_the_chunks_that_hold_a_range(node: _Node, tmp_path
     assert got[1 << 20:3 << 20] == bytes(2 << 20)  # a hole
     assert os.stat(fill).st_blocks * 512 <= (2 << 20) + (64 << 10)
     assert rec.bytes <= (2 << 20) + (64 << 10) + others
+
+
+def test_a_zero_chunk_the_store_holds_as_a_hole_stays_a_hole_in_the_entry(node: _Node, tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The checkpoint punches a bulk file's zero chunks out: the entry copies nothing of them."""
+    from runtime.fs import holes
+    zero = bytearray(node.data["llm"])
+    zero[2 << 20:3 << 20] = bytes(1 << 20)
+    src, sums = tmp_path / "zero.bulk", tmp_path / "zero.sums"
+    src.write_bytes(zero)
+    bulk.write_sums(str(src), str(sums))
+    publish(node.store, name="zero", files={bulk_file(PID): bytes(zero), bulk_sums(PID): sums.read_bytes(),
+                                            "criu/core-1.img": b"core", "rootfs-diff.tar": b"tar"})
+    stored = [p for p in Path(node.store.root).rglob(f"pages-{PID}.bulk") if "version-zero-" in str(p)]
+    assert len(stored) == 1
+    fd = os.open(stored[0], os.O_RDWR)
+    try:
+        assert holes.punch(fd, [(2 << 20, 1 << 20)])  # as the checkpoint leaves it
+    finally:
+        os.close(fd)
+    cache = _cache(tmp_path, monkeypatch)
+    with node.store.open("team-a", "zero", KEY) as art:
+        rec = cache.write(art, FILES, [], MODE, threads=2)
+    assert rec is not None
+    with node.store.open("team-a", "zero", KEY) as art:
+        fill = Path(cache.dir, nodecache.entry_key(art.manifest_id, MODE), "fill-1.bin")
+    assert fill.read_bytes() == bytes(zero)
+    fd = os.open(fill, os.O_RDONLY)
+    try:
+        assert holes.data_spans(fd) == [(0, 2 << 20), (3 << 20, 1 << 20)]
+    finally:
+        os.close(fd)
