@@ -37,7 +37,7 @@ from runtime.errors import Reason, RekindleError
 from runtime.layout import BulkFile
 from runtime.pages import chunks, uffd
 from runtime.pages.book import MappedBook
-from runtime.pages.sink import Copy, EntryFiles, LetGo, Mapped, Sink
+from runtime.pages.sink import Copy, EntryFiles, LetGo, Mapped, Sink, Zero
 from runtime.pages.source import PIECE, Piece, PieceSource
 
 log = logging.getLogger(__name__)
@@ -177,6 +177,7 @@ class StreamStats:
     mapped_whole: bool = True  # every piece of every mapped file written (none skipped: a task gone)
     # of install_s: letting mapped pieces go (their bytes are read straight into their files: read_s)
     release_s: float = 0.0
+    zero_bytes: int = 0  # of those verified: zero chunks that are holes, installed as zero pages
 
 
 @dataclass
@@ -194,6 +195,7 @@ class _Counters:
     retries: int = 0
     mapped: int = 0
     release: float = 0.0
+    zero: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -384,14 +386,15 @@ class Server:
                             round(c.fault_wait, 3), round(c.fault_wait_max, 4),
                             round(c.read, 3), round(c.hash, 3), round(c.install, 3), self.first_pieces, c.retries,
                             c.mapped, self.book.whole(),
-                            round(c.release, 3))
+                            round(c.release, 3), c.zero)
         log.info("stream: %.1f MiB verified, %.1f MiB installed, %d faults (%d pieces first by fault, "
                  "waited %.2fs in all, %.3fs at most), %d forks, %d threads, %.2fs (%.2f GB/s; thread-seconds: "
-                 "read %.2f, hash %.2f, install %.2f; %d retries; %.1f MiB mapped)",
+                 "read %.2f, hash %.2f, install %.2f; %d retries; %.1f MiB mapped; %.1f MiB zero pages)",
                  stats.bytes_verified / 2**20, stats.bytes_installed / 2**20, stats.faults,
                  stats.pieces_by_fault, stats.fault_wait_s, stats.fault_wait_max_s, stats.forks,
                  stats.threads, stats.seconds, stats.bytes_verified / 1e9 / max(stats.seconds, 1e-9),
-                 stats.read_s, stats.hash_s, stats.install_s, stats.retries, stats.mapped_bytes / 2**20)
+                 stats.read_s, stats.hash_s, stats.install_s, stats.retries, stats.mapped_bytes / 2**20,
+                 stats.zero_bytes / 2**20)
         return stats
 
     def close(self) -> None:
@@ -456,11 +459,16 @@ class Server:
 
     # -- pieces
 
-    def _read_verified(self, p: Piece) -> int:
-        """Our address of piece ``p``'s bytes, read into private memory and verified."""
+    def _read_verified(self, p: Piece) -> Sink:
+        """How to install piece ``p``: its bytes read into private memory and verified, or,
+        where every chunk of it is a zero chunk that is a hole, zero pages."""
         addr, spent = self.source.read(p)
         self._verified(spent.verified, spent.read_s, spent.hash_s)
-        return addr
+        if spent.zero == spent.verified:
+            with self.counters.lock:
+                self.counters.zero += spent.zero
+            return Zero()
+        return Copy(addr)
 
     def _verified(self, length: int, reading: float, hashing: float) -> None:
         """``length`` more bytes verified (read and hashed in those thread-seconds): counted, reported."""
@@ -532,7 +540,7 @@ class Server:
                     self._release_into(t, p)
                 return
             try:
-                addr = self._read_verified(p)
+                sink = self._read_verified(p)
             except (StreamError, chunks.IntegrityError) as exc:
                 self._fail(str(exc))
                 return
@@ -540,7 +548,7 @@ class Server:
                 with self.counters.lock:
                     self.counters.by_fault += 1
             for t in needing:
-                self._install_into(t, p, Copy(addr))
+                self._install_into(t, p, sink)
 
     def _segments(self, t: _Target, p: Piece) -> list[tuple[int, int, int]]:
         """(dst, offset in the piece, length) of ``p``'s bytes in ``t`` now."""

@@ -4,6 +4,8 @@ written into a node cache entry's file that the task maps, and then let go there
 - :class:`Copy`: the piece's bytes, in private memory, installed with ``UFFDIO_COPY`` (a page
   already present is left alone: nothing the kernel or the process wrote after CRIU is
   overwritten).
+- :class:`Zero`: a piece of zero chunks that are holes (``runtime.pages.chunks``), installed as
+  zero pages.
 - :class:`EntryFiles` and :class:`LetGo`: a mapped range (the first restore of a version on a
   node whose cache is a tmpfs: ``runtime.pages.entry.EntryBuild``) is a file of the cache
   entry being made, which CRIU maps ``MAP_PRIVATE``; the serve registered it in missing and
@@ -50,6 +52,15 @@ class Copy:
 
     def put(self, fd: int, dst: int, rel: int, length: int) -> int:
         return uffd.copy(fd, dst, self.addr + rel, length)
+
+
+class Zero:
+    """A piece whose every chunk is zeros and a hole in its file (nothing read or hashed):
+    zero pages mapped in with ``UFFDIO_ZEROPAGE``, no byte copied and no memory taken until
+    the task writes there (a page already present is left alone, as :class:`Copy` leaves it)."""
+
+    def put(self, fd: int, dst: int, rel: int, length: int) -> int:
+        return uffd.zeropage(fd, dst, length)
 
 
 class LetGo:

@@ -134,12 +134,15 @@ def copy(fd: int, dst: int, src: int, length: int) -> int:
     return installed
 
 
-def zeropage(fd: int, start: int, length: int) -> None:
-    """Map zero pages over what is missing in ``start``+``length`` (a hole: never written)."""
+def zeropage(fd: int, start: int, length: int) -> int:
+    """Map zero pages over what is missing in ``start``+``length`` (a hole: never written); the
+    bytes mapped (a present page is left as it is, as :func:`copy` leaves it)."""
+    installed = 0
     while length > 0:
         arg = _Zeropage(_Range(start, length), 0, 0)
         err = _call(fd, UFFDIO_ZEROPAGE, arg)
         done = arg.zeropage if arg.zeropage > 0 else 0
+        installed += done
         start, length = start + done, length - done
         if err == 0:
             continue
@@ -155,6 +158,7 @@ def zeropage(fd: int, start: int, length: int) -> None:
             raise Gone()
         elif err != errno.EINTR:
             raise OSError(err, f"UFFDIO_ZEROPAGE {start:#x}+{length}: {os.strerror(err)}")
+    return installed
 
 
 def wake(fd: int, start: int, length: int) -> None:

@@ -13,6 +13,7 @@ import textwrap
 import blake3
 import pytest
 
+from runtime.fs import holes
 from runtime.layout import SUM_CHUNK, BulkFile, BulkRange, bulk_file
 from runtime.pages import serve, stream, uffd
 from runtime.pages.source import PIECE
@@ -123,11 +124,17 @@ class Child:
         self.proc.wait(10)
 
 
-def _bulk(tmp_path, length: int, addr: int, pid: int = 7) -> tuple[BulkFile, int, bytes, bytes]:
-    data = os.urandom(length)
+def _bulk(tmp_path, length: int, addr: int, pid: int = 7,
+          zero: tuple[int, ...] = ()) -> tuple[BulkFile, int, bytes, bytes]:
+    """The bulk file; the pieces ``zero`` are zeros punched out (as the checkpoint leaves them)."""
+    buf = bytearray(os.urandom(length))
+    for i in zero:
+        buf[i * PIECE:(i + 1) * PIECE] = bytes(PIECE)
+    data = bytes(buf)
     path = tmp_path / "pages.bulk"
     path.write_bytes(data)
-    fd = os.open(path, os.O_RDONLY)
+    fd = os.open(path, os.O_RDWR)
+    assert all(holes.punch(fd, [(i * PIECE, PIECE)]) for i in zero)
     sums = b"".join(blake3.blake3(data[off:off + SUM_CHUNK]).digest() for off in range(0, length, SUM_CHUNK))
     return BulkFile(pid, bulk_file(pid), 1, (BulkRange(addr, length, 0),)), fd, sums, data
 
@@ -136,9 +143,9 @@ def _bulk(tmp_path, length: int, addr: int, pid: int = 7) -> tuple[BulkFile, int
 def served(tmp_path):
     made = []
 
-    def make(length: int, threads: int, corrupt: bool = False):
+    def make(length: int, threads: int, corrupt: bool = False, zero: tuple[int, ...] = ()):
         child = Child(length)
-        f, fd, sums, data = _bulk(tmp_path, length, child.addr)
+        f, fd, sums, data = _bulk(tmp_path, length, child.addr, zero=zero)
         if corrupt:
             sums = sums[:-32] + bytes(32)
         killed = []
@@ -164,6 +171,16 @@ def test_installs_every_piece_verified_and_the_process_reads_the_dump(served) ->
     assert stats.bytes_verified == length and stats.bytes_installed == length
     assert child.ask("hash") == blake3.blake3(data).hexdigest()
     assert child.ask("hole") == "00" * 16  # the hole after the range: zero pages
+
+
+def test_a_piece_of_zero_chunks_that_are_holes_is_installed_as_zero_pages(served) -> None:
+    length = 3 * PIECE
+    child, server, data, _ = served(length, threads=2, zero=(1,))
+    server.start()
+    stats = server.wait(60)
+    assert stats.bytes_verified == length and stats.bytes_installed == length
+    assert stats.zero_bytes == PIECE  # neither read nor hashed: mapped as zero pages
+    assert child.ask("hash") == blake3.blake3(data).hexdigest()
 
 
 def test_faults_are_served_first_with_no_installer(served) -> None:
