@@ -235,9 +235,10 @@ def checkpoint(req: CheckpointRequest, store: ArtifactStore, key: bytes, *,
                     write_layer_sums(os.path.join(staging.path, tar),
                                      os.path.join(staging.path, layout.layer_sums(tar)))
             files: tuple[layout.BulkFile, ...] = ()
+            pages: bulk.SplitStats | None = None
             if req.split:
                 with t.phase("split"):
-                    files, _stats = bulk.split(staging.path, huge, min_run=req.bulk_min_run, hashed=hashed)
+                    files, pages = bulk.split(staging.path, huge, min_run=req.bulk_min_run, hashed=hashed)
         finally:
             # Nothing is published, and no failure is raised, before the source runs again.
             if resume is not None:
@@ -270,7 +271,9 @@ def checkpoint(req: CheckpointRequest, store: ArtifactStore, key: bytes, *,
             published = staging.publish(manifest, key, known=hashed.values())
 
     if control is not None:
-        control.write_json(control_mod.TIMINGS, {"checkpoint": dict(t)})
+        # the bytes beside the phases: what the artifact holds, and what of it is stored as nothing
+        control.write_json(control_mod.TIMINGS, {"checkpoint": dict(t),
+                                                 **({"pages": pages.as_record()} if pages is not None else {})})
         control.write(control_mod.SNAPSHOT_COMPLETE, req.name + "\n")
     if req.exit_after:
         log.info("stopping the source workload %s as annotated", root)

@@ -106,6 +106,11 @@ class SplitStats:
     punched_bytes: int = 0  # of kept_bytes, punched out of the bulk files (stored once, by CRIU)
     zero_bytes: int = 0  # of moved_bytes, whole zero chunks punched out (stored as nothing)
 
+    def as_record(self) -> dict[str, int]:
+        """The byte counts, for ``timings.json``."""
+        return {"processes": self.processes, "moved_bytes": self.moved_bytes, "kept_bytes": self.kept_bytes,
+                "punched_bytes": self.punched_bytes, "zero_bytes": self.zero_bytes}
+
 
 @dataclass(frozen=True)
 class FillStats:

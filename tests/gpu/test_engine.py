@@ -8,10 +8,14 @@ after its checkpoint and the restored pod's equal the source's first ones; the w
 is still page-locked after the restore (``is_pinned`` and the wake-up's copy rate, against the
 source's own wake-up in the same run).
 
-``REKINDLE_ENGINE_FRACTIONS`` (default ``0.4``) lists the fractions run, one case each. The
-transparent path (no sleep) is not run here: its artifact is the whole reservation, more than
-this test's store can hold past about 0.2 of an H200. Each case writes
-``$REKINDLE_GPU_E2E_OUT/engine-release-<fraction>.json``.
+``REKINDLE_ENGINE_FRACTIONS`` (default ``0.4``) lists the fractions run, one case each.
+
+The transparent path (no sleep, the whole reservation checkpointed) runs for the fractions in
+``REKINDLE_ENGINE_TRANSPARENT`` (default none: its dump is as large as the reservation, and the
+store is in memory): the zero KV pool must be stored as nothing. Checked: the source's tokens
+after the restore; recorded: the artifact's size, what it takes on the store against its non-zero
+4 KiB pages (scanned), the checkpoint's byte counts and the restore's phases against the
+driver's copy. Each case writes ``$REKINDLE_GPU_E2E_OUT/engine-<path>-<fraction>.json``.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ CONTAINER = "engine"
 PORT = 8080
 MODEL_DIR = Path(os.environ.get("REKINDLE_LLM_MODEL_DIR", "/var/tmp/rekindle-llm-model"))
 FRACTIONS = [f for f in os.environ.get("REKINDLE_ENGINE_FRACTIONS", "0.4").split(",") if f]
+TRANSPARENT = [f for f in os.environ.get("REKINDLE_ENGINE_TRANSPARENT", "").split(",") if f]
 ANNOTATIONS = {"rekindle.dev/before-checkpoint": f"http://127.0.0.1:{PORT}/sleep?level=1",
                "rekindle.dev/after-restore": f"http://127.0.0.1:{PORT}/wake_up"}
 
@@ -135,3 +140,97 @@ def test_engine_release_path_restores_awake_with_its_weights_pinned(cri, plugin,
         print(json.dumps(rec, indent=1))
     from runtime.store.volume import ArtifactStore  # noqa: PLC0415
     ArtifactStore(str(plugin.store)).delete("default", name)  # the store is in memory
+
+
+def _nonzero_bytes(root: Path) -> int:
+    """Bytes in the 4 KiB pages under ``root`` that hold anything but zeros; holes are zeros and
+    are not read (SEEK_DATA)."""
+    import numpy as np  # noqa: PLC0415 - the GPU node's Python has it
+
+    page, block, total = 4096, 64 << 20, 0
+    for f in (x for x in root.rglob("*") if x.is_file()):
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            size, off = os.fstat(fd).st_size, 0
+            while off < size:
+                try:
+                    off = os.lseek(fd, off, os.SEEK_DATA)
+                except OSError:
+                    break  # nothing but a hole to the end
+                end = os.lseek(fd, off, os.SEEK_HOLE)
+                while off < end:
+                    buf = os.pread(fd, min(block, end - off), off)
+                    if not buf:
+                        break
+                    whole = len(buf) // page * page
+                    pages = np.frombuffer(buf, np.uint64, whole // 8).reshape(-1, page // 8)
+                    total += int(pages.any(axis=1).sum()) * page
+                    if len(buf) > whole and any(buf[whole:]):
+                        total += len(buf) - whole
+                    off += len(buf)
+        finally:
+            os.close(fd)
+    return total
+
+
+@pytest.mark.parametrize("fraction", TRANSPARENT)
+def test_engine_transparent_checkpoint_stores_its_zero_pool_as_nothing(cri, plugin, pods, model, fraction: str) -> None:
+    name = f"engine-t{fraction.replace('.', '')}"
+    rec: dict[str, Any] = {"case": "transparent", "gpu_fraction": float(fraction)}
+    try:
+        a = cri.run_pod_sandbox(f"{name}-src", annotations={"rekindle.dev/checkpoint": name})
+        pods.append(a)
+        t0 = time.monotonic()
+        a_cid = _start(cri, a, model, fraction)
+        a_dir = plugin.control_dir(a.uid, CONTAINER)
+        try:
+            rec["cold_start_s"] = round(gpu_pods.wait_file(a_dir / "worker-startup.json", 600,
+                                                           gpu_pods.running(cri, a_cid)), 3)
+        except AssertionError:
+            print(gpu_pods.container_logs(cri, a_cid)[-8000:], file=sys.stderr)
+            raise
+        startup = json.loads((a_dir / "worker-startup.json").read_text())
+        ref = startup["reference_tokens"]
+        rec["source_memory"] = startup.get("memory")
+        rec["gpu_memory_mib_source"] = gpu_pods.gpu_memory()
+        st = gpu_pods.wait_status(plugin, a, CONTAINER, {"published", "checkpoint-failed"}, 900)
+        rec["checkpoint_status_s"] = round(time.monotonic() - t0, 3)
+        rec["checkpoint"] = {"phase": st["phase"], "reason": st.get("reason"), "timings": st.get("timings")}
+        assert st["phase"] == "published", st
+        rec["checkpoint_pages"] = json.loads((a_dir / "timings.json").read_text()).get("pages")
+        artifact = (plugin.store / "default" / name).resolve()
+        files = [f for f in artifact.rglob("*") if f.is_file()]
+        rec["artifact_bytes"] = sum(f.stat().st_size for f in files)
+        rec["artifact_allocated_bytes"] = sum(f.stat().st_blocks * 512 for f in files)
+        t_scan = time.monotonic()
+        rec["artifact_nonzero_bytes"] = _nonzero_bytes(artifact)
+        rec["scan_s"] = round(time.monotonic() - t_scan, 3)
+        rec["allocated_vs_nonzero"] = round(rec["artifact_allocated_bytes"] / max(1, rec["artifact_nonzero_bytes"]), 4)
+        src = _get(cri.pod_ip(a.id), "/generate")
+        assert src["tokens"] == ref, (src, ref)
+
+        b = cri.run_pod_sandbox(f"{name}-dst", annotations={"rekindle.dev/restore": name})
+        pods.append(b)
+        t1 = time.monotonic()
+        b_cid = _start(cri, b, model, fraction)
+        st = gpu_pods.wait_status(plugin, b, CONTAINER, {"restored", "cold-start"}, 600)
+        rec["restore_status_s"] = round(time.monotonic() - t1, 3)
+        rec["restore"] = {"phase": st["phase"], "reason": st.get("reason"), "timings": st.get("timings"),
+                          "route": st.get("route")}
+        assert st["phase"] == "restored", st
+        got = _get(cri.pod_ip(b.id), "/generate")
+        rec["restore_to_first_answer_s"] = round(time.monotonic() - t1, 3)
+        b_timings = json.loads((plugin.control_dir(b.uid, CONTAINER) / "timings.json").read_text())
+        rec["restore_stream"] = b_timings.get("stream")
+        rec["restored_tokens_match"] = got["tokens"] == ref
+        rec["gpu_memory_mib_both"] = gpu_pods.gpu_memory()
+        assert got["tokens"] == ref, (got, ref)
+        assert cri.container_status(b_cid).state is ContainerState.RUNNING
+        # every byte of the pool is a zero; the store holds the rest, not the reservation
+        assert rec["artifact_allocated_bytes"] <= rec["artifact_nonzero_bytes"] * 1.05 + (256 << 20), rec
+    finally:
+        OUT.mkdir(parents=True, exist_ok=True)
+        (OUT / f"engine-transparent-{fraction}.json").write_text(json.dumps(rec, indent=1) + "\n")
+        print(json.dumps(rec, indent=1))
+    from runtime.store.volume import ArtifactStore  # noqa: PLC0415
+    ArtifactStore(str(plugin.store)).delete("default", name)
