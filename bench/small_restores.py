@@ -58,6 +58,7 @@ def run(rig: Rig, case: str, path: str) -> dict[str, Any]:
     totals: list[float] = []
     routes: list[str] = []
     phases: dict[str, int] = {}
+    phase_times: dict[str, list[float]] = {}
     for r in recs:
         if "cid" not in r or not r["restore"]:
             continue
@@ -66,6 +67,8 @@ def run(rig: Rig, case: str, path: str) -> dict[str, Any]:
         phases[st.phase.value if st else "no status"] = phases.get(st.phase.value if st else "no status", 0) + 1
         if st is not None and st.phase is Phase.RESTORED:
             totals.append(st.timings.get("total", 0.0))
+            for k, v in st.timings.items():
+                phase_times.setdefault(k, []).append(v)
             try:
                 doc = json.loads((rig.plugin.control_dir(r["pod"].uid, CONTAINER) / "timings.json").read_text())
                 routes.append(doc.get("route", {}).get("kind", "?"))
@@ -77,9 +80,17 @@ def run(rig: Rig, case: str, path: str) -> dict[str, Any]:
            "outcomes": phases, "routes": {k: routes.count(k) for k in sorted(set(routes))},
            "restore_total_s": sorted(round(x, 3) for x in totals),
            "median_restore_s": round(statistics.median(totals), 3) if totals else None,
+           "median_phases_s": {k: round(statistics.median(v), 3) for k, v in phase_times.items()},
            "slowest_first_answer_s": round(max(r["ready_s"] for r in restored), 3) if restored else None}
     _remove_all(rig, recs)
     return out
+
+
+def _phases(runs: list[dict[str, Any]]) -> dict[str, float]:
+    """Per phase, the median over the runs' medians (where the default's time goes against bulk's)."""
+    keys = {k for r in runs for k in r.get("median_phases_s", {})}
+    return {k: round(statistics.median([r["median_phases_s"][k] for r in runs if k in r.get("median_phases_s", {})]), 3)
+            for k in sorted(keys)}
 
 
 def main() -> int:
@@ -87,6 +98,7 @@ def main() -> int:
     ap.add_argument("--work", type=Path, default=Path("/var/tmp/rekindle-small-restores"))
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--rounds", type=int, default=1, help="times the ABBA order is run per case")
     args = ap.parse_args()
     lock = hold_e2e_lock()  # the default sandbox: never beside the e2e tests
     rig = Rig(args.work, store_mib=4096)
@@ -94,7 +106,7 @@ def main() -> int:
     try:
         rig.up()
         for case in args.cases.split(","):
-            for path in ORDER:
+            for path in ORDER * args.rounds:
                 runs.append(run(rig, case, path))
                 print(json.dumps(runs[-1]), flush=True)
     finally:
@@ -111,13 +123,18 @@ def main() -> int:
                 for k, n in r.get("routes", {}).items():
                     routes[k] = routes.get(k, 0) + n
         cases.append({"case": case, "default_median_s": d, "bulk_median_s": b,
-                      "default_vs_bulk": round(d / b, 2) if d and b else None, "default_routes": routes})
+                      "default_vs_bulk": round(d / b, 2) if d and b else None, "default_routes": routes,
+                      "phases_s": {p: _phases([r for r in runs if r["case"] == case and r["path"] == p])
+                                   for p in PATHS}})
     doc = {"what": "bench/small_restores.py: the default route against the bulk path, same run",
            "host": "2-core CPU machine, containerd 1.7.24 + runc + CRIU 4.2.1 + CNI + the plugin",
            "cases": cases, "runs": runs}
     for c in cases:
         print(f"{c['case']:<20} default {c['default_median_s']} s  bulk {c['bulk_median_s']} s  "
               f"default_vs_bulk {c['default_vs_bulk']}  routes {c['default_routes']}")
+        a, b = c["phases_s"]["auto"], c["phases_s"]["bulk"]
+        for k in sorted(set(a) | set(b), key=lambda k: -max(a.get(k, 0.0), b.get(k, 0.0))):
+            print(f"    {k:<16} default {a.get(k, 0.0):7.3f} s  bulk {b.get(k, 0.0):7.3f} s")
     if args.json is not None:
         dump_json(args.json, doc)
     return 0

@@ -31,7 +31,7 @@ from runtime.compat import NodeFacts
 from runtime.containerd.cri_lookup import CRIError
 from runtime.gpu import Checkpointer, node_cuda
 from runtime.overlay import pending as overlay_pending
-from runtime.pages import NodeCache
+from runtime.pages.nodecache import NodeCache
 from runtime.pod import hooks
 from runtime.pod.probe import probe as run_probe
 from runtime.proc import thp

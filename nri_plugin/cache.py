@@ -19,7 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from runtime import libc
 from runtime.errors import RekindleError
-from runtime.pages import MapMode, nodecache
+from runtime.pages import nodecache
+from runtime.pages.mapping import MapMode
 from runtime.restore import CacheWork
 from runtime.store import ArtifactStore
 

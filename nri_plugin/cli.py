@@ -566,7 +566,7 @@ def cmd_artifacts(args: argparse.Namespace) -> int:
 
 def _cached(args: argparse.Namespace) -> dict[tuple[str, str], int]:
     """(label, version) -> bytes of each entry of this node's cache."""
-    from runtime.pages import NodeCache
+    from runtime.pages.nodecache import NodeCache
 
     from .cache import cache_dir
     return {(e.label, e.version): e.bytes for e in NodeCache(cache_dir(_settings(args)), 1).entries()}

@@ -7,9 +7,5 @@ or mapped from the node cache (``nodecache``: verified copies on node-local stor
 one streamed restores make as they run; ``mapping``: which ranges map and the images rewritten for
 it).
 
-The flows use ``bulk``, ``stream`` and ``mapping`` as modules, and the names below."""
-
-from runtime.pages.mapping import MapMode
-from runtime.pages.nodecache import NodeCache
-
-__all__ = ["MapMode", "NodeCache"]
+Nothing is imported here: the holder (``python -m runtime.pages.holder``, started for each
+streamed restore while its tree waits) loads only what it runs."""
