@@ -305,7 +305,7 @@ class Prewarmer:
                 files, spans = _plan_spans(artifact, self.mode, self.work_dir)
                 if not files:
                     raise RekindleError("it holds no bulk pages: a restore of it does not use the node cache")
-                need = nodecache.entry_bytes(artifact, files, spans)
+                need = nodecache.entry_bytes(artifact, files, spans, nodecache.stored_sums(artifact, files))
                 if need > self.cache.max_bytes:
                     raise RekindleError(f"its entry needs {need / 2**20:.1f} MiB, more than the cache's bound "
                                         f"of {self.cache.max_bytes / 2**20:.1f} MiB")

@@ -46,7 +46,7 @@ import stat
 import struct
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -54,7 +54,7 @@ from runtime import layout, libc, strict_json
 from runtime.digests import WORKERS, piece_ranges
 from runtime.errors import Reason, RekindleError
 from runtime.fs.fdfs import remove_tree, safe_parts
-from runtime.layout import SUM_CHUNK, BulkFile
+from runtime.layout import DIGEST_BYTES, SUM_CHUNK, BulkFile
 from runtime.pages import bulk, chunks, uffd
 from runtime.pages.entry import EntryBuild, Share, State
 from runtime.pages.mapping import MapMode, Span
@@ -154,15 +154,38 @@ def range_chunks(f: BulkFile) -> list[tuple[int, int]]:
     return out
 
 
-def entry_bytes(artifact: Artifact, files: Sequence[BulkFile], spans: Sequence[Span] = ()) -> int:
+def entry_bytes(artifact: Artifact, files: Sequence[BulkFile], spans: Sequence[Span] = (),
+                sums: Mapping[str, bytes] | None = None) -> int:
     """What an entry of ``artifact`` with bulk ``files`` (``spans`` of them mapped) takes, at
-    most (the bound's measure): the chunks of each fill file that hold a range, once more the
-    part of each mapped span in a chunk it does not fill whole (written to both files), the
-    other files."""
+    most (the bound's measure): the chunks of each fill file that hold a range (but the zero
+    chunks its ``sums`` name: the copy leaves those holes), once more the part of each mapped
+    span in a chunk it does not fill whole (written to both files), the other files."""
     others = sum(f.size for f in artifact.manifest.files if not layout.is_bulk_pages(f.path))
-    fills = sum(min(sum(b - a for a, b in range_chunks(f)), artifact.entry(f.path).size) for f in files)
+    fills = sum(_held_bytes(f, artifact.entry(f.path).size, (sums or {}).get(f.path)) for f in files)
     twice = sum(min(s.length, -s.offset % SUM_CHUNK + (s.offset + s.length) % SUM_CHUNK) for s in spans)
     return fills + twice + others
+
+
+def _held_bytes(f: BulkFile, size: int, sums: bytes | None) -> int:
+    """Bytes of ``f``'s chunks that hold a range and, by ``sums`` (its chunk digests), data."""
+    total = 0
+    for lo, hi in range_chunks(f):
+        for off in range(lo, min(hi, size), SUM_CHUNK):
+            length = min(SUM_CHUNK, size - off)
+            i = off // SUM_CHUNK * DIGEST_BYTES
+            if sums is None or not chunks.is_zero(sums[i:i + DIGEST_BYTES], length):
+                total += length
+    return total
+
+
+def stored_sums(artifact: Artifact, files: Sequence[BulkFile]) -> dict[str, bytes]:
+    """Each bulk file's chunk digests, checked (:func:`bulk.read_sums`); {} where one cannot be
+    read: the bound then counts every chunk, and the copy refuses what does not verify."""
+    try:
+        return {f.path: bulk.read_sums(artifact, f) for f in files}
+    except (OSError, RekindleError) as exc:
+        log.info("%s: chunk digests not read for the cache's bound: %s", artifact.label, exc)
+        return {}
 
 
 def _seal(fd: int) -> Sealed:
@@ -466,8 +489,8 @@ class NodeCache:
     # --- writing ----------------------------------------------------------------------------
 
     def _reserve(self, root: int, artifact: Artifact, files: Sequence[BulkFile], key: str,
-                 spans: Sequence[Span] | None = None, mapped: Sequence[Span] = ()
-                 ) -> tuple[str, EntryBuild | None] | None:
+                 spans: Sequence[Span] | None = None, mapped: Sequence[Span] = (),
+                 sums: Mapping[str, bytes] | None = None) -> tuple[str, EntryBuild | None] | None:
         """Room for ``artifact``'s entry, and its unfinished directory made (the key reserved for
         this process's one writer of it); None when it exists, is being written, or does not fit.
         With ``spans``: the :class:`EntryBuild` its streamed restores make, registered at once (a
@@ -478,7 +501,7 @@ class NodeCache:
             if key in self._writing or os.path.exists(os.path.join(self.dir, key, ENTRY)):
                 self.refused[key] = "being written, or written already"
                 return None
-            need = entry_bytes(artifact, files, mapped if spans is None else spans)
+            need = entry_bytes(artifact, files, mapped if spans is None else spans, sums)
             why = self._fits(need)
             if why is not None:
                 self.refused[key] = why
@@ -539,7 +562,7 @@ class NodeCache:
         key = entry_key(artifact.manifest_id, mode)
         root = self._open_root()
         try:
-            got = self._reserve(root, artifact, files, key, spans)
+            got = self._reserve(root, artifact, files, key, spans, sums=stored_sums(artifact, files))
             if got is None:
                 return None
             tmp, made = got
@@ -613,7 +636,7 @@ class NodeCache:
                     raise CacheError(f"{artifact.label}: the entry begun by its restore is not this one, or not whole")
                 tmp = premade.tmp
             else:
-                got = self._reserve(root, artifact, files, key, mapped=spans)
+                got = self._reserve(root, artifact, files, key, mapped=spans, sums=stored_sums(artifact, files))
                 if got is None:
                     return None
                 tmp = got[0]
@@ -788,8 +811,9 @@ def _copy_piece(job: _Job) -> None:
             spent = chunks.read(job.src, pos, want, memoryview(data), job.sums, size=job.size, name=job.path)
         except chunks.IntegrityError as e:
             raise CacheError(str(e)) from e
-        if spent.zero == want:
-            pass  # a zero chunk, a hole in the source: a hole in the fill file too
+        k = pos // SUM_CHUNK * DIGEST_BYTES
+        if spent.zero == want or chunks.is_zero(job.sums[k:k + DIGEST_BYTES], want):
+            pass  # a zero chunk (verified, or a hole in the source): a hole in the fill file, as the bound counts it
         elif not any(lo <= pos and hi <= top for lo, top, _fd, _at in job.maps):  # all but what is mapped
             os.pwrite(job.fill, data, pos)
         for lo, top, fd, at in job.maps:

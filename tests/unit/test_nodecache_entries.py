@@ -450,3 +450,46 @@ def test_a_zero_chunk_the_store_holds_as_a_hole_stays_a_hole_in_the_entry(node: 
         assert holes.data_spans(fd) == [(0, 2 << 20), (3 << 20, 1 << 20)]
     finally:
         os.close(fd)
+
+
+def test_the_byte_bound_counts_no_zero_chunk(node: _Node, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine's KV pool is zero chunks the entry leaves as holes (here held as data in the
+    store, as on a file system that cannot punch): its bound counts only the chunks with data,
+    so an entry that fits by its data is written though its size does not."""
+    zero = bytearray(SIZE)
+    zero[:1 << 20] = node.data["llm"][:1 << 20]  # one chunk of data, three of zeros
+    src, sums = tmp_path / "kv.bulk", tmp_path / "kv.sums"
+    src.write_bytes(zero)
+    bulk.write_sums(str(src), str(sums))
+    publish(node.store, name="kv", files={bulk_file(PID): bytes(zero), bulk_sums(PID): sums.read_bytes(),
+                                          "criu/core-1.img": b"core", "rootfs-diff.tar": b"tar"})
+    with node.store.open("team-a", "kv", KEY) as art:
+        others = sum(f.size for f in art.manifest.files if not layout.is_bulk_pages(f.path))
+        assert nodecache.entry_bytes(art, FILES) == SIZE + others  # without the digests: every chunk
+        read = nodecache.stored_sums(art, FILES)
+        assert nodecache.entry_bytes(art, FILES, sums=read) == (1 << 20) + others
+    cache = _cache(tmp_path, monkeypatch, max_bytes=(2 << 20))
+    with node.store.open("team-a", "kv", KEY) as art:
+        rec = cache.write(art, FILES, [], MODE, threads=2)
+    assert rec is not None, cache.refused
+    assert rec.bytes <= (1 << 20) + (64 << 10) + others
+    with node.store.open("team-a", "kv", KEY) as art:
+        fill = Path(cache.dir, nodecache.entry_key(art.manifest_id, MODE), "fill-1.bin")
+    assert fill.read_bytes() == bytes(zero)
+
+
+def test_digests_that_do_not_verify_leave_the_bound_counting_every_chunk(node: _Node) -> None:
+    with node.open("llm") as art:
+        real = art.open_file
+
+        def tampered(path: str) -> int:
+            fd = real(path)
+            if path == bulk_sums(PID):
+                os.close(fd)
+                r, w = os.pipe()
+                os.write(w, bytes(SIZE // SUM_CHUNK * 32))
+                os.close(w)
+                return r
+            return fd
+        art.open_file = tampered  # type: ignore[method-assign]
+        assert nodecache.stored_sums(art, FILES) == {}
