@@ -11,7 +11,9 @@ Cases (the CPU drill's counter server, containerd 1.7 + the plugin, `bench.drill
 Each case runs twice with the plugin on the default route (``auto``) and twice on ``bulk``, in
 the order auto, bulk, bulk, auto, the artifact published again each time. Per restore: its ``total`` from the status record,
 the route its ``timings.json`` recorded. Per case: the medians over both runs of a path, and
-``default_vs_bulk`` (the ratio of the medians: below 1.2 is the target).
+``default_vs_bulk`` (the ratio of the medians: below 1.2 is the target), and each path's phases.
+``--against stream`` sets the streamed path against bulk on every case instead of the default
+route (the ``default_*`` figures are then the streamed path's; ``against_bulk`` says which).
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ from devtools.sandbox import hold_e2e_lock
 from runtime.status import Phase
 
 CASES = {"64mib-among-40": (40, 64), "256mib-5-at-once": (9, 256), "1gib-alone": (1, 1024)}
-PATHS = ("auto", "bulk")
 ORDER = ("auto", "bulk", "bulk", "auto")  # ABBA: what the run's order and the node's drift add falls on both
 
 
@@ -99,6 +100,8 @@ def main() -> int:
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--rounds", type=int, default=1, help="times the ABBA order is run per case")
+    ap.add_argument("--against", choices=("auto", "stream"), default="auto",
+                    help="the path set against bulk (stream: the streamed path on every case, as before the route)")
     args = ap.parse_args()
     lock = hold_e2e_lock()  # the default sandbox: never beside the e2e tests
     rig = Rig(args.work, store_mib=4096)
@@ -107,32 +110,34 @@ def main() -> int:
         rig.up()
         for case in args.cases.split(","):
             for path in ORDER * args.rounds:
+                path = args.against if path == "auto" else path
                 runs.append(run(rig, case, path))
                 print(json.dumps(runs[-1]), flush=True)
     finally:
         rig.down()
         lock.close()
     cases = []
+    paths = (args.against, "bulk")
     for case in args.cases.split(","):
         totals = {p: [t for r in runs if r["case"] == case and r["path"] == p for t in r.get("restore_total_s", [])]
-                  for p in PATHS}
-        d, b = (round(statistics.median(totals[p]), 3) if totals[p] else None for p in PATHS)
+                  for p in paths}
+        d, b = (round(statistics.median(totals[p]), 3) if totals[p] else None for p in paths)
         routes: dict[str, int] = {}
         for r in runs:
-            if r["case"] == case and r["path"] == "auto":
+            if r["case"] == case and r["path"] == args.against:
                 for k, n in r.get("routes", {}).items():
                     routes[k] = routes.get(k, 0) + n
-        cases.append({"case": case, "default_median_s": d, "bulk_median_s": b,
+        cases.append({"case": case, "against_bulk": args.against, "default_median_s": d, "bulk_median_s": b,
                       "default_vs_bulk": round(d / b, 2) if d and b else None, "default_routes": routes,
                       "phases_s": {p: _phases([r for r in runs if r["case"] == case and r["path"] == p])
-                                   for p in PATHS}})
+                                   for p in paths}})
     doc = {"what": "bench/small_restores.py: the default route against the bulk path, same run",
            "host": "2-core CPU machine, containerd 1.7.24 + runc + CRIU 4.2.1 + CNI + the plugin",
            "cases": cases, "runs": runs}
     for c in cases:
         print(f"{c['case']:<20} default {c['default_median_s']} s  bulk {c['bulk_median_s']} s  "
               f"default_vs_bulk {c['default_vs_bulk']}  routes {c['default_routes']}")
-        a, b = c["phases_s"]["auto"], c["phases_s"]["bulk"]
+        a, b = c["phases_s"][args.against], c["phases_s"]["bulk"]
         for k in sorted(set(a) | set(b), key=lambda k: -max(a.get(k, 0.0), b.get(k, 0.0))):
             print(f"    {k:<16} default {a.get(k, 0.0):7.3f} s  bulk {b.get(k, 0.0):7.3f} s")
     if args.json is not None:
