@@ -69,16 +69,20 @@ def _sample(files: list[Path], mib: int) -> bytes:
 
 
 def planes(frame: bytes) -> bytes:
-    """bf16 values' high bytes, then their low bytes (little-endian: the high byte is second)."""
+    """bf16 values' high bytes, then their low bytes."""
     import numpy as np  # noqa: PLC0415
 
-    return np.frombuffer(frame, np.uint8).reshape(-1, 2)[:, ::-1].T.tobytes()
+    v = np.frombuffer(frame, np.uint16)
+    return (v >> 8).astype(np.uint8).tobytes() + (v & 0xFF).astype(np.uint8).tobytes()
 
 
 def unplanes(data: bytes) -> bytes:
     import numpy as np  # noqa: PLC0415
 
-    return np.frombuffer(data, np.uint8).reshape(2, -1)[::-1].T.tobytes()
+    half = len(data) // 2
+    hi = np.frombuffer(data, np.uint8, half).astype(np.uint16)
+    lo = np.frombuffer(data, np.uint8, half, half)
+    return ((hi << 8) | lo).tobytes()
 
 
 def _timed(fn: Callable[[bytes], Any], frames: list[bytes], threads: int) -> tuple[float, list[Any]]:
