@@ -48,6 +48,7 @@ PORT = 8080
 MODEL_DIR = Path(os.environ.get("REKINDLE_LLM_MODEL_DIR", "/var/tmp/rekindle-llm-model"))
 FRACTIONS = [f for f in os.environ.get("REKINDLE_ENGINE_FRACTIONS", "0.4").split(",") if f]
 TRANSPARENT = [f for f in os.environ.get("REKINDLE_ENGINE_TRANSPARENT", "").split(",") if f]
+AFTER = {"rekindle.dev/after-restore": f"http://127.0.0.1:{PORT}/wake_up"}
 ANNOTATIONS = {"rekindle.dev/before-checkpoint": f"http://127.0.0.1:{PORT}/sleep?level=1",
                "rekindle.dev/after-restore": f"http://127.0.0.1:{PORT}/wake_up"}
 
@@ -111,7 +112,9 @@ def test_engine_release_path_restores_awake_with_its_weights_pinned(cri, plugin,
         assert src["tokens"] == ref, (src, ref)
         assert not _get(a_ip, "/is_sleeping")["is_sleeping"]
 
-        b = cri.run_pod_sandbox(f"{name}-dst", annotations={"rekindle.dev/restore": name, **ANNOTATIONS})
+        # as examples/vllm/restore-deployment.yaml: a restore pod names the wake-up only (the
+        # plugin refuses a before-checkpoint call on it, and the pod starts cold)
+        b = cri.run_pod_sandbox(f"{name}-dst", annotations={"rekindle.dev/restore": name, **AFTER})
         pods.append(b)
         t1 = time.monotonic()
         b_cid = _start(cri, b, model, fraction)
