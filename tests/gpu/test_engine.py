@@ -79,30 +79,38 @@ def _start(cri: Any, pod: Any, model: Path, fraction: str) -> str:
                                       CONTAINER, env)
 
 
+def _checkpointed(cri: Any, plugin: Any, pods: list[Any], model: Path, fraction: str, name: str,
+                  annotations: dict[str, str], rec: dict[str, Any], timeout: float) -> tuple[Any, Path, Any]:
+    """A source pod started, warm, and published (its pod, control dir and reference tokens);
+    its cold start and checkpoint written into ``rec``."""
+    a = cri.run_pod_sandbox(f"{name}-src", annotations=annotations)
+    pods.append(a)
+    t0 = time.monotonic()
+    a_cid = _start(cri, a, model, fraction)
+    a_dir = plugin.control_dir(a.uid, CONTAINER)
+    try:
+        rec["cold_start_s"] = round(gpu_pods.wait_file(a_dir / "worker-startup.json", 600,
+                                                       gpu_pods.running(cri, a_cid)), 3)
+    except AssertionError:
+        print(gpu_pods.container_logs(cri, a_cid)[-8000:], file=sys.stderr)
+        raise
+    startup = json.loads((a_dir / "worker-startup.json").read_text())
+    rec["source_memory"] = startup.get("memory")
+    rec["gpu_memory_mib_source"] = gpu_pods.gpu_memory()
+    st = gpu_pods.wait_status(plugin, a, CONTAINER, {"published", "checkpoint-failed"}, timeout)
+    rec["checkpoint_status_s"] = round(time.monotonic() - t0, 3)
+    rec["checkpoint"] = {"phase": st["phase"], "reason": st.get("reason"), "timings": st.get("timings")}
+    assert st["phase"] == "published", st
+    return a, a_dir, startup["reference_tokens"]
+
+
 @pytest.mark.parametrize("fraction", FRACTIONS)
 def test_engine_release_path_restores_awake_with_its_weights_pinned(cri, plugin, pods, model, fraction: str) -> None:
     name = f"engine-{fraction.replace('.', '')}"
     rec: dict[str, Any] = {"case": "release", "gpu_fraction": float(fraction)}
     try:
-        a = cri.run_pod_sandbox(f"{name}-src", annotations={"rekindle.dev/checkpoint": name, **ANNOTATIONS})
-        pods.append(a)
-        t0 = time.monotonic()
-        a_cid = _start(cri, a, model, fraction)
-        a_dir = plugin.control_dir(a.uid, CONTAINER)
-        try:
-            rec["cold_start_s"] = round(gpu_pods.wait_file(a_dir / "worker-startup.json", 600,
-                                                           gpu_pods.running(cri, a_cid)), 3)
-        except AssertionError:
-            print(gpu_pods.container_logs(cri, a_cid)[-8000:], file=sys.stderr)
-            raise
-        startup = json.loads((a_dir / "worker-startup.json").read_text())
-        ref = startup["reference_tokens"]
-        rec["source_memory"] = startup.get("memory")
-        rec["gpu_memory_mib_source"] = gpu_pods.gpu_memory()
-        st = gpu_pods.wait_status(plugin, a, CONTAINER, {"published", "checkpoint-failed"}, 600)
-        rec["checkpoint_status_s"] = round(time.monotonic() - t0, 3)
-        rec["checkpoint"] = {"phase": st["phase"], "reason": st.get("reason"), "timings": st.get("timings")}
-        assert st["phase"] == "published", st
+        a, a_dir, ref = _checkpointed(cri, plugin, pods, model, fraction, name,
+                                      {"rekindle.dev/checkpoint": name, **ANNOTATIONS}, rec, 600)
         artifact = plugin.store / "default" / name
         rec["artifact_bytes"] = sum(f.stat().st_size for f in artifact.rglob("*") if f.is_file())
         a_ip = cri.pod_ip(a.id)
@@ -181,25 +189,8 @@ def test_engine_transparent_checkpoint_stores_its_zero_pool_as_nothing(cri, plug
     name = f"engine-t{fraction.replace('.', '')}"
     rec: dict[str, Any] = {"case": "transparent", "gpu_fraction": float(fraction)}
     try:
-        a = cri.run_pod_sandbox(f"{name}-src", annotations={"rekindle.dev/checkpoint": name})
-        pods.append(a)
-        t0 = time.monotonic()
-        a_cid = _start(cri, a, model, fraction)
-        a_dir = plugin.control_dir(a.uid, CONTAINER)
-        try:
-            rec["cold_start_s"] = round(gpu_pods.wait_file(a_dir / "worker-startup.json", 600,
-                                                           gpu_pods.running(cri, a_cid)), 3)
-        except AssertionError:
-            print(gpu_pods.container_logs(cri, a_cid)[-8000:], file=sys.stderr)
-            raise
-        startup = json.loads((a_dir / "worker-startup.json").read_text())
-        ref = startup["reference_tokens"]
-        rec["source_memory"] = startup.get("memory")
-        rec["gpu_memory_mib_source"] = gpu_pods.gpu_memory()
-        st = gpu_pods.wait_status(plugin, a, CONTAINER, {"published", "checkpoint-failed"}, 900)
-        rec["checkpoint_status_s"] = round(time.monotonic() - t0, 3)
-        rec["checkpoint"] = {"phase": st["phase"], "reason": st.get("reason"), "timings": st.get("timings")}
-        assert st["phase"] == "published", st
+        a, a_dir, ref = _checkpointed(cri, plugin, pods, model, fraction, name,
+                                      {"rekindle.dev/checkpoint": name}, rec, 900)
         rec["checkpoint_pages"] = json.loads((a_dir / "timings.json").read_text()).get("pages")
         artifact = (plugin.store / "default" / name).resolve()
         files = [f for f in artifact.rglob("*") if f.is_file()]
