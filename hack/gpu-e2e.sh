@@ -3,7 +3,8 @@
 #   hack/gpu-e2e.sh [pytest args...]
 # sets the node up from the bundle (hack/gpu-node-setup.sh), runs tests/gpu/test_gpu_e2e.py
 # (-x -v), then copies the logs and timings to $OUT (default ./gpu-e2e-out): pytest.log,
-# node.txt, setup.log, plugin.log, containerd.log, gpu-e2e-*.json, criu-logs.tar.xz.
+# node.txt, setup.log, plugin.log, containerd.log, dmesg.txt, gpu-e2e-*.json, criu-logs.tar.xz (CRIU's
+# logs and the pods' own).
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -61,7 +62,8 @@ grep -E 'PASSED|FAILED|ERROR|SKIPPED|passed|failed|error' "$out/pytest.log" | ta
 
 sb=${REKINDLE_SANDBOX:-/var/lib/rekindle-sandbox}
 cp "$sb/containerd.log" "$out/" 2>/dev/null
-logs=$(find "$REKINDLE_GPU_E2E_DIR" /var/log/pods -name '*.log' -size -20M 2>/dev/null | grep -v '/store/')
+dmesg 2>/dev/null | tail -200 > "$out/dmesg.txt"  # a workload's own crash (segfault, OOM kill) is told here
+logs=$(find "$REKINDLE_GPU_E2E_DIR" /var/log/pods "$sb/pod-logs" -name '*.log' -size -20M 2>/dev/null | grep -v '/store/')
 [ -n "$logs" ] && tar -cJf "$out/criu-logs.tar.xz" $logs 2>/dev/null
 python3 -m devtools.sandbox down > /dev/null 2>&1
 echo "total $(( $(date +%s) - t0 ))s"

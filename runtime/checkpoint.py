@@ -43,7 +43,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from runtime import checkpointable as preflight
@@ -62,7 +62,7 @@ from runtime.errors import (
     SharedPidNamespace,
     SourceResumeFailed,
 )
-from runtime.gpu import Checkpointer, source_gpus
+from runtime.gpu import Checkpointer, cuda_restore, hold_cuda, source_gpus
 from runtime.gpu.cuda import ProcessState
 from runtime.manifest import CriuInfo, CudaInfo, Manifest, MountInfo, NodeInfo, ProcessInfo, Source
 from runtime.overlay.verified import write_sums as write_layer_sums
@@ -79,6 +79,7 @@ from runtime.timings import Timings
 log = logging.getLogger(__name__)
 
 CUDA_LOCK_TIMEOUT_MS = 30_000
+HOLD_WAIT_S = 10.0  # for the resume to seize the source's CUDA threads before the tree goes on
 HUGE_MIN = 2 << 20  # staging mappings smaller than this gain nothing from huge pages
 
 
@@ -219,12 +220,15 @@ def checkpoint(req: CheckpointRequest, store: ArtifactStore, key: bytes, *,
                 try:
                     # CRIU leaves kept connections in repair mode when it leaves the tree stopped.
                     unrepaired = tcpmode.repair_off(tcp.holders) if tcp.established else []
-                    tasks.signal_all([p for p in _tree(root.host) if p not in held], signal.SIGCONT)  # what CRIU left stopped
+                    if resume is not None:  # its CUDA processes held first: they go on once resumed
+                        resume.start(held)
+                    tasks.signal_all([p for p in _tree(root.host) if p not in held and p not in holding(resume)],
+                                     signal.SIGCONT)  # what CRIU left stopped
                     frozen.clear(req.log_dir, req.container_id)
                 finally:  # whatever failed above, the source's CUDA state comes back
                     released_at = time.monotonic()
                     if resume is not None:
-                        resume.start()  # the driver copies back while the artifact is finished
+                        resume.start(held)  # the driver copies back while the artifact is finished
             if unrepaired:
                 raise CriuError("dump", "TCP connections of the source were left in repair mode: "
                                 + "; ".join(unrepaired), dump.log_path)
@@ -287,6 +291,11 @@ def checkpoint(req: CheckpointRequest, store: ArtifactStore, key: bytes, *,
     return dict(t)
 
 
+def holding(resume: _SourceResume | None) -> frozenset[int]:
+    """The processes a source's resume holds and continues itself."""
+    return resume.held if resume is not None else frozenset()
+
+
 class _SourceResume:
     """The source's CUDA restore and unlock on a thread of its own, while the artifact is finished
     (host files, split); ``join`` records its time and raises what it raised. A failed resume is
@@ -297,25 +306,41 @@ class _SourceResume:
         self._cuda, self._pids, self._root = cuda, pids, root_host
         self._thread = threading.Thread(target=self._run, name="rekindle-resume-source", daemon=True)
         self._error: BaseException | None = None
+        self._holding = threading.Event()  # set once the thread holds the processes, or cannot
+        self._stopped: frozenset[int] = frozenset()
+        self.held: frozenset[int] = frozenset()  # the processes it continues itself
         self.started_at = self.done_at = 0.0
         self.criu_log: str | None = None  # the dump's log, quoted when the resume fails
 
-    def start(self) -> None:
+    def start(self, stopped: Iterable[int] = ()) -> None:
+        """Start the resume (once), and wait until it holds the CUDA processes' threads: the
+        caller continues the rest of the tree, ``stopped`` (stopped before the dump) excepted."""
+        if self.started_at:
+            return
         self.started_at = time.monotonic()
+        self._stopped = frozenset(stopped)
         try:
             self._thread.start()
         except RuntimeError:  # no thread to be had: resumed here and now instead
             self._run()
+        self._holding.wait(HOLD_WAIT_S)
 
     def _run(self) -> None:
+        hold = None
         try:
+            # ptrace binds the threads to this thread: seized, let run and let go from here
+            hold = hold_cuda(self._pids)
+            self.held = frozenset(hold.pids) if hold is not None else frozenset()
+            self._holding.set()
             try:
-                self._cuda.restore_all(self._pids)
+                cuda_restore(self._cuda, self._pids, None, self._root, (), hold=hold, kill=False,
+                             stopped=self._stopped)
             except RekindleError as exc:
                 self._second_try(exc)
         except BaseException as exc:  # noqa: BLE001 - handed to join
             self._error = exc
         finally:
+            self._holding.set()
             self.done_at = time.monotonic()
 
     def _second_try(self, cause: RekindleError) -> None:

@@ -41,6 +41,7 @@ SIGNATURES: dict[str, tuple[list[Any] | None, Any]] = {
     "sync_file_range": ([ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint], ctypes.c_int),
     "process_vm_writev": ([ctypes.c_int, ctypes.POINTER(Iovec), ctypes.c_ulong, ctypes.POINTER(Iovec),
                            ctypes.c_ulong, ctypes.c_ulong], ctypes.c_ssize_t),
+    "ptrace": ([ctypes.c_long, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p], ctypes.c_long),
     "process_vm_readv": ([ctypes.c_int, ctypes.POINTER(Iovec), ctypes.c_ulong, ctypes.POINTER(Iovec),
                           ctypes.c_ulong, ctypes.c_ulong], ctypes.c_ssize_t),
 }

@@ -62,7 +62,7 @@ from runtime.container.containers import ContainerInfo, resolve_container
 from runtime.container.namespaces import host_pid_of, pid_namespace_shared
 from runtime.criu import image_files, restore_into
 from runtime.errors import ArtifactRejected, Reason, RekindleError, SharedPidNamespace
-from runtime.gpu import Checkpointer, build_gpu_map, cuda_restore, ensure_device_nodes, target_facts
+from runtime.gpu import Checkpointer, build_gpu_map, cuda_restore, ensure_device_nodes, hold_cuda, target_facts
 from runtime.overlay import pending as overlay_pending
 from runtime.overlay.verified import VerifiedArchive
 from runtime.pages import bulk, nodecache, stream
@@ -489,10 +489,13 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
         # Every byte is in place and verified (streamed: every byte it reads will be): let it
         # run (but what was stopped when dumped).
         kept = {host_pid_of(pidns, p) for p in image_files.stopped_pids(os.path.join(private, layout.CRIU_DIR))}
-        tasks.signal_all([p for p in result.tree if p not in kept], signal.SIGCONT)
-        if manifest.cuda is not None and cuda is not None:  # CUDA state without a driver was refused
+        restoring = manifest.cuda is not None and cuda is not None  # CUDA state without a driver was refused
+        hold = hold_cuda(host_pids) if restoring else None  # its threads wait for the driver's restore
+        on_hold = set(hold.pids) if hold is not None else set()
+        tasks.signal_all([p for p in result.tree if p not in kept and p not in on_hold], signal.SIGCONT)
+        if restoring and cuda is not None:
             with t.phase("cuda_restore"):
-                cuda_restore(cuda, host_pids, gpu_map, result.host_pid, result.tree)
+                cuda_restore(cuda, host_pids, gpu_map, result.host_pid, result.tree, hold=hold, stopped=kept)
             log.info("CUDA restored for %d process(es)%s", len(host_pids),
                      f", remapped {gpu_map}" if gpu_map else "")
         if after_restore is not None:

@@ -10,10 +10,11 @@ from runtime.gpu.target import (
     cuda_restore,
     ensure_device_nodes,
     facts_for_devices,
+    hold_cuda,
     node_cuda,
     source_gpus,
     target_facts,
 )
 
 __all__ = ["Checkpointer", "CudaCheckpointer", "build_gpu_map", "cuda_restore", "ensure_device_nodes",
-           "facts_for_devices", "node_cuda", "source_gpus", "target_facts"]
+           "facts_for_devices", "hold_cuda", "node_cuda", "source_gpus", "target_facts"]

@@ -11,15 +11,19 @@ Contract:
   every GPU CUDA sees.
 - :func:`ensure_device_nodes` creates the target's NVIDIA device nodes inside a restored
   process's /dev, from the host (``runtime.gpu.devnodes``: no container binary runs).
-- :func:`cuda_restore` restores and unlocks every CUDA process of a restored tree; on any
-  failure the whole tree is killed before the error is re-raised.
+- :func:`hold_cuda` seizes every thread of a stopped tree's CUDA processes (``runtime.proc.hold``)
+  before the rest of the tree is continued; :func:`cuda_restore` restores and unlocks every CUDA
+  process of a restored tree, only the driver's restore threads running meanwhile where it holds
+  them (then continues them); on any failure the whole tree is killed before the error is re-raised.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterable
+import os
+import signal
+from collections.abc import Collection, Iterable
 
 from runtime.compat import NodeFacts
 from runtime.container import oci
@@ -30,6 +34,7 @@ from runtime.gpu.devices import NVIDIA_MAJOR, spec_devices, visible_gpus
 from runtime.gpu.devnodes import CharDevice, ensure_char_devices
 from runtime.manifest import CudaInfo, Gpu
 from runtime.proc import tasks
+from runtime.proc.hold import Hold, HoldError
 
 log = logging.getLogger(__name__)
 
@@ -84,17 +89,66 @@ def ensure_device_nodes(host_pid: int, target_spec: oci.Spec) -> list[str]:
     return ensure_char_devices(host_pid, gpu_device_nodes(target_spec))
 
 
-def cuda_restore(cuda: Checkpointer, host_pids: list[int], gpu_map: dict[str, str] | None, root_host: int,
-                 restored: tuple[int, ...]) -> None:
-    """Restore and unlock every CUDA process of a running restored tree; on any failure kill the
-    tree and re-raise. Some processes may be back on the GPU and others stuck locked: none may go
-    on (a rank would wait for its peer forever); the caller's restore-failed makes the init start
-    cold."""
+def hold_cuda(host_pids: Iterable[int]) -> Hold | None:
+    """Every thread of the (stopped) CUDA processes seized, so that continuing the tree leaves
+    them stopped until :func:`cuda_restore`; None, logged, where they cannot be (the restore then
+    runs with the whole process running, as the driver alone allows)."""
     try:
+        return Hold.seize(host_pids)
+    except (HoldError, OSError) as exc:
+        log.warning("cannot hold the CUDA processes %s while the driver restores them: %s", list(host_pids), exc)
+        return None
+
+
+def cuda_restore(cuda: Checkpointer, host_pids: list[int], gpu_map: dict[str, str] | None, root_host: int,
+                 restored: tuple[int, ...], hold: Hold | None = None, stopped: Collection[int] = (),
+                 kill: bool = True) -> None:
+    """Restore and unlock every CUDA process of a restored tree; on any failure kill the tree
+    (unless not ``kill``: a source's resume tries again) and re-raise. Some processes may be back on the GPU and others stuck locked: none may go on (a
+    rank would wait for its peer forever); the caller's restore-failed makes the init start cold.
+
+    With ``hold``, only each process's restore thread runs while the driver restores it (another
+    thread touching device-mapped memory before it is back crashes the process); then every held
+    thread is let go and its process continued, but those in ``stopped`` (stopped when dumped)."""
+    try:
+        if hold is not None:
+            try:
+                for pid in host_pids:
+                    hold.let_run(restore_thread(cuda, pid))
+            except Exception as exc:  # noqa: BLE001 - the hold is an aid: without it, as the driver alone allows
+                log.warning("the CUDA processes run whole while the driver restores them: %s", exc)
+                _let_go(hold, stopped)
+                hold = None
         cuda.restore_all(host_pids, gpu_map)
     except BaseException:
-        tasks.kill_all(_tree_now(root_host, restored))
+        if kill:
+            tasks.kill_all(_tree_now(root_host, restored))
         raise
+    finally:
+        if hold is not None:
+            _let_go(hold, stopped)
+
+
+def _let_go(hold: Hold, stopped: Collection[int]) -> None:
+    hold.release()
+    tasks.signal_all([p for p in hold.pids if p not in stopped], signal.SIGCONT)
+
+
+def restore_thread(cuda: Checkpointer, pid: int) -> int:
+    """The host tid of ``pid``'s CUDA restore thread (the driver may name it as the process's
+    own namespace sees it)."""
+    tid = int(cuda.restore_tid(pid))
+    if os.path.exists(f"/proc/{pid}/task/{tid}"):
+        return tid
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/status") as f:
+                nspid = next((line.split()[1:] for line in f if line.startswith("NSpid:")), [])
+        except OSError:
+            continue
+        if nspid and int(nspid[-1]) == tid:
+            return int(task)
+    raise HoldError(3, f"pid {pid}: the driver's restore thread {tid} is not one of its threads")
 
 
 def _tree_now(root_host: int, restored: tuple[int, ...]) -> list[int]:
