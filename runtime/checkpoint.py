@@ -25,7 +25,7 @@ Steps, each timed (the timings go into the manifest and the container's status):
      published as a new version of the name;
   9. tell the source (``snapshot-complete``) and stop it if asked.
 Progress: ``progress(phase, 0, 0)`` at each phase start and ``("complete", n, n)`` once published,
-n the artifact's bytes.
+n the bytes the artifact stores (its holes take nothing).
 Any failure raises; the source is resumed (never left stopped or CUDA-locked), the staging dir is
 removed, nothing appears under the artifact's name. When the source's CUDA state cannot be
 brought back (a rollback or the resume fails: the processes would stay locked for good), the
@@ -62,6 +62,7 @@ from runtime.errors import (
     SharedPidNamespace,
     SourceResumeFailed,
 )
+from runtime.fs.fdfs import tree_bytes
 from runtime.gpu import Checkpointer, cuda_restore, hold_cuda, source_gpus
 from runtime.gpu.cuda import ProcessState
 from runtime.manifest import CriuInfo, CudaInfo, Manifest, MountInfo, NodeInfo, ProcessInfo, Source
@@ -271,12 +272,13 @@ def checkpoint(req: CheckpointRequest, store: ArtifactStore, key: bytes, *,
             timings={**t, **({"cold_start": round(req.cold_start, 3)} if req.cold_start > 0 else {})},
             prewarm=req.prewarm,
         )
+        stored = _stored_bytes(staging.path)  # after the split's holes: what the store will hold
         with t.phase("publish"):
-            published = staging.publish(manifest, key, known=hashed.values())
+            staging.publish(manifest, key, known=hashed.values())
 
     if control is not None:
         # the bytes beside the phases: what the artifact holds, and what of it is stored as nothing
-        control.write_json(control_mod.TIMINGS, {"checkpoint": dict(t),
+        control.write_json(control_mod.TIMINGS, {"checkpoint": dict(t), "stored_bytes": stored,
                                                  **({"pages": pages.as_record()} if pages is not None else {})})
         control.write(control_mod.SNAPSHOT_COMPLETE, req.name + "\n")
     if req.exit_after:
@@ -285,10 +287,18 @@ def checkpoint(req: CheckpointRequest, store: ArtifactStore, key: bytes, *,
             os.kill(root.host, signal.SIGTERM)
         except ProcessLookupError:
             pass
-    if progress is not None:
-        size = sum(f.size for f in published.files)
-        progress("complete", size, size)
+    if progress is not None:  # the bytes stored, not the files' sizes: a zero pool takes none
+        progress("complete", stored, stored)
     return dict(t)
+
+
+def _stored_bytes(staging: str) -> int:
+    """The allocated bytes of a (private) staging dir."""
+    fd = os.open(staging, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        return tree_bytes(fd)
+    finally:
+        os.close(fd)
 
 
 def holding(resume: _SourceResume | None) -> frozenset[int]:

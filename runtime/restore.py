@@ -526,8 +526,8 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
         pending.commit()
         log.info("restored %s/%s into %s: %d processes, %s", req.namespace, req.name, req.container_id[:12],
                  len(result.tree), ", ".join(f"{k} {v:.2f}s" for k, v in t.items()))
-        if progress is not None:
-            size = sum(f.size for f in manifest.files)
+        if progress is not None:  # what the artifact stores (holes take nothing), not its files' sizes
+            size = artifact.stored_bytes()
             progress("complete", size, size)
         if cold_work is not None and on_cold is not None:
             on_cold(cold_work)  # a premade entry is the writer's once it claimed it

@@ -83,7 +83,7 @@ class ContainerStatus:
     timings: dict[str, float] = field(default_factory=dict)
     updated_at: float = 0.0
     progress: Progress | None = None   # only while checkpointing or restoring
-    bytes: int = 0                     # the artifact's size, once published or restored
+    bytes: int = 0                     # what the artifact stores (its holes take nothing), once published or restored
     reason_class: str = ""             # runtime.errors.Reason of a failure, when its error said ("": by its words)
     note: str = ""                     # a remark on a success (a restore no faster than a cold start)
     route: str = ""                    # a restore's route: "<kind>: <path> (<reason>)" (runtime.route)

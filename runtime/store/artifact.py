@@ -66,6 +66,22 @@ class Artifact:
             os.close(self._lock_fd)
             self._lock_fd = -1
 
+    def stored_bytes(self) -> int:
+        """What the manifest's files take on the store (holes take nothing; a file that cannot
+        be read counts its size): the bytes a restore of this version reads at most."""
+        total = 0
+        for f in self.manifest.files:
+            try:
+                fd = self.open_file(f.path)
+            except (ArtifactRejected, OSError):
+                total += f.size
+                continue
+            try:
+                total += min(os.fstat(fd).st_blocks * 512, f.size)
+            finally:
+                os.close(fd)
+        return total
+
     def entry(self, path: str) -> FileEntry:
         try:
             return self._entries[path]

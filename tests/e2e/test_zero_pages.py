@@ -59,8 +59,11 @@ def test_zero_memory_is_stored_as_nothing_and_restored_as_zeros(sandbox, pod, pl
         assert stored["moved"] >= (48 + 96) << 20, stored  # the zeros were dumped and moved
         assert stored["bulk"] <= stored["moved"] - (90 << 20), stored  # but not stored
         # the checkpoint says so beside its phases
-        pages = json.loads((plugin.control_dir(a.uid, "app") / "timings.json").read_text())["pages"]
+        timings = json.loads((plugin.control_dir(a.uid, "app") / "timings.json").read_text())
+        pages = timings["pages"]
         assert pages["zero_bytes"] >= 90 << 20 and pages["moved_bytes"] >= (48 + 96) << 20, pages
+        # and its status counts the bytes stored, not the files' sizes
+        assert st["bytes"] == timings["stored_bytes"] <= stored["size"] - (90 << 20), (st, timings, stored)
 
         b = pod(f"dst-{name}", annotations={"rekindle.dev/restore": name})
         sandbox.run_container(b, "app", image, command=[sys.executable, "-c", ZEROS],
