@@ -64,7 +64,7 @@ install -m 0755 "$root/build/rekindle-init" "$root/build/counter-server" "$stage
 
 if [ -n "${REKINDLE_WHEELS:-}" ]; then
   for w in "${wheels[@]}"; do
-    f=$(ls "$REKINDLE_WHEELS"/"${w%%==*}"-"${w##*==}"-*.whl 2>/dev/null | head -1)
+    f=$(ls "$REKINDLE_WHEELS"/"${w%%==*}"-"${w##*==}"-*.whl 2>/dev/null | sed -n 1p)
     [ -n "$f" ] || { echo "gpu-bundle: no wheel for $w in $REKINDLE_WHEELS" >&2; exit 1; }
     cp "$f" "$stage/wheels/"
   done
@@ -79,8 +79,8 @@ strip --strip-unneeded "$stage"/bin/* "$stage"/cni/* "$stage"/build/* "$stage"/l
 {
   echo "made: $(date -u +%FT%TZ)"
   "$stage/bin/containerd" --version
-  "$stage/bin/runc" --version | head -1
-  LD_LIBRARY_PATH="$stage/lib" "$stage/bin/criu" --version | head -1
+  "$stage/bin/runc" --version | sed -n 1p
+  LD_LIBRARY_PATH="$stage/lib" "$stage/bin/criu" --version | sed -n 1p
   ls "$stage/wheels"
 } > "$stage/VERSIONS"
 
