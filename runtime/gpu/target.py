@@ -114,7 +114,9 @@ def cuda_restore(cuda: Checkpointer, host_pids: list[int], gpu_map: dict[str, st
         if hold is not None:
             try:
                 for pid in host_pids:
-                    hold.let_run(restore_thread(cuda, pid))
+                    tid = restore_thread(cuda, pid)
+                    hold.let_run(tid)
+                    log.info("pid %d: only its restore thread %d runs while the driver restores it", pid, tid)
             except Exception as exc:  # noqa: BLE001 - the hold is an aid: without it, as the driver alone allows
                 log.warning("the CUDA processes run whole while the driver restores them: %s", exc)
                 _let_go(hold, stopped)

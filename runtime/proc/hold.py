@@ -64,7 +64,7 @@ class Hold:
         except BaseException:
             hold.release()
             raise
-        log.debug("holding %d thread(s) of %s", len(hold.threads), list(hold.pids))
+        log.info("holding %d thread(s) of %s", len(hold.threads), list(hold.pids))
         return hold
 
     def _seize_all(self, pid: int) -> None:
