@@ -186,7 +186,8 @@ def _plan_spans(artifact: Artifact, mode: bulk_map.MapMode, work_root: str
         with open(os.path.join(private, layout.RESTORE_PLAN), "rb") as f:
             plan = layout.RestorePlan.from_json(f.read())
         cuda_pids = artifact.manifest.cuda.pids if artifact.manifest.cuda else ()
-        spans = bulk_map.choose(plan.bulk, os.path.join(private, layout.CRIU_DIR), mode, cuda_pids)
+        spans = bulk_map.choose(plan.bulk, os.path.join(private, layout.CRIU_DIR), mode, cuda_pids,
+                                nodecache.stored_sums(artifact, plan.bulk))
         return plan.bulk, spans
     finally:
         with contextlib.suppress(OSError, RekindleError):

@@ -52,7 +52,7 @@ import os
 import shutil
 import signal
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from runtime import control as control_mod
@@ -230,7 +230,7 @@ def _use_cache(cache: nodecache.NodeCache | None, entry: nodecache.Held | None, 
     if off or not plan.bulk:
         return _Cached(entry, plan.bulk, use)
     cuda_pids = artifact.manifest.cuda.pids if artifact.manifest.cuda else ()
-    spans = bulk_map.choose(plan.bulk, images, mode, cuda_pids)
+    spans = bulk_map.choose(plan.bulk, images, mode, cuda_pids, _digests(artifact, plan.bulk, entry))
     if entry is not None and entry.record.span_list() != spans:
         log.warning("%s: node cache entry %s maps other ranges than this restore would; not used",
                     artifact.label, entry.record.key)
@@ -244,6 +244,17 @@ def _use_cache(cache: nodecache.NodeCache | None, entry: nodecache.Held | None, 
     rest = bulk_map.remainder(plan.bulk, spans)
     return _Cached(entry, rest, CacheUse("warm", sum(s.length for s in spans), sum(b.bytes for b in rest), 0, key),
                    spans, [(entry.fd(s.name), bulk_map.inherit_key(s, key)) for s in spans])
+
+
+def _digests(artifact: Artifact, files: Sequence[layout.BulkFile], entry: nodecache.Held | None) -> dict[str, bytes]:
+    """Each bulk file's chunk digests, checked, from the entry where there is one (the mapping
+    leaves the zero ranges out by them); {} where they cannot be read: every range may be mapped
+    then, and an entry made with them is not used."""
+    try:
+        return {f.path: bulk.read_sums(artifact, f, entry.open_copy if entry is not None else None) for f in files}
+    except (OSError, RekindleError) as exc:
+        log.info("%s: chunk digests not read to choose the mapped ranges: %s", artifact.label, exc)
+        return {}
 
 
 @dataclass(frozen=True)

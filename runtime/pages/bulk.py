@@ -123,6 +123,11 @@ class FillStats:
 # --- split ---------------------------------------------------------------------------------------
 
 MAX_RANGES = layout.MAX_BULK_RANGES  # per artifact: the restore plan lists each and is capped
+# A zero run this long inside a range becomes a range of its own (an engine's KV pool in the
+# driver's host copy): the node cache maps no all-zero range (runtime.pages.mapping), so it stays
+# anonymous memory, which reads as the zero page, where a mapped cache file would allocate a
+# zeroed page for each one read (tmpfs has no zero page for a mapping).
+ZERO_APART = 64 << 20
 
 
 _NOTHING = img.Written((), ())
@@ -193,6 +198,34 @@ def _runs(pagemap: img.Pagemap, vmas: list[Any], min_run: int, cap: int = MAX_RA
         ranges.append(BulkRange(vaddr, length, off))
         moved.update(entries)
     return ranges, moved
+
+
+def zeros_apart(ranges: Sequence[BulkRange], sums: bytes, room: int,
+                min_len: int = ZERO_APART) -> list[BulkRange]:
+    """``ranges`` with each run of at least ``min_len`` bytes of whole zero chunks inside one
+    (by the bulk file's digests ``sums``) a range of its own, the longest first while ``room``
+    ranges may be added; the same bytes at the same places."""
+    runs = sorted(((b - a, k, a, b) for k, r in enumerate(ranges)
+                   for a, b in chunks.zero_runs(sums, r.offset, r.offset + r.length, min_len)), reverse=True)
+    cuts: dict[int, list[tuple[int, int]]] = {}
+    for _n, k, a, b in runs:
+        r = ranges[k]
+        added = (a > r.offset) + (b < r.offset + r.length)
+        if added > room:
+            continue
+        room -= added
+        cuts.setdefault(k, []).append((a, b))
+    out: list[BulkRange] = []
+    for k, r in enumerate(ranges):
+        at = r.offset
+        for a, b in sorted(cuts.get(k, [])):
+            for lo, hi in ((at, a), (a, b)):
+                if hi > lo:
+                    out.append(BulkRange(r.vaddr + lo - r.offset, hi - lo, lo))
+            at = b
+        if at < r.offset + r.length:
+            out.append(BulkRange(r.vaddr + at - r.offset, r.offset + r.length - at, at))
+    return out
 
 
 def _kept_by_kind(pagemap: img.Pagemap, vmas: list[Any], moved: set[int], min_run: int,
@@ -469,7 +502,9 @@ def split(artifact_dir: str, huge: Mapping[int, Sequence[tuple[int, int]]] | Non
         else:
             write_sums(dest, sums_path)
         with open(sums_path, "rb") as f:
-            zero_total += _punch_zero(dest, f.read(), hashed)
+            sums = f.read()
+        zero_total += _punch_zero(dest, sums, hashed)
+        ranges = zeros_apart(ranges, sums, MAX_RANGES // max(1, len(procs)) - len(ranges), ZERO_APART)
         img.write_pagemap(pagemap, [e for i, e in enumerate(pagemap.entries) if i not in moved])
         if huge is not None and pid in huge:  # a CUDA process
             _mark_huge(images, pid, huge[pid], ranges)
@@ -642,6 +677,9 @@ class _Filler:
         self.mapped = mapped  # with no sums: each file's address in a read-only mapping of it
         # (file offset, vaddr, length) of each range, by file, sorted by offset
         self.segments = [sorted((r.offset, r.vaddr, r.length) for r in f.ranges) for f in files]
+        # a sealed file's data, as (start, end): its holes are zeros, which the target's untouched
+        # pages read already; read through the mapping, each would take a page of the entry
+        self.data = [[(a, a + n) for a, n in holes.data_spans(fd)] for fd in fds] if sums is None else []
         self.progress = progress
         self.local = threading.local()
         self.lock = threading.Lock()
@@ -663,19 +701,26 @@ class _Filler:
                 self._piece(p, self.sums[p.file])
 
     def _sealed_piece(self, p: _Piece) -> None:
-        """Copy the piece's ranges straight from the sealed file's mapping (no chunk of it that
-        holds no range is touched: the entry has holes there)."""
-        pid, segs, base = self.pids[p.file], self.segments[p.file], self.mapped[p.file]
-        end, written = p.offset + p.length, 0
+        """Copy the piece's ranges straight from the sealed file's mapping, its data only (no
+        chunk of it that holds no range is touched: the entry has holes there; nor a hole in a
+        range: zeros, as the target's pages are)."""
+        pid, segs, base, data = self.pids[p.file], self.segments[p.file], self.mapped[p.file], self.data[p.file]
+        end, done, written = p.offset + p.length, 0, 0
         i = max(bisect.bisect_right(segs, (p.offset, 1 << 65, 0)) - 1, 0)
         while i < len(segs) and segs[i][0] < end:
             off, vaddr, length = segs[i]
             lo, hi = max(off, p.offset), min(off + length, end)
             if lo < hi:
-                write_remote(pid, base + lo, vaddr + (lo - off), hi - lo)
-                written += hi - lo
+                done += hi - lo
+                k = max(bisect.bisect_right(data, (lo, 1 << 65)) - 1, 0)
+                while k < len(data) and data[k][0] < hi:
+                    a, b = max(data[k][0], lo), min(data[k][1], hi)
+                    if a < b:
+                        write_remote(pid, base + a, vaddr + (a - off), b - a)
+                        written += b - a
+                    k += 1
             i += 1
-        self._count(written, written)
+        self._count(done, written)
 
     def _count(self, read: int, written: int) -> None:
         with self.lock:

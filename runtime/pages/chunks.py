@@ -62,6 +62,34 @@ def is_zero(want: bytes, length: int) -> bool:
     return want == zero_digest(length)
 
 
+def zero_runs(sums: bytes, lo: int, hi: int, min_len: int) -> list[tuple[int, int]]:
+    """The runs of at least ``min_len`` bytes of whole zero chunks (by their digests ``sums``)
+    within [lo, hi) of a file, as (start, end) offsets, chunk-aligned."""
+    zero = zero_digest(SUM_CHUNK)
+    first, last = -(-lo // SUM_CHUNK), min(hi // SUM_CHUNK, len(sums) // DIGEST_BYTES - 1)
+    out: list[tuple[int, int]] = []
+    start = -1
+    for i in range(first, last + 1):  # the file's last chunk (maybe short) is never counted
+        z = i < last and sums[i * DIGEST_BYTES:(i + 1) * DIGEST_BYTES] == zero
+        if z and start < 0:
+            start = i
+        elif not z and start >= 0:
+            if (i - start) * SUM_CHUNK >= min_len:
+                out.append((start * SUM_CHUNK, i * SUM_CHUNK))
+            start = -1
+    return out
+
+
+def all_zero(sums: bytes, lo: int, hi: int) -> bool:
+    """Whether every chunk covering [lo, hi) of a file is zeros by its digest (the file's last
+    chunk, whose length the digests do not tell, never is)."""
+    n = len(sums) // DIGEST_BYTES
+    first, end = lo // SUM_CHUNK, -(-hi // SUM_CHUNK)
+    zero = zero_digest(SUM_CHUNK)
+    return lo < hi and end < n and all(sums[i * DIGEST_BYTES:(i + 1) * DIGEST_BYTES] == zero
+                                       for i in range(first, end))
+
+
 
 def advise(fd: int, offset: int, length: int) -> None:
     """Ask the disk for [offset, offset + length) of ``fd`` at once unless it is cached: reads

@@ -8,7 +8,8 @@ restored from one artifact on a node share those pages until one writes (copy on
 - :func:`choose` picks the ranges: in ``driver`` mode the CUDA driver's host copy (the VMAs the
   checkpoint marked for huge pages in the CUDA processes), which the driver reads once and
   unmaps after its restore; in ``all`` mode every range of at least :data:`MAP_MIN` in a plain
-  (not heap) private anonymous VMA. A mapped range is no longer anonymous memory: after
+  (not heap) private anonymous VMA; never one that is all zeros (the split makes a long zero run
+  a range of its own: ``runtime.pages.bulk.zeros_apart``). A mapped range is no longer anonymous memory: after
   ``MADV_DONTNEED`` it reads the file's bytes back, not zeros, and ``MADV_FREE`` fails on it;
   hence ``driver`` by default.
 - Each range has its own file, its bytes at file offset ``vaddr % 2 MiB``: a ``huge=always``
@@ -34,6 +35,7 @@ from runtime.criu import image_files as img
 from runtime.criu.proto import fown_pb2, regfile_pb2
 from runtime.errors import Reason, RekindleError
 from runtime.layout import BulkFile, BulkRange
+from runtime.pages import chunks
 
 MAP_MIN = 2 << 20  # smaller ranges are filled: a VMA each would cost more than the copy
 HUGE = 2 << 20
@@ -79,8 +81,11 @@ def _mappable(vma: Any) -> bool:
     return img.is_private_anon_writable(vma) and not vma.status & (img.VMA_AREA_HEAP | img.VMA_AREA_STACK)
 
 
-def choose(files: Sequence[BulkFile], images: str, mode: MapMode, cuda_pids: Iterable[int] = ()) -> list[Span]:
-    """The ranges of ``files`` to map, by ``mode`` (see the module's text)."""
+def choose(files: Sequence[BulkFile], images: str, mode: MapMode, cuda_pids: Iterable[int] = (),
+           sums: Mapping[str, bytes] | None = None) -> list[Span]:
+    """The ranges of ``files`` to map, by ``mode`` (see the module's text); with ``sums`` (each
+    bulk file's verified chunk digests, by path), none that is all zeros: anonymous, it reads as
+    the zero page, where a mapped file would allocate every page read."""
     if mode is MapMode.NONE:
         return []
     cuda = set(cuda_pids)
@@ -92,8 +97,9 @@ def choose(files: Sequence[BulkFile], images: str, mode: MapMode, cuda_pids: Ite
         if mode is MapMode.DRIVER:
             vmas = [v for v in vmas if v.madv & (1 << img.MADV_HUGEPAGE)]
         starts = sorted((v.start, v.end) for v in vmas)
+        digests = (sums or {}).get(f.path)
         for r in f.ranges:
-            if r.length < MAP_MIN:
+            if r.length < MAP_MIN or (digests is not None and chunks.all_zero(digests, r.offset, r.offset + r.length)):
                 continue
             if any(lo <= r.vaddr and r.vaddr + r.length <= hi for lo, hi in starts):
                 out.append(Span(f.pid, r.vaddr, r.length, r.offset))

@@ -60,18 +60,18 @@ def _cache_use(plugin, pod) -> dict:
     return json.loads((plugin.control_dir(pod.uid, "app") / "timings.json").read_text())["cache"]
 
 
-def _source(sandbox, pod, plugin, name: str) -> None:
+def _source(sandbox, pod, plugin, name: str, script: str = HOLDER) -> None:
     from devtools.gpu import host_python_mounts
     a = pod(f"src-{name}", annotations={"rekindle.dev/checkpoint": name})
-    sandbox.run_container(a, "app", IMAGE, command=[sys.executable, "-c", HOLDER], mounts=host_python_mounts(), env=ENV)
+    sandbox.run_container(a, "app", IMAGE, command=[sys.executable, "-c", script], mounts=host_python_mounts(), env=ENV)
     st = wait_status(plugin, "default", a.name, "app", {"published", "checkpoint-failed"}, timeout=120)
     assert st["phase"] == "published", st
 
 
-def _restore(sandbox, pod, plugin, name: str, tag: str, wait: bool = True, security=None):
+def _restore(sandbox, pod, plugin, name: str, tag: str, wait: bool = True, security=None, script: str = HOLDER):
     from devtools.gpu import host_python_mounts
     b = pod(f"dst-{name}-{tag}", annotations={"rekindle.dev/restore": name})
-    cid = sandbox.run_container(b, "app", IMAGE, command=[sys.executable, "-c", HOLDER], mounts=host_python_mounts(),
+    cid = sandbox.run_container(b, "app", IMAGE, command=[sys.executable, "-c", script], mounts=host_python_mounts(),
                                 env=ENV, **({"security": security} if security else {}))
     if wait:
         _answered(sandbox, plugin, b)
@@ -376,3 +376,53 @@ def test_a_target_that_could_write_through_map_files_neither_makes_nor_maps_an_e
     assert use["state"] == "off" and use["store_bytes_read"] >= 96 << 20, use
     with open(f"/proc/{_tree_in(sandbox, c3)[0]}/maps") as f:
         assert "/map-" not in f.read()
+
+
+# 48 MiB of seeded bytes, 128 MiB written with zeros, 16 MiB seeded: one mapping, one bulk range
+# at the dump (an engine's host copy with its KV pool inside)
+POOL = r"""
+import hashlib, os, random, socket
+mem = bytearray(192 << 20)
+mem[:48 << 20] = random.Random(11).randbytes(48 << 20)
+mem[176 << 20:] = random.Random(12).randbytes(16 << 20)
+for i in range(48 << 20, 176 << 20, 4096):  # written, so present: CRIU dumps each page
+    mem[i] = 0
+want = hashlib.sha256(mem).hexdigest()
+srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+srv.bind(("0.0.0.0", 8080))
+srv.listen(8)
+open(os.environ["REKINDLE_CONTROL_DIR"] + "/ready-for-checkpoint", "w").close()
+while True:
+    conn, _ = srv.accept()
+    conn.recv(4096)
+    body = f"{'ok' if hashlib.sha256(mem).hexdigest() == want else 'bad'} {want[:16]}\n"
+    conn.sendall(b"HTTP/1.0 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body.encode()))
+    conn.close()
+"""
+
+
+def test_a_zero_run_is_neither_mapped_nor_kept_in_the_entry(sandbox, pod, streaming_cache):
+    """A long run of zeros inside a mapped range (an engine's KV pool) is a range of its own,
+    never mapped: it stays anonymous memory (the zero page), where a mapping of the entry's
+    tmpfs file would allocate every page the process reads. Both restores, the one that makes the
+    entry and the one that maps it, find every byte; the entry holds about the seeded bytes."""
+    plugin = streaming_cache
+    _source(sandbox, pod, plugin, "cache-pool", script=POOL)
+    first, c1 = _restore(sandbox, pod, plugin, "cache-pool", "1", script=POOL)
+    use, served = _cache_use(plugin, first), _timings(plugin, first)["stream"]
+    assert use["state"] == "building" and (48 << 20) <= use["mapped_bytes"] <= (72 << 20), use
+    assert served["zero_bytes"] >= 120 << 20, served  # the pool: zero pages, not the entry's
+    (entry,) = wait_for(lambda: _entries(plugin, "cache-pool"), 120, "the entry to be finished")
+    root = os.path.dirname(entry)
+
+    def held() -> int:
+        return sum(os.stat(os.path.join(d, f)).st_blocks * 512 for d, _, fs in os.walk(root) for f in fs)
+    # every byte of the process's bulk memory but the zeros (the interpreter's own heap too)
+    assert held() <= served["bytes_verified"] - (120 << 20), (held(), served)
+    second, c2 = _restore(sandbox, pod, plugin, "cache-pool", "2", script=POOL)
+    use = _cache_use(plugin, second)
+    assert use["state"] == "warm" and use["store_bytes_read"] == 0 and use["mapped_bytes"] <= (72 << 20), use
+    for b in (first, second):  # the hash read every page, zeros included
+        assert get(sandbox.cri.pod_ip(b.id), "/", 30.0).startswith("ok ")
+    assert held() <= served["bytes_verified"] - (120 << 20), (held(), served)  # reading the zeros took none

@@ -86,3 +86,22 @@ def test_the_rewrite_refuses_a_range_it_cannot_map(tmp_path: Path, where: str) -
     span = Span(1, 0x40000000 + (12 * M if where == "straddles" else 4 * M), 8 * M, 0)
     with pytest.raises(MapError):
         bulk_map.rewrite_images(images, [span], "k" * 32, {span.name: span.file_size})
+
+
+def test_an_all_zero_range_is_never_mapped_by_its_digests(tmp_path: Path) -> None:
+    """Anonymous, a zero range reads as the zero page; a mapped tmpfs file allocates each page read."""
+    import blake3
+
+    from runtime.layout import SUM_CHUNK
+    driver = vma(0x40000000, 0x40000000 + 64 * M)
+    driver.madv = HUGE_ADVICE
+    images = _images(tmp_path, [driver])
+    f = BulkFile(1, bulk_file(1), 1, (BulkRange(0x40000000, 16 * M, 0), BulkRange(0x40000000 + 16 * M, 32 * M, 16 * M),
+                                      BulkRange(0x40000000 + 48 * M, 16 * M, 48 * M)))
+    zero, other = blake3.blake3(bytes(SUM_CHUNK)).digest(), b"\x01" * 32
+    sums = {f.path: other * 16 + zero * 32 + other * 16}
+    spans = bulk_map.choose([f], images, MapMode.DRIVER, cuda_pids=[1], sums=sums)
+    assert spans == [Span(1, 0x40000000, 16 * M, 0), Span(1, 0x40000000 + 48 * M, 16 * M, 48 * M)]
+    assert bulk_map.remainder([f], spans)[0].ranges == (BulkRange(0x40000000 + 16 * M, 32 * M, 16 * M),)
+    # without the digests (or digests of data) every range is mapped, as before
+    assert len(bulk_map.choose([f], images, MapMode.DRIVER, cuda_pids=[1])) == 3

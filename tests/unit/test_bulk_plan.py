@@ -322,3 +322,43 @@ def test_zero_chunks_of_the_moved_runs_are_punched_out_and_the_digests_stay(tmp_
         os.close(fd)
     want = b"".join(blake3.blake3(data[o:o + SUM_CHUNK]).digest() for o in range(0, len(data), SUM_CHUNK))
     assert (tmp_path / bulk_sums(1)).read_bytes() == want
+
+
+def test_a_long_zero_run_inside_a_range_becomes_a_range_of_its_own(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine's KV pool inside the driver's host copy: the split lists it apart (same bytes, same
+    places), so that the node cache can leave it anonymous instead of mapping zeros."""
+    monkeypatch.setattr(bulk, "ZERO_APART", 3 * SUM_CHUNK)
+    images = tmp_path / CRIU_DIR
+    images.mkdir()
+    run = (0x10000000 + 3 * P, 0x10000000 + 3 * P + 9 * SUM_CHUNK)  # not chunk-aligned in memory
+    _image(images / "pstree.img", pstree_pb2.pstree_entry(pid=1, ppid=0, pgid=1, sid=1, threads=[1]))
+    mm = mm_pb2.mm_entry()
+    mm.vmas.extend([vma(run[0] - 3 * P, run[1])])
+    _image(images / "mm-1.img", mm)
+    _image(images / "core-1.img", _core(0x7ff000))
+    n = (run[1] - run[0]) // P
+    _image(images / "pagemap-1.img", pagemap_pb2.pagemap_head(pages_id=1),
+           pagemap_pb2.pagemap_entry(vaddr=run[0], compat_nr_pages=n, nr_pages=n, flags=img.PE_PRESENT))
+    # chunks 2-5 zero (a run of 4), chunk 7 zero alone (too short to stand apart)
+    data = bytearray(os.urandom(9 * SUM_CHUNK))
+    data[2 * SUM_CHUNK:6 * SUM_CHUNK] = bytes(4 * SUM_CHUNK)
+    data[7 * SUM_CHUNK:8 * SUM_CHUNK] = bytes(SUM_CHUNK)
+    (images / "pages-1.img").write_bytes(data)
+    files, stats = bulk.split(str(tmp_path))
+    assert stats.zero_bytes == 5 * SUM_CHUNK
+    assert files[0].ranges == (BulkRange(run[0], 2 * SUM_CHUNK, 0),
+                               BulkRange(run[0] + 2 * SUM_CHUNK, 4 * SUM_CHUNK, 2 * SUM_CHUNK),
+                               BulkRange(run[0] + 6 * SUM_CHUNK, 3 * SUM_CHUNK, 6 * SUM_CHUNK))
+    assert (tmp_path / bulk_file(1)).read_bytes() == bytes(data)
+
+
+def test_zero_runs_stand_apart_only_while_there_is_room_for_more_ranges() -> None:
+    zero, other = blake3.blake3(bytes(SUM_CHUNK)).digest(), b"\x01" * 32
+    sums = other + zero * 4 + other + zero * 2 + other  # chunks 1-4 and 6-7 zero
+    r = BulkRange(0x40000000, 9 * SUM_CHUNK, 0)
+    both = bulk.zeros_apart([r], sums, room=4, min_len=2 * SUM_CHUNK)
+    assert [(x.offset // SUM_CHUNK, x.length // SUM_CHUNK) for x in both] == [(0, 1), (1, 4), (5, 1), (6, 2), (8, 1)]
+    longest = bulk.zeros_apart([r], sums, room=3, min_len=2 * SUM_CHUNK)
+    assert [(x.offset // SUM_CHUNK, x.length // SUM_CHUNK) for x in longest] == [(0, 1), (1, 4), (5, 4)]
+    assert bulk.zeros_apart([r], sums, room=0, min_len=2 * SUM_CHUNK) == [r]
+    assert sum(x.length for x in both) == r.length

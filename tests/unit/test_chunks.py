@@ -218,3 +218,15 @@ def test_a_file_cut_short_over_its_zero_chunks_is_found_short(tmp_path: Path) ->
             chunks.read(fd, 0, len(data), memoryview(bytearray(len(data))), sums, size=len(data), name="f")
     finally:
         os.close(fd)
+
+
+def test_zero_runs_and_all_zero_go_by_the_digests_and_never_count_the_short_last_chunk() -> None:
+    zero, other = blake3.blake3(bytes(SUM_CHUNK)).digest(), b"\x01" * 32
+    sums = zero * 3 + other + zero * 2  # the last chunk (maybe short) is never counted as zero
+    assert chunks.zero_runs(sums, 0, 6 * SUM_CHUNK, SUM_CHUNK) == [(0, 3 * SUM_CHUNK), (4 * SUM_CHUNK, 5 * SUM_CHUNK)]
+    assert chunks.zero_runs(sums, 1, 6 * SUM_CHUNK, 2 * SUM_CHUNK) == [(SUM_CHUNK, 3 * SUM_CHUNK)]  # whole chunks only
+    assert chunks.zero_runs(sums, 0, 6 * SUM_CHUNK, 4 * SUM_CHUNK) == []
+    assert chunks.all_zero(sums, 4096, 3 * SUM_CHUNK)
+    assert not chunks.all_zero(sums, 0, 3 * SUM_CHUNK + 1)
+    assert not chunks.all_zero(sums, 4 * SUM_CHUNK, 6 * SUM_CHUNK)
+    assert not chunks.all_zero(sums, 0, 0)
