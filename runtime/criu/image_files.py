@@ -207,7 +207,11 @@ def has_data(entry: pagemap_pb2.pagemap_entry) -> bool:
 
 
 def read_pagemap(images_dir: str, pid: int) -> Pagemap:
-    path = os.path.join(images_dir, f"pagemap-{pid}.img")
+    return read_pagemap_at(os.path.join(images_dir, f"pagemap-{pid}.img"))
+
+
+def read_pagemap_at(path: str) -> Pagemap:
+    """A pagemap image by its path (a process's, or shared memory's ``pagemap-shmem-<id>.img``)."""
     raw = read_raw(path)
     if not raw.entries:
         raise CriuError("image", f"{path}: no pagemap head")

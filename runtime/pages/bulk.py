@@ -105,11 +105,15 @@ class SplitStats:
     seconds: float
     punched_bytes: int = 0  # of kept_bytes, punched out of the bulk files (stored once, by CRIU)
     zero_bytes: int = 0  # of moved_bytes, whole zero chunks punched out (stored as nothing)
+    # Shared anonymous memory (MAP_SHARED|MAP_ANONYMOUS: an engine's pinned host buffers): CRIU
+    # dumps and restores it as shared memory, on one thread, and the split moves none of it
+    shared_bytes: int = 0
 
     def as_record(self) -> dict[str, int]:
         """The byte counts, for ``timings.json``."""
         return {"processes": self.processes, "moved_bytes": self.moved_bytes, "kept_bytes": self.kept_bytes,
-                "punched_bytes": self.punched_bytes, "zero_bytes": self.zero_bytes}
+                "punched_bytes": self.punched_bytes, "zero_bytes": self.zero_bytes,
+                "shared_bytes": self.shared_bytes}
 
 
 @dataclass(frozen=True)
@@ -198,6 +202,16 @@ def _runs(pagemap: img.Pagemap, vmas: list[Any], min_run: int, cap: int = MAX_RA
         ranges.append(BulkRange(vaddr, length, off))
         moved.update(entries)
     return ranges, moved
+
+
+def shared_memory_bytes(images: str) -> int:
+    """The bytes of shared anonymous memory in CRIU's images (``pagemap-shmem-<id>.img``)."""
+    total = 0
+    for name in sorted(os.listdir(images)):
+        if name.startswith("pagemap-shmem-") and name.endswith(".img"):
+            total += sum(img.nr_pages(e) * img.PAGE for e in img.read_pagemap_at(os.path.join(images, name)).entries
+                         if img.has_data(e))
+    return total
 
 
 def zeros_apart(ranges: Sequence[BulkRange], sums: bytes, room: int,
@@ -510,7 +524,11 @@ def split(artifact_dir: str, huge: Mapping[int, Sequence[tuple[int, int]]] | Non
             _mark_huge(images, pid, huge[pid], ranges)
         files.append(BulkFile(pid, bulk_file(pid), pagemap.pages_id, tuple(ranges)))
         moved_total += sum(r.length for r in ranges)
-    stats = SplitStats(len(files), moved_total, kept_total, time.monotonic() - t0, punched_total, zero_total)
+    stats = SplitStats(len(files), moved_total, kept_total, time.monotonic() - t0, punched_total, zero_total,
+                       shared_memory_bytes(images))
+    if stats.shared_bytes:
+        log.info("%.1f MiB of shared anonymous memory stays with CRIU, which restores it on one thread",
+                 stats.shared_bytes / 2**20)
     log.info("bulk split: %d processes, %.1f MiB to bulk files (%.1f MiB of it zero chunks, not stored), "
              "%.1f MiB left with CRIU (%.1f MiB of it punched out of the bulk files), %.2fs",
              stats.processes, moved_total / 2**20, zero_total / 2**20, kept_total / 2**20,

@@ -362,3 +362,26 @@ def test_zero_runs_stand_apart_only_while_there_is_room_for_more_ranges() -> Non
     assert [(x.offset // SUM_CHUNK, x.length // SUM_CHUNK) for x in longest] == [(0, 1), (1, 4), (5, 4)]
     assert bulk.zeros_apart([r], sums, room=0, min_len=2 * SUM_CHUNK) == [r]
     assert sum(x.length for x in both) == r.length
+
+
+def test_shared_anonymous_memory_is_counted_as_left_with_criu(tmp_path: Path) -> None:
+    """An engine's pinned host buffer is MAP_SHARED anonymous memory: CRIU dumps it as shared
+    memory (its own pagemap), which the split does not move; the stats say how much."""
+    images = tmp_path / CRIU_DIR
+    images.mkdir()
+    run = (0x10000000, 0x10000000 + 4 * SUM_CHUNK)
+    _image(images / "pstree.img", pstree_pb2.pstree_entry(pid=1, ppid=0, pgid=1, sid=1, threads=[1]))
+    mm = mm_pb2.mm_entry()
+    mm.vmas.extend([vma(*run)])
+    _image(images / "mm-1.img", mm)
+    _image(images / "core-1.img", _core(0x7ff000))
+    n = (run[1] - run[0]) // P
+    _image(images / "pagemap-1.img", pagemap_pb2.pagemap_head(pages_id=1),
+           pagemap_pb2.pagemap_entry(vaddr=run[0], compat_nr_pages=n, nr_pages=n, flags=img.PE_PRESENT))
+    (images / "pages-1.img").write_bytes(os.urandom(4 * SUM_CHUNK))
+    _image(images / "pagemap-shmem-77.img", pagemap_pb2.pagemap_head(pages_id=2),
+           pagemap_pb2.pagemap_entry(vaddr=0, compat_nr_pages=300, nr_pages=300, flags=img.PE_PRESENT),
+           pagemap_pb2.pagemap_entry(vaddr=512 * P, compat_nr_pages=10, nr_pages=10, flags=0))  # a hole
+    _files, stats = bulk.split(str(tmp_path))
+    assert stats.shared_bytes == 300 * P and stats.moved_bytes == 4 * SUM_CHUNK
+    assert stats.as_record()["shared_bytes"] == 300 * P
