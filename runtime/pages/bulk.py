@@ -518,11 +518,11 @@ def split(artifact_dir: str, huge: Mapping[int, Sequence[tuple[int, int]]] | Non
         with open(sums_path, "rb") as f:
             sums = f.read()
         zero_total += _punch_zero(dest, sums, hashed)
-        ranges = zeros_apart(ranges, sums, MAX_RANGES // max(1, len(procs)) - len(ranges), ZERO_APART)
+        listed = zeros_apart(ranges, sums, MAX_RANGES // max(1, len(procs)) - len(ranges), ZERO_APART)
         img.write_pagemap(pagemap, [e for i, e in enumerate(pagemap.entries) if i not in moved])
         if huge is not None and pid in huge:  # a CUDA process
             _mark_huge(images, pid, huge[pid], ranges)
-        files.append(BulkFile(pid, bulk_file(pid), pagemap.pages_id, tuple(ranges)))
+        files.append(BulkFile(pid, bulk_file(pid), pagemap.pages_id, tuple(listed)))
         moved_total += sum(r.length for r in ranges)
     stats = SplitStats(len(files), moved_total, kept_total, time.monotonic() - t0, punched_total, zero_total,
                        shared_memory_bytes(images))

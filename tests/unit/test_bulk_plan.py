@@ -385,3 +385,31 @@ def test_shared_anonymous_memory_is_counted_as_left_with_criu(tmp_path: Path) ->
     _files, stats = bulk.split(str(tmp_path))
     assert stats.shared_bytes == 300 * P and stats.moved_bytes == 4 * SUM_CHUNK
     assert stats.as_record()["shared_bytes"] == 300 * P
+
+
+def test_the_huge_page_fallback_looks_at_the_whole_run_not_its_zero_pieces(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The driver's staging copy not seen appear: its VMA is the process's largest run, even when
+    a zero pool inside it stands apart as a range of its own."""
+    monkeypatch.setattr(bulk, "ZERO_APART", 2 * SUM_CHUNK)
+    monkeypatch.setattr(bulk, "HUGE_FALLBACK_MIN", 6 * SUM_CHUNK)
+    images = tmp_path / CRIU_DIR
+    images.mkdir()
+    run = (0x40000000, 0x40000000 + 8 * SUM_CHUNK)
+    _image(images / "pstree.img", pstree_pb2.pstree_entry(pid=1, ppid=0, pgid=1, sid=1, threads=[1]))
+    mm = mm_pb2.mm_entry(mm_start_code=0, mm_end_code=0, mm_start_data=0, mm_end_data=0, mm_start_stack=0,
+                         mm_start_brk=0, mm_brk=0, mm_arg_start=0, mm_arg_end=0, mm_env_start=0, mm_env_end=0,
+                         exe_file_id=1)  # complete: the split writes it back
+    mm.vmas.extend([vma(*run)])
+    _image(images / "mm-1.img", mm)
+    _image(images / "core-1.img", _core(0x7ff000))
+    n = (run[1] - run[0]) // P
+    _image(images / "pagemap-1.img", pagemap_pb2.pagemap_head(pages_id=1),
+           pagemap_pb2.pagemap_entry(vaddr=run[0], compat_nr_pages=n, nr_pages=n, flags=img.PE_PRESENT))
+    data = bytearray(os.urandom(8 * SUM_CHUNK))
+    data[2 * SUM_CHUNK:6 * SUM_CHUNK] = bytes(4 * SUM_CHUNK)
+    (images / "pages-1.img").write_bytes(data)
+    files, _stats = bulk.split(str(tmp_path), huge={1: []})
+    assert len(files[0].ranges) == 3  # the pool apart: no piece reaches the fallback's minimum
+    (v,) = img.read_mm(str(images), 1).entry.vmas
+    assert v.madv & (1 << img.MADV_HUGEPAGE)
