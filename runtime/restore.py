@@ -232,10 +232,12 @@ def _use_cache(cache: nodecache.NodeCache | None, entry: nodecache.Held | None, 
     cuda_pids = artifact.manifest.cuda.pids if artifact.manifest.cuda else ()
     spans = bulk_map.choose(plan.bulk, images, mode, cuda_pids, _digests(artifact, plan.bulk, entry))
     if entry is not None and entry.record.span_list() != spans:
-        log.warning("%s: node cache entry %s maps other ranges than this restore would; not used",
-                    artifact.label, entry.record.key)
+        stale = entry.record.key
         entry.close()
         entry = None
+        dropped = cache is not None and cache.forget(stale)  # another plugin version made it: made again
+        log.warning("%s: node cache entry %s maps other ranges than this restore would; not used%s",
+                    artifact.label, stale, ", removed" if dropped else "")
     if entry is None:
         return _Cached(None, plan.bulk, use, cold=CacheWork(req.namespace, req.name, artifact.manifest_id,
                                                             plan.bulk, tuple(spans), mode))

@@ -382,6 +382,19 @@ class NodeCache:
 
     # --- bounds and removal -----------------------------------------------------------------
 
+    def forget(self, key: str) -> bool:
+        """Remove entry ``key``, one this plugin would not use (it maps other ranges than a
+        restore of its version would: made by another version of the plugin), so that the writer
+        may make it again; False where a restore holds it or it is gone."""
+        try:
+            root = self._open_root()
+        except OSError:
+            return False
+        try:
+            return self._drop(root, key, wait=False)
+        finally:
+            os.close(root)
+
     def _drop(self, root: int, name: str, *, wait: bool = True) -> bool:
         """Remove entry ``name`` unless a restore holds it (``wait``: a bad entry is renamed
         away at once, holders keep their fds)."""

@@ -493,3 +493,22 @@ def test_digests_that_do_not_verify_leave_the_bound_counting_every_chunk(node: _
             return fd
         art.open_file = tampered  # type: ignore[method-assign]
         assert nodecache.stored_sums(art, FILES) == {}
+
+
+def test_an_entry_forgotten_is_removed_unless_a_restore_holds_it(node: _Node, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """An entry that maps other ranges than this plugin would (made by another version of it) is
+    removed, so that the writer can make it again; never from under a restore that holds it."""
+    cache = _cache(tmp_path, monkeypatch)
+    _write(cache, node, "llm")
+    key = _key(node, "llm")
+    with node.open("llm") as art:
+        held = cache.hold(art, MODE)
+    assert held is not None
+    try:
+        assert not cache.forget(key) and _listing(cache) == [key]
+    finally:
+        held.close()
+    assert cache.forget(key) and _listing(cache) == []
+    assert not cache.forget(key)
+    assert _write(cache, node, "llm") is not None  # made again
