@@ -282,26 +282,35 @@ def test_where_the_file_system_cannot_punch_the_bytes_stay(tmp_path: Path, monke
     assert (tmp_path / bulk_sums(1)).read_bytes() == blake3.blake3(parent).digest()
 
 
-@pytest.mark.parametrize("ahead", [False, True], ids=["hashed-after", "hashed-while-written"])
-def test_zero_chunks_of_the_moved_runs_are_punched_out_and_the_digests_stay(tmp_path: Path, ahead: bool) -> None:
-    """Memory an engine touched and never wrote (a KV cache of zeros) is stored as nothing: each
-    whole zero chunk of a bulk file is a hole; its content, so its digests, do not change."""
+def _one_run(tmp_path: Path, run: tuple[int, int], data: bytes, vma_start: int | None = None) -> Path:
+    """CRIU's images of one process whose memory is one present run ``run`` of ``data`` (in a
+    VMA from ``vma_start``, by default the run's start, to its end); the images' folder."""
     images = tmp_path / CRIU_DIR
     images.mkdir()
-    run = (0x10000000, 0x10000000 + 5 * SUM_CHUNK)
     _image(images / "pstree.img", pstree_pb2.pstree_entry(pid=1, ppid=0, pgid=1, sid=1, threads=[1]))
-    mm = mm_pb2.mm_entry()
-    mm.vmas.extend([vma(*run)])
+    mm = mm_pb2.mm_entry(mm_start_code=0, mm_end_code=0, mm_start_data=0, mm_end_data=0, mm_start_stack=0,
+                         mm_start_brk=0, mm_brk=0, mm_arg_start=0, mm_arg_end=0, mm_env_start=0, mm_env_end=0,
+                         exe_file_id=1)  # complete: the split may write it back
+    mm.vmas.extend([vma(run[0] if vma_start is None else vma_start, run[1])])
     _image(images / "mm-1.img", mm)
     _image(images / "core-1.img", _core(0x7ff000))
     n = (run[1] - run[0]) // P
     _image(images / "pagemap-1.img", pagemap_pb2.pagemap_head(pages_id=1),
            pagemap_pb2.pagemap_entry(vaddr=run[0], compat_nr_pages=n, nr_pages=n, flags=img.PE_PRESENT))
+    (images / "pages-1.img").write_bytes(data)
+    return images
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["hashed-after", "hashed-while-written"])
+def test_zero_chunks_of_the_moved_runs_are_punched_out_and_the_digests_stay(tmp_path: Path, ahead: bool) -> None:
+    """Memory an engine touched and never wrote (a KV cache of zeros) is stored as nothing: each
+    whole zero chunk of a bulk file is a hole; its content, so its digests, do not change."""
+    run = (0x10000000, 0x10000000 + 5 * SUM_CHUNK)
     # chunks 1 and 2 zero; chunk 3 zero but for one byte; the rest random
     data = bytearray(os.urandom(5 * SUM_CHUNK))
     data[SUM_CHUNK:4 * SUM_CHUNK] = bytes(3 * SUM_CHUNK)
     data[4 * SUM_CHUNK - 1] = 1
-    (images / "pages-1.img").write_bytes(data)
+    images = _one_run(tmp_path, run, data)
     hashed: dict[str, Any] = {}
     if ahead:
         with TailHasher(str(images)) as th:
@@ -328,22 +337,12 @@ def test_a_long_zero_run_inside_a_range_becomes_a_range_of_its_own(tmp_path: Pat
     """An engine's KV pool inside the driver's host copy: the split lists it apart (same bytes, same
     places), so that the node cache can leave it anonymous instead of mapping zeros."""
     monkeypatch.setattr(bulk, "ZERO_APART", 3 * SUM_CHUNK)
-    images = tmp_path / CRIU_DIR
-    images.mkdir()
     run = (0x10000000 + 3 * P, 0x10000000 + 3 * P + 9 * SUM_CHUNK)  # not chunk-aligned in memory
-    _image(images / "pstree.img", pstree_pb2.pstree_entry(pid=1, ppid=0, pgid=1, sid=1, threads=[1]))
-    mm = mm_pb2.mm_entry()
-    mm.vmas.extend([vma(run[0] - 3 * P, run[1])])
-    _image(images / "mm-1.img", mm)
-    _image(images / "core-1.img", _core(0x7ff000))
-    n = (run[1] - run[0]) // P
-    _image(images / "pagemap-1.img", pagemap_pb2.pagemap_head(pages_id=1),
-           pagemap_pb2.pagemap_entry(vaddr=run[0], compat_nr_pages=n, nr_pages=n, flags=img.PE_PRESENT))
     # chunks 2-5 zero (a run of 4), chunk 7 zero alone (too short to stand apart)
     data = bytearray(os.urandom(9 * SUM_CHUNK))
     data[2 * SUM_CHUNK:6 * SUM_CHUNK] = bytes(4 * SUM_CHUNK)
     data[7 * SUM_CHUNK:8 * SUM_CHUNK] = bytes(SUM_CHUNK)
-    (images / "pages-1.img").write_bytes(data)
+    _one_run(tmp_path, run, data, vma_start=run[0] - 3 * P)
     files, stats = bulk.split(str(tmp_path))
     assert stats.zero_bytes == 5 * SUM_CHUNK
     assert files[0].ranges == (BulkRange(run[0], 2 * SUM_CHUNK, 0),
@@ -367,18 +366,7 @@ def test_zero_runs_stand_apart_only_while_there_is_room_for_more_ranges() -> Non
 def test_shared_anonymous_memory_is_counted_as_left_with_criu(tmp_path: Path) -> None:
     """An engine's pinned host buffer is MAP_SHARED anonymous memory: CRIU dumps it as shared
     memory (its own pagemap), which the split does not move; the stats say how much."""
-    images = tmp_path / CRIU_DIR
-    images.mkdir()
-    run = (0x10000000, 0x10000000 + 4 * SUM_CHUNK)
-    _image(images / "pstree.img", pstree_pb2.pstree_entry(pid=1, ppid=0, pgid=1, sid=1, threads=[1]))
-    mm = mm_pb2.mm_entry()
-    mm.vmas.extend([vma(*run)])
-    _image(images / "mm-1.img", mm)
-    _image(images / "core-1.img", _core(0x7ff000))
-    n = (run[1] - run[0]) // P
-    _image(images / "pagemap-1.img", pagemap_pb2.pagemap_head(pages_id=1),
-           pagemap_pb2.pagemap_entry(vaddr=run[0], compat_nr_pages=n, nr_pages=n, flags=img.PE_PRESENT))
-    (images / "pages-1.img").write_bytes(os.urandom(4 * SUM_CHUNK))
+    images = _one_run(tmp_path, (0x10000000, 0x10000000 + 4 * SUM_CHUNK), os.urandom(4 * SUM_CHUNK))
     _image(images / "pagemap-shmem-77.img", pagemap_pb2.pagemap_head(pages_id=2),
            pagemap_pb2.pagemap_entry(vaddr=0, compat_nr_pages=300, nr_pages=300, flags=img.PE_PRESENT),
            pagemap_pb2.pagemap_entry(vaddr=512 * P, compat_nr_pages=10, nr_pages=10, flags=0))  # a hole
@@ -393,22 +381,9 @@ def test_the_huge_page_fallback_looks_at_the_whole_run_not_its_zero_pieces(tmp_p
     a zero pool inside it stands apart as a range of its own."""
     monkeypatch.setattr(bulk, "ZERO_APART", 2 * SUM_CHUNK)
     monkeypatch.setattr(bulk, "HUGE_FALLBACK_MIN", 6 * SUM_CHUNK)
-    images = tmp_path / CRIU_DIR
-    images.mkdir()
-    run = (0x40000000, 0x40000000 + 8 * SUM_CHUNK)
-    _image(images / "pstree.img", pstree_pb2.pstree_entry(pid=1, ppid=0, pgid=1, sid=1, threads=[1]))
-    mm = mm_pb2.mm_entry(mm_start_code=0, mm_end_code=0, mm_start_data=0, mm_end_data=0, mm_start_stack=0,
-                         mm_start_brk=0, mm_brk=0, mm_arg_start=0, mm_arg_end=0, mm_env_start=0, mm_env_end=0,
-                         exe_file_id=1)  # complete: the split writes it back
-    mm.vmas.extend([vma(*run)])
-    _image(images / "mm-1.img", mm)
-    _image(images / "core-1.img", _core(0x7ff000))
-    n = (run[1] - run[0]) // P
-    _image(images / "pagemap-1.img", pagemap_pb2.pagemap_head(pages_id=1),
-           pagemap_pb2.pagemap_entry(vaddr=run[0], compat_nr_pages=n, nr_pages=n, flags=img.PE_PRESENT))
     data = bytearray(os.urandom(8 * SUM_CHUNK))
     data[2 * SUM_CHUNK:6 * SUM_CHUNK] = bytes(4 * SUM_CHUNK)
-    (images / "pages-1.img").write_bytes(data)
+    images = _one_run(tmp_path, (0x40000000, 0x40000000 + 8 * SUM_CHUNK), data)
     files, _stats = bulk.split(str(tmp_path), huge={1: []})
     assert len(files[0].ranges) == 3  # the pool apart: no piece reaches the fallback's minimum
     (v,) = img.read_mm(str(images), 1).entry.vmas
