@@ -90,7 +90,6 @@ def all_zero(sums: bytes, lo: int, hi: int) -> bool:
                                        for i in range(first, end))
 
 
-
 def advise(fd: int, offset: int, length: int) -> None:
     """Ask the disk for [offset, offset + length) of ``fd`` at once unless it is cached: reads
     of it chunk by chunk (threads interleaving on one file) keep the requests queued."""
