@@ -22,9 +22,8 @@ from tests.e2e.test_checkpoint_restore import get, wait_status
 from tests.e2e.test_stream_restore import _alive, _tree_in
 from tests.waiting import wait_for
 
-HOLDER = r"""
-import hashlib, os, random, socket
-data = bytearray(random.Random(11).randbytes(96 << 20))
+# The server both workloads run on their ``data``: its hash, and a write on /write.
+SERVE = r"""
 want = hashlib.sha256(data).hexdigest()
 srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
 srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -40,6 +39,10 @@ while True:
     conn.sendall(b"HTTP/1.0 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body.encode()))
     conn.close()
 """
+HOLDER = r"""
+import hashlib, os, random, socket
+data = bytearray(random.Random(11).randbytes(96 << 20))
+""" + SERVE
 IMAGE, ENV = "localhost/rekindle/host-usr:1", {"PATH": "/usr/bin:/bin"}
 
 
@@ -382,24 +385,12 @@ def test_a_target_that_could_write_through_map_files_neither_makes_nor_maps_an_e
 # at the dump (an engine's host copy with its KV pool inside)
 POOL = r"""
 import hashlib, os, random, socket
-mem = bytearray(192 << 20)
-mem[:48 << 20] = random.Random(11).randbytes(48 << 20)
-mem[176 << 20:] = random.Random(12).randbytes(16 << 20)
+data = bytearray(192 << 20)
+data[:48 << 20] = random.Random(11).randbytes(48 << 20)
+data[176 << 20:] = random.Random(12).randbytes(16 << 20)
 for i in range(48 << 20, 176 << 20, 4096):  # written, so present: CRIU dumps each page
-    mem[i] = 0
-want = hashlib.sha256(mem).hexdigest()
-srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-srv.bind(("0.0.0.0", 8080))
-srv.listen(8)
-open(os.environ["REKINDLE_CONTROL_DIR"] + "/ready-for-checkpoint", "w").close()
-while True:
-    conn, _ = srv.accept()
-    conn.recv(4096)
-    body = f"{'ok' if hashlib.sha256(mem).hexdigest() == want else 'bad'} {want[:16]}\n"
-    conn.sendall(b"HTTP/1.0 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body.encode()))
-    conn.close()
-"""
+    data[i] = 0
+""" + SERVE
 
 
 def test_a_zero_run_is_neither_mapped_nor_kept_in_the_entry(sandbox, pod, streaming_cache):
