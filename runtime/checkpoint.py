@@ -239,11 +239,10 @@ def checkpoint(req: CheckpointRequest, store: ArtifactStore, key: bytes, *,
                 for tar in [layout.ROOTFS_TAR] + ([layout.SHM_TAR] if dump.shm_source else []):
                     write_layer_sums(os.path.join(staging.path, tar),
                                      os.path.join(staging.path, layout.layer_sums(tar)))
-            files: tuple[layout.BulkFile, ...] = ()
-            pages: bulk.SplitStats | None = None
+            moved: bulk.Split | None = None
             if req.split:
                 with t.phase("split"):
-                    files, pages = bulk.split(staging.path, huge, min_run=req.bulk_min_run, hashed=hashed)
+                    moved = bulk.split(staging.path, huge, min_run=req.bulk_min_run, hashed=hashed)
         finally:
             # Nothing is published, and no failure is raised, before the source runs again.
             if resume is not None:
@@ -251,8 +250,8 @@ def checkpoint(req: CheckpointRequest, store: ArtifactStore, key: bytes, *,
         t["source_stopped"] = round((resume.done_at if resume is not None else released_at) - stopped_at, 3)
         plan = layout.RestorePlan(
             stdio=tuple(dump.stdio), shell_job=dump.shell_job,
-            mounts=tuple(dump.mount_plan), shm=bool(dump.shm_source), bulk=files,
-            tcp_established=tcp.established)
+            mounts=tuple(dump.mount_plan), shm=bool(dump.shm_source), bulk=moved.files if moved else (),
+            tcp_established=tcp.established, shared=moved.shared if moved else ())
         with open(os.path.join(staging.path, layout.RESTORE_PLAN), "wb") as f:
             f.write(plan.to_json())
         uts = os.uname()
@@ -279,7 +278,7 @@ def checkpoint(req: CheckpointRequest, store: ArtifactStore, key: bytes, *,
     if control is not None:
         # the bytes beside the phases: what the artifact holds, and what of it is stored as nothing
         control.write_json(control_mod.TIMINGS, {"checkpoint": dict(t), "stored_bytes": stored,
-                                                 **({"pages": pages.as_record()} if pages is not None else {})})
+                                                 **({"pages": moved.stats.as_record()} if moved is not None else {})})
         control.write(control_mod.SNAPSHOT_COMPLETE, req.name + "\n")
     if req.exit_after:
         log.info("stopping the source workload %s as annotated", root)

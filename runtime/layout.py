@@ -13,6 +13,9 @@ An artifact (one published version, see ``runtime.store.volume``) holds::
                                        file, in order: the fill checks each chunk before it
                                        writes it (this file itself is checked against the manifest)
     bulk/pagemap-<pid>.img             CRIU's pagemap before the split (the stock restore path)
+    bulk/shmem-<shmid>.bulk            the same three for a shared anonymous segment (an engine's
+    bulk/shmem-<shmid>.sums            pinned host buffers), written through one process's mapping
+    bulk/pagemap-shmem-<shmid>.img     of it (RestorePlan.shared)
     rootfs-diff.tar, rootfs-deletions.json   the container's writable layer
     shm.tar, shm-deletions.json        the container's /dev/shm when it is an external mount
 
@@ -59,6 +62,21 @@ def bulk_pagemap(pid: int) -> str:
     """CRIU's pagemap of ``pid`` as the dump wrote it (before the split): with the bulk file as
     its pages file it restores the process the stock way, for comparison."""
     return f"{BULK_DIR}/pagemap-{pid}.img"
+
+
+def shared_file(shmid: int) -> str:
+    """The bulk pages of shared anonymous segment ``shmid`` (CRIU's id for it)."""
+    return f"{BULK_DIR}/shmem-{shmid}.bulk"
+
+
+def shared_pagemap(shmid: int) -> str:
+    """CRIU's ``pagemap-shmem-<shmid>.img`` as the dump wrote it (the stock restore path)."""
+    return f"{BULK_DIR}/pagemap-shmem-{shmid}.img"
+
+
+def sums_of(bulk_path: str) -> str:
+    """The chunk digests' file of a bulk file (``x.bulk`` -> ``x.sums``)."""
+    return bulk_path.removesuffix(".bulk") + ".sums"
 
 
 def is_bulk(path: str) -> bool:
@@ -122,18 +140,47 @@ class BulkFile:
     def __post_init__(self) -> None:
         if self.path != bulk_file(self.pid):
             raise ValueError(f"bulk file of pid {self.pid} must be {bulk_file(self.pid)}, not {self.path!r}")
-        # Each byte of the file goes to one place, each place gets one byte of the file.
-        if len(self.ranges) < 2:
-            return
-        for what, spans in (("addresses", sorted((r.vaddr, r.vaddr + r.length) for r in self.ranges)),
-                            ("file offsets", sorted((r.offset, r.offset + r.length) for r in self.ranges))):
-            if any(a_end > b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:])):
-                raise ValueError(f"{self.path}: ranges overlap in {what}")
+        _disjoint(self.path, self.ranges)
 
     @property
     def bytes(self) -> int:
         return sum(r.length for r in self.ranges)
 
+
+def _disjoint(path: str, ranges: tuple[BulkRange, ...]) -> None:
+    """Each byte of the file goes to one place, each place gets one byte of the file."""
+    if len(ranges) < 2:
+        return
+    for what, spans in (("addresses", sorted((r.vaddr, r.vaddr + r.length) for r in ranges)),
+                        ("file offsets", sorted((r.offset, r.offset + r.length) for r in ranges))):
+        if any(a_end > b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:])):
+            raise ValueError(f"{path}: ranges overlap in {what}")
+
+
+@dataclass(frozen=True, slots=True)
+class SharedBulkFile:
+    """The bulk pages of one shared anonymous segment (``shmid``, CRIU's id for it), written
+    through process ``pid``'s writable mapping of it: ``vaddr`` of each range is that process's
+    address. Every process that shares the segment sees them (CRIU restores it as one memfd)."""
+
+    shmid: int
+    pid: int
+    path: str
+    pages_id: int  # the pages-<id>.img this file was, in CRIU's images
+    ranges: tuple[BulkRange, ...]
+
+    def __post_init__(self) -> None:
+        if self.path != shared_file(self.shmid):
+            raise ValueError(f"bulk file of segment {self.shmid} must be {shared_file(self.shmid)}, "
+                             f"not {self.path!r}")
+        _disjoint(self.path, self.ranges)
+
+    @property
+    def bytes(self) -> int:
+        return sum(r.length for r in self.ranges)
+
+
+AnyBulkFile = BulkFile | SharedBulkFile  # what the fill writes: a process's pages or a segment's
 
 _BULK_KEYS = frozenset(("pid", "path", "pages_id", "ranges"))
 
@@ -159,6 +206,9 @@ class RestorePlan:
     shm: bool
     bulk: tuple[BulkFile, ...] = ()
     tcp_established: bool = False
+    # Shared anonymous segments' bulk pages; listed only when there are some, so that a plan
+    # without them reads as before (and one from before it reads as having none).
+    shared: tuple[SharedBulkFile, ...] = ()
 
     # A process's bulk ranges are one flat list [vaddr, length, offset, vaddr, ...] on disk: an LLM
     # worker has thousands (every heap run), and as objects they took 0.2 s to parse per restore.
@@ -167,12 +217,16 @@ class RestorePlan:
         obj = strict_json.to_obj(self)
         for entry, b in zip(obj["bulk"], self.bulk):
             entry["ranges"] = [n for r in b.ranges for n in (r.vaddr, r.length, r.offset)]
+        if not self.shared:
+            del obj["shared"]
         return strict_json.canonical_json(obj)
 
     @classmethod
     def from_json(cls, data: bytes) -> RestorePlan:
         """Parse (ValueError/TypeError on anything off; the caller names the artifact)."""
         obj = strict_json.loads(data, max_bytes=MAX_PLAN_BYTES)
+        if isinstance(obj, dict) and "shared" not in obj:
+            obj["shared"] = []
         flat: list[list[int] | None] = []
         entries: list[Any] = []
         if isinstance(obj, dict) and isinstance(obj.get("bulk"), list):
@@ -197,11 +251,13 @@ class RestorePlan:
             plan = dataclasses.replace(plan, bulk=tuple(
                 next(generic) if f is None else _flat_bulk_file(e, f, i)
                 for i, (e, f) in enumerate(zip(entries, flat))))
-        total = sum(len(b.ranges) for b in plan.bulk)
+        total = sum(len(b.ranges) for b in plan.bulk) + sum(len(sh.ranges) for sh in plan.shared)
         if total > MAX_BULK_RANGES:
             raise ValueError(f"restore plan: {total} bulk ranges, at most {MAX_BULK_RANGES}")
         if len({b.pid for b in plan.bulk}) != len(plan.bulk):
             raise ValueError("restore plan: two bulk files for one process")
+        if len({s.shmid for s in plan.shared}) != len(plan.shared):
+            raise ValueError("restore plan: two bulk files for one shared segment")
         for m in plan.mounts:
             if not os.path.isabs(m.destination) or m.type not in ("bind", "cgroup", "cgroup2"):
                 raise ValueError(f"restore plan: bad mount {m}")

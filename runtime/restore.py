@@ -23,7 +23,8 @@ The target container runs ``rekindle-init --mode restore`` as PID 1 and waits. S
      stopped; the target's oom_score_adj, rlimits and mount flags are forced on the stopped
      tree (runtime.criu.executor, runtime.container.confine);
   6. fill: the bulk pages are read, hashed and written into the stopped process on many
-     threads; the process is resumed only when every digest matched;
+     threads; the process is resumed only when every digest matched (``fill_shared`` first:
+     shared anonymous segments, on every route but the stock one);
   7. cuda_restore: the target's GPU device nodes (created from the host by syscalls), restore
      (remapped by UUID onto the GPUs this container was given) of every CUDA process, then
      unlock of every one; any failure kills the restored tree (a process left locked, or a rank
@@ -177,19 +178,28 @@ def _stage(artifact: Artifact, private: str, path: RestorePath, ahead: str | Non
     if path is RestorePath.STOCK:
         images = os.path.join(private, layout.CRIU_DIR)
         for b in plan.bulk:
-            kept = image_files.read_pagemap(images, b.pid)
-            kept_pages = kept.pages_path + ".kept"
-            os.rename(kept.pages_path, kept_pages)
-            os.unlink(kept.path)
-            artifact.copy_verified(b.path, kept.pages_path)
-            artifact.copy_verified(layout.bulk_pagemap(b.pid), kept.path)
-            # The bulk file lacks what CRIU keeps (punched out): its own pages file has them.
-            try:
-                bulk.rejoin(kept, image_files.read_pagemap(images, b.pid), kept_pages, kept.pages_path)
-            except OSError as exc:
-                raise ArtifactRejected(artifact.label, f"stock pages of {b.pid}: {exc}") from exc
-            os.unlink(kept_pages)
+            _rejoin(artifact, os.path.join(images, f"pagemap-{b.pid}.img"), b.path, layout.bulk_pagemap(b.pid))
+        for sh in plan.shared:
+            _rejoin(artifact, os.path.join(images, f"pagemap-shmem-{sh.shmid}.img"), sh.path,
+                    layout.shared_pagemap(sh.shmid))
     return plan
+
+
+def _rejoin(artifact: Artifact, pagemap: str, bulk_path: str, original: str) -> None:
+    """The stock path: CRIU's pagemap ``pagemap`` and its pages file made whole again from the
+    bulk file and the pagemap the dump wrote (private copies, verified)."""
+    kept = image_files.read_pagemap_at(pagemap)
+    kept_pages = kept.pages_path + ".kept"
+    os.rename(kept.pages_path, kept_pages)
+    os.unlink(kept.path)
+    artifact.copy_verified(bulk_path, kept.pages_path)
+    artifact.copy_verified(original, kept.path)
+    # The bulk file lacks what CRIU keeps (punched out): its own pages file has them.
+    try:
+        bulk.rejoin(kept, image_files.read_pagemap_at(pagemap), kept_pages, kept.pages_path)
+    except OSError as exc:
+        raise ArtifactRejected(artifact.label, f"stock pages of {bulk_path}: {exc}") from exc
+    os.unlink(kept_pages)
 
 
 @contextlib.contextmanager
@@ -226,7 +236,8 @@ def _use_cache(cache: nodecache.NodeCache | None, entry: nodecache.Held | None, 
     """With a complete ``entry`` of this version: CRIU's images rewritten to map the chosen
     ranges from it, the rest to fill; without one: what to write it from, later."""
     off = cache is None or not cache.enabled or req.path is RestorePath.STOCK
-    use = CacheUse("off" if off else "cold", store_bytes_read=sum(b.bytes for b in plan.bulk))
+    shared = sum(sh.bytes for sh in plan.shared)  # never in an entry: read from the store
+    use = CacheUse("off" if off else "cold", store_bytes_read=sum(b.bytes for b in plan.bulk) + shared)
     if off or not plan.bulk:
         return _Cached(entry, plan.bulk, use)
     cuda_pids = artifact.manifest.cuda.pids if artifact.manifest.cuda else ()
@@ -244,7 +255,7 @@ def _use_cache(cache: nodecache.NodeCache | None, entry: nodecache.Held | None, 
     key = entry.record.key
     bulk_map.rewrite_images(images, spans, key, {s.name: entry.stat(s.name).st_size for s in spans})
     rest = bulk_map.remainder(plan.bulk, spans)
-    return _Cached(entry, rest, CacheUse("warm", sum(s.length for s in spans), sum(b.bytes for b in rest), 0, key),
+    return _Cached(entry, rest, CacheUse("warm", sum(s.length for s in spans), sum(b.bytes for b in rest), shared, key),
                    spans, [(entry.fd(s.name), bulk_map.inherit_key(s, key)) for s in spans])
 
 
@@ -297,12 +308,12 @@ def _mapped_check(share: Share | None, pidns: int) -> Callable[[], None] | None:
 
 
 def _open_bulk(held: contextlib.ExitStack, artifact: Artifact,
-               plan: layout.RestorePlan) -> tuple[list[int], list[bytes]]:
+               files: Sequence[layout.AnyBulkFile]) -> tuple[list[int], list[bytes]]:
     """fds of the bulk files and their chunk digests (verified), both from staging on: whatever
     is renamed or removed in the store afterwards cannot change which bytes the fill reads (it
     checks each chunk against its digest before writing it)."""
     fds, sums = [], []
-    for b in plan.bulk:
+    for b in files:
         fd = artifact.open_file(b.path)
         held.callback(os.close, fd)
         fds.append(fd)
@@ -423,7 +434,7 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
                 served_files = plan.bulk if share is not None else bulk_files
                 sealed = False  # the fds are a node cache entry's sealed fill files
                 if share is not None:
-                    fds, sums = _open_bulk(held, artifact, plan)
+                    fds, sums = _open_bulk(held, artifact, plan.bulk)
                 elif not fill_bulk:
                     fds, sums = [], []
                 elif entry is not None:  # its identity checked: the fill copies it unhashed (bulk.fill)
@@ -431,7 +442,11 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
                     sums = ([bulk.read_sums(artifact, b, entry.open_copy) for b in bulk_files]
                             if path is RestorePath.STREAM else [])
                 else:
-                    fds, sums = _open_bulk(held, artifact, plan)
+                    fds, sums = _open_bulk(held, artifact, plan.bulk)
+                # Shared segments are filled on every route but the stock one, from the store
+                # (a node cache entry holds none), before the tree runs (runtime.pages.bulk).
+                shared_files = plan.shared if path is not RestorePath.STOCK else ()
+                shared_fds, shared_sums = _open_bulk(held, artifact, shared_files)
                 total = sum(b.bytes for b in served_files)
                 report = (lambda done: progress("fill", done, total)) if progress else None
                 stream_report = (lambda done: progress("stream", done, total)) if progress else None
@@ -475,6 +490,11 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
             host_pids: list[int] = []
             gpu_map = None
             try:
+                if shared_files:
+                    with t.phase("fill_shared"):
+                        bulk.fill(artifact, shared_files, shared_fds, lambda pid: host_pid_of(pidns, pid),
+                                  sums=shared_sums, images=os.path.join(private, layout.CRIU_DIR),
+                                  tree=result.tree, threads=bulk.fill_threads(req.threads))
                 if streamed is not None:
                     with t.phase("stream_start"):  # installs begin; the tree runs from SIGCONT on
                         bulk.check_targets(bulk_files, os.path.join(private, layout.CRIU_DIR), result.tree,

@@ -62,6 +62,8 @@ VMA_EXT_PLUGIN = 1 << 27
 VMA_UNSUPP = 1 << 31
 PROT_WRITE = 0x2
 MAP_GROWSDOWN = 0x100  # vma_entry.flags
+MAP_SHARED = 0x01
+MAP_HUGETLB = 0x40000
 SS_DISABLE = 2  # thread_sas_entry.ss_flags
 MADV_HUGEPAGE = 14
 PAGE = 4096
@@ -415,6 +417,39 @@ def read_reg_files(images_dir: str) -> list[RegFile]:
         if e.id in remapped or (e.HasField("mode") and not stat.S_ISREG(e.mode)):
             continue  # (without a mode, the reader of the file checks what it is)
         out.append(RegFile(e.id, e.name, e.size))
+    return out
+
+
+FD_TYPE_MEMFD = 18  # fd_types.MEMFD
+_FILE_MEMFD = 20  # file_entry.memfd: a memfd_file_entry
+_MEMFD_FILE_INODE = 5  # memfd_file_entry.inode_id
+_MEMFD_SHMID, _MEMFD_INODE, _MEMFD_HUGETLB = 5, 7, 8  # memfd_inode_entry's fields (images/memfd.proto)
+
+
+def memfd_segments(images_dir: str) -> dict[int, int]:
+    """The shared memory segment (the id of its ``pagemap-shmem-<id>.img``) of each memfd file
+    of ``files.img``, by file id: the ``shmid`` of a VMA that maps a memfd. CRIU (4.x) dumps
+    shared anonymous memory this way too: a ``/dev/zero (deleted)`` mapping becomes a memfd's.
+    Huge-page memfds are left out (4 KiB pages only)."""
+    inodes_path = os.path.join(images_dir, "memfd.img")
+    if not os.path.exists(inodes_path):
+        return {}
+    segment_of_inode = {}
+    for raw in read_raw(inodes_path).entries:
+        fields = dict(_wire_fields(raw, inodes_path))
+        shmid, inode = fields.get(_MEMFD_SHMID), fields.get(_MEMFD_INODE)
+        if isinstance(shmid, int) and isinstance(inode, int) and not fields.get(_MEMFD_HUGETLB):
+            segment_of_inode[inode] = shmid
+    path = os.path.join(images_dir, "files.img")
+    out = {}
+    for raw in read_raw(path).entries:
+        fields = dict(_wire_fields(raw, path))
+        entry, fid = fields.get(_FILE_MEMFD), fields.get(_FILE_ID)
+        if fields.get(_FILE_TYPE) != FD_TYPE_MEMFD or not isinstance(entry, bytes) or not isinstance(fid, int):
+            continue
+        inode = dict(_wire_fields(entry, path)).get(_MEMFD_FILE_INODE)
+        if isinstance(inode, int) and inode in segment_of_inode:
+            out[fid] = segment_of_inode[inode]
     return out
 
 

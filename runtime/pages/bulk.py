@@ -9,17 +9,23 @@ driver holds its whole device memory as one private anonymous mapping. So:
   ``bulk/pages-<pid>.bulk`` (no copy), a new pages file gets the bytes of the entries CRIU keeps,
   which are then punched out of the bulk file (``runtime.pages.holes``; its offsets stay, so
   each byte is stored once, where a file system can punch), and the pagemap loses the moved entries outright (an entry kept with flags 0 makes CRIU's
-  restorer spin). An entry straddling two VMAs stays with CRIU. Shared mappings, file mappings
-  and read-only ones stay with CRIU (process_vm_writev cannot write read-only mappings), and so
-  does whatever is written into the process after CRIU restored it and before the fill
+  restorer spin). An entry straddling two VMAs stays with CRIU. File mappings and read-only
+  ones stay with CRIU (process_vm_writev cannot write read-only mappings), and so does
+  whatever is written into the process after CRIU restored it and before the fill
   (``runtime.criu.image_files.written_after_restore``: the VMAs a pending signal's frame can land in, each
-  thread's rseq area), which the fill would otherwise overwrite with the dumped bytes. The
+  thread's rseq area), which the fill would otherwise overwrite with the dumped bytes. A shared
+  anonymous segment (``pagemap-shmem-<shmid>.img``: an engine's pinned host buffers, which CRIU
+  restores on one thread, ~1.6 GB/s) moves the same way to ``bulk/shmem-<shmid>.bulk``,
+  addressed through the process whose writable mapping of it holds the most; CRIU then makes
+  the segment empty, and every route fills it before the tree runs (CRIU has no lazy pages for
+  shared memory). The
   digest of each SUM_CHUNK of the punched bulk file goes to ``bulk/pages-<pid>.sums``. VMAs
   named in ``huge`` (the CUDA driver's host staging copy) get MADV_HUGEPAGE in mm-<pid>.img:
   CRIU applies madvise after its own page reads, so the empty range is THP-eligible before the
   fill; no other VMA changes, so the restored process has the advice the source had.
 - :func:`fill` (restore side, CRIU ran with ``--leave-stopped``): first :func:`check_targets`
-  (every range in private anonymous writable memory of a process CRIU restored, no stack) and
+  (every range in private anonymous writable memory of a process CRIU restored, no stack; a
+  segment's in a writable shared mapping of it) and
   :func:`assert_untouched` (no page of a range written yet); then N threads read each bulk file
   1 MiB at a time into private buffers, hash exactly those bytes, compare the digest with the
   signed one, and only then write them into the stopped process with process_vm_writev. A
@@ -59,11 +65,12 @@ from runtime.layout import (
     CRIU_DIR,
     DIGEST_BYTES,
     SUM_CHUNK,
+    AnyBulkFile,
     BulkFile,
     BulkRange,
+    SharedBulkFile,
     bulk_file,
     bulk_pagemap,
-    bulk_sums,
 )
 from runtime.pages import chunks, tailhash
 from runtime.pages.filemap import FileMap
@@ -105,15 +112,16 @@ class SplitStats:
     seconds: float
     punched_bytes: int = 0  # of kept_bytes, punched out of the bulk files (stored once, by CRIU)
     zero_bytes: int = 0  # of moved_bytes, whole zero chunks punched out (stored as nothing)
-    # Shared anonymous memory (MAP_SHARED|MAP_ANONYMOUS: an engine's pinned host buffers): CRIU
-    # dumps and restores it as shared memory, on one thread, and the split moves none of it
+    # Shared anonymous memory (MAP_SHARED|MAP_ANONYMOUS: an engine's pinned host buffers), as
+    # CRIU dumped it, and how much of it moved to bulk files of its own (:func:`split_shared`)
     shared_bytes: int = 0
+    shared_moved_bytes: int = 0
 
     def as_record(self) -> dict[str, int]:
         """The byte counts, for ``timings.json``."""
         return {"processes": self.processes, "moved_bytes": self.moved_bytes, "kept_bytes": self.kept_bytes,
                 "punched_bytes": self.punched_bytes, "zero_bytes": self.zero_bytes,
-                "shared_bytes": self.shared_bytes}
+                "shared_bytes": self.shared_bytes, "shared_moved_bytes": self.shared_moved_bytes}
 
 
 @dataclass(frozen=True)
@@ -204,14 +212,70 @@ def _runs(pagemap: img.Pagemap, vmas: list[Any], min_run: int, cap: int = MAX_RA
     return ranges, moved
 
 
-def shared_memory_bytes(images: str) -> int:
-    """The bytes of shared anonymous memory in CRIU's images (``pagemap-shmem-<id>.img``)."""
-    total = 0
+def _shmem_pagemaps(images: str) -> dict[int, str]:
+    """CRIU's shared memory pagemaps (``pagemap-shmem-<shmid>.img``), by shmid."""
+    out = {}
     for name in sorted(os.listdir(images)):
-        if name.startswith("pagemap-shmem-") and name.endswith(".img"):
-            total += sum(img.nr_pages(e) * img.PAGE for e in img.read_pagemap_at(os.path.join(images, name)).entries
-                         if img.has_data(e))
-    return total
+        if name.startswith("pagemap-shmem-") and name.endswith(".img") and name[14:-4].isdigit():
+            out[int(name[14:-4])] = os.path.join(images, name)
+    return out
+
+
+def shared_memory_bytes(images: str) -> int:
+    """The bytes of shared memory in CRIU's images (``pagemap-shmem-<id>.img``)."""
+    return sum(img.nr_pages(e) * img.PAGE for path in _shmem_pagemaps(images).values()
+               for e in img.read_pagemap_at(path).entries if img.has_data(e))
+
+
+def _segment(vma: Any, memfds: Mapping[int, int]) -> int | None:
+    """The shared memory segment a VMA maps (the id of its ``pagemap-shmem-<id>.img``): through
+    a memfd (how CRIU 4.x dumps shared anonymous memory too; ``memfds`` from
+    :func:`runtime.criu.image_files.memfd_segments`) or as shared anonymous memory itself
+    (older CRIU); None for anything else, SysV IPC included."""
+    if vma.status & img.VMA_AREA_MEMFD:
+        return memfds.get(int(vma.shmid))
+    if vma.status & img.VMA_ANON_SHARED and not vma.status & img.VMA_AREA_SYSVIPC:
+        return int(vma.shmid)
+    return None
+
+
+def _writable_window(vma: Any, shmid: int, memfds: Mapping[int, int]) -> tuple[int, int] | None:
+    """The part of segment ``shmid`` (offsets) that ``vma`` maps shared and writable (not with
+    huge pages), or None."""
+    if (_segment(vma, memfds) != shmid or not vma.status & img.VMA_AREA_REGULAR
+            or vma.status & (img.VMA_EXT_PLUGIN | img.VMA_UNSUPP) or not vma.prot & img.PROT_WRITE
+            or not vma.flags & img.MAP_SHARED or vma.flags & img.MAP_HUGETLB):
+        return None
+    return int(vma.pgoff), int(vma.pgoff) + int(vma.end - vma.start)
+
+
+def _shared_runs(pagemap: img.Pagemap, vma: Any, min_run: int, cap: int) -> tuple[list[BulkRange], set[int]]:
+    """Bulk ranges of a shared segment, at ``vma``'s addresses (its pagemap's vaddr are offsets
+    in the segment), and the entries they replace: what lies wholly inside the window ``vma``
+    maps; at most ``cap`` ranges, the longest."""
+    lo, hi = int(vma.pgoff), int(vma.pgoff) + int(vma.end - vma.start)
+    runs: list[tuple[int, int, int, list[int]]] = []  # segment offset, length, file offset, entries
+    offset, barrier = 0, True
+    for idx, e in enumerate(pagemap.entries):
+        if not img.has_data(e):
+            continue
+        length = img.nr_pages(e) * img.PAGE
+        if lo <= e.vaddr and e.vaddr + length <= hi:
+            last = runs[-1] if runs and not barrier else None
+            if last is not None and last[0] + last[1] == e.vaddr and last[2] + last[1] == offset:
+                runs[-1] = (last[0], last[1] + length, last[2], [*last[3], idx])
+            else:
+                runs.append((int(e.vaddr), length, offset, [idx]))
+            barrier = False
+        else:
+            barrier = True
+        offset += length
+    chosen = [r for r in runs if r[1] >= min_run]
+    if len(chosen) > cap:
+        chosen = sorted(sorted(chosen, key=lambda r: -r[1])[:cap], key=lambda r: r[2])
+    start = int(vma.start) - lo
+    return ([BulkRange(start + seg, length, off) for seg, length, off, _ in chosen],
+            {i for *_x, entries in chosen for i in entries})
 
 
 def zeros_apart(ranges: Sequence[BulkRange], sums: bytes, room: int,
@@ -467,17 +531,75 @@ def _inherited(procs: Sequence[img.PstreeEntry], vmas_of: Mapping[int, list[Any]
     return {pid: frozenset(v) for pid, v in out.items()}
 
 
+@dataclass(frozen=True)
+class _Moved:
+    kept: int  # bytes left with CRIU (its new pages file)
+    punched: int  # of them, punched out of the bulk file
+    zero: int  # bytes of whole zero chunks punched out of the bulk file
+    sums: bytes  # the bulk file's chunk digests
+
+
+def _move_out(artifact_dir: str, pagemap: img.Pagemap, dest: str, original: str, moved: set[int],
+              hashed: MutableMapping[str, Hashed]) -> _Moved:
+    """The entries ``moved`` of ``pagemap`` leave CRIU's images: its pages file becomes the bulk
+    file ``dest`` (renamed, no copy), its pagemap is kept as ``original`` (the stock path), CRIU
+    gets a new pages file of what it keeps, which is punched out of the bulk file as are its
+    zero chunks, and the chunk digests are written beside it."""
+    os.makedirs(os.path.join(artifact_dir, BULK_DIR), mode=0o700, exist_ok=True)
+    dest, ahead = os.path.join(artifact_dir, dest), hashed.pop(pagemap.pages_path, None)  # the file's until punched
+    os.rename(pagemap.pages_path, dest)
+    shutil.copyfile(pagemap.path, os.path.join(artifact_dir, original))
+    kept = _copy_kept(pagemap, dest, moved)
+    fresh = _punch_kept(dest, pagemap, moved, ahead)
+    sums_path = layout.sums_of(dest)
+    if fresh.hashed is not None:
+        hashed[dest] = fresh.hashed
+        _write_sums_file(sums_path, fresh.hashed.sums)
+    else:
+        write_sums(dest, sums_path)
+    with open(sums_path, "rb") as f:
+        sums = f.read()
+    zero = _punch_zero(dest, sums, hashed)
+    img.write_pagemap(pagemap, [e for i, e in enumerate(pagemap.entries) if i not in moved])
+    return _Moved(kept, fresh.punched, zero, sums)
+
+
+@dataclass(frozen=True)
+class Split:
+    files: tuple[BulkFile, ...]  # the processes' bulk files
+    shared: tuple[SharedBulkFile, ...]  # the shared anonymous segments'
+    stats: SplitStats
+
+
+def _writer(shmid: int, pagemap: img.Pagemap, procs: Sequence[img.PstreeEntry],
+            vmas_of: Mapping[int, list[Any]], memfds: Mapping[int, int]) -> tuple[int, Any] | None:
+    """The process and VMA through which segment ``shmid`` is written at restore: a writable
+    mapping of it that holds the most of its pages (the lowest pid of equals)."""
+    best: tuple[int, int, int, Any] | None = None  # -bytes, pid, start, vma
+    for p in procs:
+        for v in vmas_of[p.pid]:
+            window = _writable_window(v, shmid, memfds)
+            if window is None:
+                continue
+            held = sum(img.nr_pages(e) * img.PAGE for e in pagemap.entries if img.has_data(e)
+                       and window[0] <= e.vaddr and e.vaddr + img.nr_pages(e) * img.PAGE <= window[1])
+            key = (-held, p.pid, int(v.start), v)
+            if best is None or key[:3] < best[:3]:
+                best = key
+    return None if best is None or best[0] == 0 else (best[1], best[3])
+
+
 def split(artifact_dir: str, huge: Mapping[int, Sequence[tuple[int, int]]] | None = None,
-          min_run: int = MIN_RUN, hashed: MutableMapping[str, Hashed] | None = None,
-          ) -> tuple[tuple[BulkFile, ...], SplitStats]:
-    """Move the bulk page runs of the dump in ``artifact_dir/criu`` to ``artifact_dir/bulk``.
+          min_run: int = MIN_RUN, hashed: MutableMapping[str, Hashed] | None = None) -> Split:
+    """Move the bulk page runs of the dump in ``artifact_dir/criu`` to ``artifact_dir/bulk``:
+    each process's private runs to its bulk file, each shared anonymous segment's to its own.
 
     ``huge`` maps each CUDA process (pid as the image numbers it) to the address ranges whose
     VMAs get MADV_HUGEPAGE (the driver's staging copy, seen appear at the CUDA checkpoint; when
     none was seen, the process's largest bulk run, if at least 1 GiB). ``hashed``: what
     :mod:`runtime.pages.tailhash` hashed of the pages images, by path, while CRIU wrote them
     (used for the very file only); a pages image's entry is replaced by its bulk file's, made
-    after the punch (for the publish). Returns the bulk files."""
+    after the punch (for the publish)."""
     t0 = time.monotonic()
     hashed = {} if hashed is None else hashed
     images = os.path.join(artifact_dir, CRIU_DIR)
@@ -486,6 +608,10 @@ def split(artifact_dir: str, huge: Mapping[int, Sequence[tuple[int, int]]] | Non
              if os.path.exists(os.path.join(images, f"pagemap-{e.pid}.img"))]  # not zombies
     vmas_of = {p.pid: sorted(img.read_mm(images, p.pid).entry.vmas, key=lambda v: v.start) for p in procs}
     inherited = _inherited(procs, vmas_of)
+    segments = _shmem_pagemaps(images)
+    memfds = img.memfd_segments(images) if segments else {}
+    shared_total = shared_memory_bytes(images)
+    cap = MAX_RANGES // max(1, len(procs) + len(segments))  # the plan lists every range
     for proc in procs:
         pid = proc.pid
         vmas = vmas_of[pid]
@@ -494,46 +620,47 @@ def split(artifact_dir: str, huge: Mapping[int, Sequence[tuple[int, int]]] | Non
             written = dataclasses.replace(written, vmas=(*written.vmas, *sorted(inherited[pid])))
         pagemap = img.read_pagemap(images, pid)
         pagemap = dataclasses.replace(pagemap, entries=_cut(pagemap.entries, written.pages))
-        ranges, moved = _runs(pagemap, vmas, min_run, cap=MAX_RANGES // max(1, len(procs)), written=written)
+        ranges, moved = _runs(pagemap, vmas, min_run, cap=cap, written=written)
         kept = _kept_by_kind(pagemap, vmas, moved, min_run, written, inherited[pid])
         if kept:
             log.info("pid %d: left with CRIU: %s", pid, ", ".join(
                 f"{v / 2**20:.1f} MiB {k}" for k, v in sorted(kept.items(), key=lambda kv: -kv[1])))
         if not ranges:
             continue
-        os.makedirs(os.path.join(artifact_dir, BULK_DIR), mode=0o700, exist_ok=True)
-        dest = os.path.join(artifact_dir, bulk_file(pid))
-        ahead = hashed.pop(pagemap.pages_path, None)  # stands for the file only until punched
-        os.rename(pagemap.pages_path, dest)
-        shutil.copyfile(pagemap.path, os.path.join(artifact_dir, bulk_pagemap(pid)))
-        kept_total += _copy_kept(pagemap, dest, moved)
-        fresh = _punch_kept(dest, pagemap, moved, ahead)
-        punched_total += fresh.punched
-        sums_path = os.path.join(artifact_dir, bulk_sums(pid))
-        if fresh.hashed is not None:
-            hashed[dest] = fresh.hashed
-            _write_sums_file(sums_path, fresh.hashed.sums)
-        else:
-            write_sums(dest, sums_path)
-        with open(sums_path, "rb") as f:
-            sums = f.read()
-        zero_total += _punch_zero(dest, sums, hashed)
-        listed = zeros_apart(ranges, sums, MAX_RANGES // max(1, len(procs)) - len(ranges), ZERO_APART)
-        img.write_pagemap(pagemap, [e for i, e in enumerate(pagemap.entries) if i not in moved])
+        out = _move_out(artifact_dir, pagemap, bulk_file(pid), bulk_pagemap(pid), moved, hashed)
+        kept_total, punched_total, zero_total = kept_total + out.kept, punched_total + out.punched, zero_total + out.zero
+        listed = zeros_apart(ranges, out.sums, cap - len(ranges), ZERO_APART)
         if huge is not None and pid in huge:  # a CUDA process
             _mark_huge(images, pid, huge[pid], ranges)
         files.append(BulkFile(pid, bulk_file(pid), pagemap.pages_id, tuple(listed)))
         moved_total += sum(r.length for r in ranges)
-    stats = SplitStats(len(files), moved_total, kept_total, time.monotonic() - t0, punched_total, zero_total,
-                       shared_memory_bytes(images))
-    if stats.shared_bytes:
-        log.info("%.1f MiB of shared anonymous memory stays with CRIU, which restores it on one thread",
-                 stats.shared_bytes / 2**20)
-    log.info("bulk split: %d processes, %.1f MiB to bulk files (%.1f MiB of it zero chunks, not stored), "
-             "%.1f MiB left with CRIU (%.1f MiB of it punched out of the bulk files), %.2fs",
-             stats.processes, moved_total / 2**20, zero_total / 2**20, kept_total / 2**20,
+    shared, shared_moved = [], 0
+    for shmid, path in segments.items():
+        pagemap = img.read_pagemap_at(path)
+        writer = _writer(shmid, pagemap, procs, vmas_of, memfds)
+        if writer is None:  # mapped read-only everywhere (or SysV, or huge pages): CRIU's
+            continue
+        pid, vma = writer
+        ranges, moved = _shared_runs(pagemap, vma, min_run, cap)
+        if not ranges:
+            continue
+        out = _move_out(artifact_dir, pagemap, layout.shared_file(shmid), layout.shared_pagemap(shmid),
+                        moved, hashed)
+        kept_total, punched_total, zero_total = kept_total + out.kept, punched_total + out.punched, zero_total + out.zero
+        shared.append(SharedBulkFile(shmid, pid, layout.shared_file(shmid), pagemap.pages_id, tuple(ranges)))
+        shared_moved += shared[-1].bytes
+        log.info("shared segment %d: %.1f MiB to its bulk file, written through pid %d at %#x",
+                 shmid, shared[-1].bytes / 2**20, pid, vma.start)
+    stats = SplitStats(len(files), moved_total + shared_moved, kept_total, time.monotonic() - t0, punched_total,
+                       zero_total, shared_total, shared_moved)
+    if shared_total > shared_moved:
+        log.info("%.1f MiB of shared memory stays with CRIU, which restores it on one thread",
+                 (shared_total - shared_moved) / 2**20)
+    log.info("bulk split: %d processes and %d shared segments, %.1f MiB to bulk files (%.1f MiB of it zero "
+             "chunks, not stored), %.1f MiB left with CRIU (%.1f MiB of it punched out of the bulk files), %.2fs",
+             stats.processes, len(shared), stats.moved_bytes / 2**20, zero_total / 2**20, kept_total / 2**20,
              punched_total / 2**20, stats.seconds)
-    return tuple(files), stats
+    return Split(tuple(files), tuple(shared), stats)
 
 
 # --- fill ----------------------------------------------------------------------------------------
@@ -626,15 +753,75 @@ def _inside(spans: Sequence[tuple[int, int]], lo: int, hi: int) -> bool:
     return i >= 0 and spans[i][0] <= lo and hi <= spans[i][1]
 
 
-def check_targets(files: Sequence[BulkFile], images: str, tree: Iterable[int],
+def _shmem_dev() -> int:
+    """The device of the kernel's internal shared memory mount: what a memfd's (or a shared
+    anonymous mapping's) object lives on, as ``/proc/<pid>/maps`` shows it."""
+    fd = os.memfd_create("rekindle-probe", os.MFD_CLOEXEC)
+    try:
+        return os.fstat(fd).st_dev
+    finally:
+        os.close(fd)
+
+
+def _shared_spans(pid: int) -> list[tuple[int, int, int]]:
+    """``(start, end, inode)`` of the restored process's writable shared mappings of a shared
+    memory object on the kernel's internal mount (CRIU restores a segment as a memfd), adjacent
+    ones of one object merged."""
+    spans: list[tuple[int, int, int]] = []
+    dev = _shmem_dev()
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            lines = f.read().splitlines()
+    except OSError as exc:
+        raise FillError(f"restored process {pid}: cannot read its maps: {exc}") from exc
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) < 5 or fields[1][1] != "w" or fields[1][3] != "s":
+            continue
+        major, minor = (int(x, 16) for x in fields[3].split(":"))
+        if os.makedev(major, minor) != dev:
+            continue
+        lo, hi = (int(x, 16) for x in fields[0].split("-"))
+        inode = int(fields[4])
+        if spans and spans[-1][1] == lo and spans[-1][2] == inode:
+            spans[-1] = (spans[-1][0], hi, inode)
+        else:
+            spans.append((lo, hi, inode))
+    return spans
+
+
+def _check_shared(f: SharedBulkFile, vmas: Sequence[Any], memfds: Mapping[int, int], host: int) -> None:
+    """Every range of ``f`` lies in one writable mapping of its segment in the dumped process,
+    and in one writable shared mapping of one shared memory object in the restored one."""
+    windows = [(int(v.start), int(v.end)) for v in vmas if _writable_window(v, f.shmid, memfds) is not None]
+    live = _shared_spans(host)
+    objects = set()
+    for r in f.ranges:
+        lo, hi = r.vaddr, r.vaddr + r.length
+        if not any(a <= lo and hi <= b for a, b in windows):
+            raise FillError(f"{f.path}: range {lo:#x}+{r.length:#x} is not inside one writable mapping of "
+                            f"shared segment {f.shmid} in the dumped process")
+        found = [ino for a, b, ino in live if a <= lo and hi <= b]
+        if not found:
+            raise FillError(f"{f.path}: range {lo:#x}+{r.length:#x} is not inside a writable shared memory "
+                            f"mapping of restored process {host}")
+        objects.add(found[0])
+    if len(objects) > 1:
+        raise FillError(f"{f.path}: its ranges lie in {len(objects)} shared memory objects of restored process "
+                        f"{host}, not one")
+
+
+def check_targets(files: Sequence[AnyBulkFile], images: str, tree: Iterable[int],
                   pid_of: Callable[[int], int]) -> list[int]:
     """The host pid of each bulk file's process, once every range was found to belong there:
     the process is one of the dumped tree (``images``, CRIU's verified images) and one CRIU
     restored (``tree``, host pids), and every range lies in one private anonymous writable VMA
-    that is no thread's stack, both in the dumped mm image and in the restored process's maps."""
+    that is no thread's stack, both in the dumped mm image and in the restored process's maps
+    (a shared segment's: in a writable mapping of that segment, :func:`_check_shared`)."""
     dumped = {e.pid: e for e in img.read_pstree(images)
               if os.path.exists(os.path.join(images, f"mm-{e.pid}.img"))}  # not zombies
     restored = set(tree)
+    memfds = img.memfd_segments(images) if any(isinstance(f, SharedBulkFile) for f in files) else {}
     hosts = []
     for f in files:
         entry = dumped.get(f.pid)
@@ -644,6 +831,10 @@ def check_targets(files: Sequence[BulkFile], images: str, tree: Iterable[int],
         if host not in restored:
             raise FillError(f"{f.path}: pid {f.pid} (host pid {host}) is not a process CRIU restored")
         vmas = sorted(img.read_mm(images, f.pid).entry.vmas, key=lambda v: v.start)
+        hosts.append(host)
+        if isinstance(f, SharedBulkFile):
+            _check_shared(f, vmas, memfds, host)
+            continue
         written = img.written_after_restore(images, entry, vmas)
         movable = [(int(v.start), int(v.end)) for v in vmas if _movable(v, written)]
         live = _writable_spans(host)
@@ -658,15 +849,14 @@ def check_targets(files: Sequence[BulkFile], images: str, tree: Iterable[int],
             if not _inside(live, lo, hi):
                 raise FillError(f"{f.path}: range {lo:#x}+{r.length:#x} is not inside a private anonymous "
                                 f"writable mapping of restored process {host}")
-        hosts.append(host)
     return hosts
 
 
-def read_sums(artifact: Artifact, f: BulkFile, source: Callable[[str], int] | None = None) -> bytes:
+def read_sums(artifact: Artifact, f: AnyBulkFile, source: Callable[[str], int] | None = None) -> bytes:
     """The chunk digests of ``f``, checked against the manifest (read them when the bulk file
     is opened: a later open may find the version gone). ``source``: opens the node cache's
     copy instead of the store's."""
-    path = layout.bulk_sums(f.pid)
+    path = layout.sums_of(f.path)
     want = -(-artifact.entry(f.path).size // SUM_CHUNK) * DIGEST_BYTES
     if artifact.entry(path).size != want:
         raise FillError(f"{artifact.label}: {path} is {artifact.entry(path).size} bytes, want {want}")
@@ -689,7 +879,7 @@ class _Piece:
 
 
 class _Filler:
-    def __init__(self, fds: list[int], pids: list[int], files: Sequence[BulkFile], sums: list[bytes] | None,
+    def __init__(self, fds: list[int], pids: list[int], files: Sequence[AnyBulkFile], sums: list[bytes] | None,
                  progress: Callable[[int], None] | None, mapped: list[int], sizes: Sequence[int]) -> None:
         self.fds, self.pids, self.files, self.sums, self.sizes = fds, pids, files, sums, sizes
         self.mapped = mapped  # with no sums: each file's address in a read-only mapping of it
@@ -779,7 +969,7 @@ class _Filler:
         self._count(read, written)
 
 
-def fill(artifact: Artifact, files: Sequence[BulkFile], fds: Sequence[int], pid_of: Callable[[int], int], *,
+def fill(artifact: Artifact, files: Sequence[AnyBulkFile], fds: Sequence[int], pid_of: Callable[[int], int], *,
          sums: Sequence[bytes], images: str, tree: Iterable[int], threads: int = WORKERS,
          progress: Callable[[int], None] | None = None, sealed: bool = False) -> FillStats:
     """Write every bulk file (``fds[i]`` is ``files[i]``, opened by the caller through
@@ -824,7 +1014,7 @@ def fill(artifact: Artifact, files: Sequence[BulkFile], fds: Sequence[int], pid_
     return stats
 
 
-def write_pieces(fds: list[int], pids: list[int], files: Sequence[BulkFile], pieces: Sequence[_Piece], *,
+def write_pieces(fds: list[int], pids: list[int], files: Sequence[AnyBulkFile], pieces: Sequence[_Piece], *,
                  threads: int, progress: Callable[[int], None] | None, sums: list[bytes] | None,
                  sizes: Sequence[int]) -> FillStats:
     """The fill's copying, on ``threads`` threads: each piece's ranges from ``fds`` into

@@ -1,8 +1,9 @@
 """Shared anonymous memory through the plugin (containerd 1.7 + runc + CRIU + CNI): the shape of an
 engine's pinned host buffers (``MAP_SHARED|MAP_ANONYMOUS``), here shared by a server and the worker
-it forked. CRIU dumps and restores it as shared memory (the bulk split takes private memory only),
-the checkpoint's byte counts say how much there is, and the restored pair still shares it: a
-byte the worker writes after the restore is the server's too."""
+it forked. CRIU dumps it as a shared segment; the split moves its pages to a bulk file of their
+own (the checkpoint's byte counts say so), every path but the stock one fills them before the tree
+runs (``fill_shared``), the stock one hands them back to CRIU, and the restored pair still shares
+the buffer: a byte the worker writes after the restore is the server's too."""
 
 from __future__ import annotations
 
@@ -50,8 +51,8 @@ while True:
 IMAGE, ENV = "localhost/rekindle/host-usr:1", {"PATH": "/usr/bin:/bin"}
 
 
-@pytest.mark.parametrize("path", ["auto", "bulk"])
-def test_shared_anonymous_memory_is_counted_and_stays_shared(sandbox, pod, plugin, path):
+@pytest.mark.parametrize("path", ["auto", "bulk", "stream", "stock"])
+def test_shared_anonymous_memory_moves_to_the_bulk_path_and_stays_shared(sandbox, pod, plugin, path):
     from devtools.gpu import host_python_mounts
     plugin.kill()
     plugin.env = {"REKINDLE_RESTORE_PATH": path}
@@ -64,7 +65,10 @@ def test_shared_anonymous_memory_is_counted_and_stays_shared(sandbox, pod, plugi
         st = wait_status(plugin, "default", a.name, "app", {"published", "checkpoint-failed"}, timeout=120)
         assert st["phase"] == "published", st
         pages = json.loads((plugin.control_dir(a.uid, "app") / "timings.json").read_text())["pages"]
-        assert pages["shared_bytes"] >= 48 << 20, pages  # the buffer, left with CRIU
+        assert pages["shared_bytes"] >= 48 << 20, pages  # the buffer, as CRIU dumped it
+        assert pages["shared_moved_bytes"] >= 48 << 20, pages  # all of it to its bulk file
+        version = (plugin.store / "default" / name).resolve()
+        assert [p.stat().st_size for p in version.glob("bulk/shmem-*.bulk")] >= [48 << 20], list(version.glob("bulk/*"))
         assert get(sandbox.cri.pod_ip(a.id), "/", 30.0).startswith("data=ok")
 
         b = pod(f"dst-{name}", annotations={"rekindle.dev/restore": name})
@@ -76,6 +80,8 @@ def test_shared_anonymous_memory_is_counted_and_stays_shared(sandbox, pod, plugi
         got = wait_for(lambda: get(ip, "/", 30.0), 60, "the restored server to answer", ignore=(OSError,))
         assert got.startswith("data=ok"), got
         assert get(ip, "/poke", 30.0).startswith("shared=yes")
+        restored = json.loads((plugin.control_dir(b.uid, "app") / "timings.json").read_text())
+        assert ("fill_shared" in restored["restore"]) == (path != "stock"), restored
     finally:
         plugin.kill()
         plugin.env = {}

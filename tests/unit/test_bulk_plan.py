@@ -17,7 +17,19 @@ from runtime.criu import image_files as img
 from runtime.criu.proto import core_pb2, mm_pb2, pagemap_pb2, pstree_pb2, vma_pb2
 from runtime.digests import hash_fd
 from runtime.fs import holes
-from runtime.layout import CRIU_DIR, SUM_CHUNK, BulkFile, BulkRange, RestorePlan, bulk_file, bulk_sums
+from runtime.layout import (
+    CRIU_DIR,
+    SUM_CHUNK,
+    BulkFile,
+    BulkRange,
+    RestorePlan,
+    SharedBulkFile,
+    bulk_file,
+    bulk_sums,
+    shared_file,
+    shared_pagemap,
+    sums_of,
+)
 from runtime.pages import bulk
 from runtime.pages.tailhash import TailHasher
 
@@ -118,6 +130,11 @@ def test_a_plan_of_more_ranges_than_the_checkpoint_ever_lists_is_refused() -> No
         RestorePlan.from_json(json.dumps(obj).encode())
 
 
+def _split(artifact_dir: str, **kw: Any) -> tuple[tuple[BulkFile, ...], bulk.SplitStats]:
+    moved = bulk.split(artifact_dir, **kw)
+    return moved.files, moved.stats
+
+
 def _image(path: Path, *messages: Any) -> None:
     img.write_raw(str(path), img.RawImage(b"\0" * 8, [m.SerializePartialToString() for m in messages]))
 
@@ -159,7 +176,7 @@ def test_split_keeps_stacks_and_rseq_areas_with_criu_and_writes_chunk_digests(tm
     data = os.urandom(len(entries) * 4 * P)
     (images / "pages-9.img").write_bytes(data)
 
-    files, _stats = bulk.split(str(tmp_path))
+    files, _stats = _split(str(tmp_path))
     # the heap's entry is cut around the rseq page; every stack stays with CRIU
     assert files == (BulkFile(1, bulk_file(1), 9,
                               (BulkRange(heap[0], P, 0), BulkRange(heap[0] + 2 * P, 2 * P, 2 * P))),)
@@ -254,7 +271,7 @@ def test_the_bytes_criu_keeps_are_punched_out_of_the_bulk_file_and_its_sums_are_
     if ahead:
         with TailHasher(str(images)) as th:
             hashed = th.finish()
-    files, stats = bulk.split(str(tmp_path), hashed=hashed)
+    files, stats = _split(str(tmp_path), hashed=hashed)
     assert [f.ranges for f in files] == [(BulkRange(pid << 30, own, shared),) for pid in (1, 2)]
     assert stats.kept_bytes == stats.punched_bytes == 2 * shared
     path = tmp_path / bulk_file(1)
@@ -276,7 +293,7 @@ def test_the_bytes_criu_keeps_are_punched_out_of_the_bulk_file_and_its_sums_are_
 def test_where_the_file_system_cannot_punch_the_bytes_stay(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     images, parent, _child = _forked_dump(tmp_path, 2 * P, 2 * P)
     monkeypatch.setattr(holes, "_fallocate", lambda *_a: (ctypes.set_errno(errno.EOPNOTSUPP), -1)[1])
-    _files, stats = bulk.split(str(tmp_path))
+    _files, stats = _split(str(tmp_path))
     assert stats.punched_bytes == 0
     assert (tmp_path / bulk_file(1)).read_bytes() == parent
     assert (tmp_path / bulk_sums(1)).read_bytes() == blake3.blake3(parent).digest()
@@ -315,7 +332,7 @@ def test_zero_chunks_of_the_moved_runs_are_punched_out_and_the_digests_stay(tmp_
     if ahead:
         with TailHasher(str(images)) as th:
             hashed = th.finish()
-    _files, stats = bulk.split(str(tmp_path), hashed=hashed)
+    _files, stats = _split(str(tmp_path), hashed=hashed)
     assert stats.zero_bytes == 2 * SUM_CHUNK and stats.moved_bytes == len(data)
     path = tmp_path / bulk_file(1)
     st = os.stat(path)
@@ -343,7 +360,7 @@ def test_a_long_zero_run_inside_a_range_becomes_a_range_of_its_own(tmp_path: Pat
     data[2 * SUM_CHUNK:6 * SUM_CHUNK] = bytes(4 * SUM_CHUNK)
     data[7 * SUM_CHUNK:8 * SUM_CHUNK] = bytes(SUM_CHUNK)
     _one_run(tmp_path, run, data, vma_start=run[0] - 3 * P)
-    files, stats = bulk.split(str(tmp_path))
+    files, stats = _split(str(tmp_path))
     assert stats.zero_bytes == 5 * SUM_CHUNK
     assert files[0].ranges == (BulkRange(run[0], 2 * SUM_CHUNK, 0),
                                BulkRange(run[0] + 2 * SUM_CHUNK, 4 * SUM_CHUNK, 2 * SUM_CHUNK),
@@ -363,16 +380,110 @@ def test_zero_runs_stand_apart_only_while_there_is_room_for_more_ranges() -> Non
     assert sum(x.length for x in both) == r.length
 
 
-def test_shared_anonymous_memory_is_counted_as_left_with_criu(tmp_path: Path) -> None:
-    """An engine's pinned host buffer is MAP_SHARED anonymous memory: CRIU dumps it as shared
-    memory (its own pagemap), which the split does not move; the stats say how much."""
+SHARED = img.VMA_AREA_REGULAR | img.VMA_ANON_SHARED
+
+
+def _with_segment(images: Path, shmid: int, vmas: list[Any], data: bytes, pages: list[tuple[int, int]]) -> None:
+    """Add to process 1's images shared segment ``shmid``: mapped by ``vmas``, its pages at
+    ``pages`` (segment offset, number of pages) holding ``data`` in order, and a hole."""
+    mm = img.read_mm(str(images), 1)
+    mm.entry.vmas.extend(vmas)
+    img.write_mm(mm)
+    _image(images / f"pagemap-shmem-{shmid}.img", pagemap_pb2.pagemap_head(pages_id=2),
+           *(pagemap_pb2.pagemap_entry(vaddr=off, compat_nr_pages=n, nr_pages=n, flags=img.PE_PRESENT)
+             for off, n in pages),
+           pagemap_pb2.pagemap_entry(vaddr=4096 * P, compat_nr_pages=10, nr_pages=10, flags=0))  # a hole
+    (images / "pages-2.img").write_bytes(data)
+
+
+def test_a_shared_anonymous_segment_moves_to_its_own_bulk_file(tmp_path: Path) -> None:
+    """An engine's pinned host buffer is MAP_SHARED anonymous memory, which CRIU dumps as a
+    segment of its own (offsets in the segment, not addresses) and restores on one thread: its
+    pages move to ``bulk/shmem-<shmid>.bulk``, at the addresses of the writable mapping that holds
+    them; what that mapping does not hold stays with CRIU, and the stock path's pagemap is kept."""
     images = _one_run(tmp_path, (0x10000000, 0x10000000 + 4 * SUM_CHUNK), os.urandom(4 * SUM_CHUNK))
-    _image(images / "pagemap-shmem-77.img", pagemap_pb2.pagemap_head(pages_id=2),
-           pagemap_pb2.pagemap_entry(vaddr=0, compat_nr_pages=300, nr_pages=300, flags=img.PE_PRESENT),
-           pagemap_pb2.pagemap_entry(vaddr=512 * P, compat_nr_pages=10, nr_pages=10, flags=0))  # a hole
-    _files, stats = bulk.split(str(tmp_path))
-    assert stats.shared_bytes == 300 * P and stats.moved_bytes == 4 * SUM_CHUNK
-    assert stats.as_record()["shared_bytes"] == 300 * P
+    seg = vma(0x40000000 + 10 * P, 0x40000000 + 410 * P, status=SHARED)
+    seg.shmid, seg.pgoff, seg.flags = 77, 10 * P, 0x01
+    data = os.urandom(305 * P)
+    _with_segment(images, 77, [seg], data, [(20 * P, 300), (500 * P, 5)])  # the 5 pages lie past the mapping
+    moved = bulk.split(str(tmp_path))
+    assert moved.stats.shared_bytes == 305 * P and moved.stats.shared_moved_bytes == 300 * P
+    assert moved.stats.moved_bytes == 4 * SUM_CHUNK + 300 * P
+    assert moved.shared == (SharedBulkFile(77, 1, shared_file(77), 2, (BulkRange(0x40000000 + 20 * P, 300 * P, 0),)),)
+    assert moved.stats.as_record()["shared_moved_bytes"] == 300 * P
+    kept = img.read_pagemap_at(str(images / "pagemap-shmem-77.img"))
+    assert [(e.vaddr, img.nr_pages(e)) for e in kept.entries if img.has_data(e)] == [(500 * P, 5)]
+    assert (images / "pages-2.img").read_bytes() == data[300 * P:]
+    assert (tmp_path / shared_file(77)).read_bytes()[:300 * P] == data[:300 * P]
+    assert (tmp_path / sums_of(shared_file(77))).stat().st_size == -(-305 * P // SUM_CHUNK) * 32
+    assert len(img.read_pagemap_at(str(tmp_path / shared_pagemap(77))).entries) == 3  # as dumped
+    # in the plan, and back
+    p = RestorePlan(stdio=(), shell_job=False, mounts=(), shm=False, bulk=moved.files, shared=moved.shared)
+    assert RestorePlan.from_json(p.to_json()) == p
+
+
+def _field(number: int, value: int | bytes) -> bytes:
+    """One protobuf field on the wire (varint or length-delimited): for the images this test
+    has no message classes for (files.img's memfd entries, memfd.img)."""
+    def varint(n: int) -> bytes:
+        out = bytearray()
+        while True:
+            out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
+            n >>= 7
+            if not n:
+                return bytes(out)
+    if isinstance(value, int):
+        return varint(number << 3) + varint(value)
+    return varint(number << 3 | 2) + varint(len(value)) + value
+
+
+def test_a_segment_crius_dump_maps_through_a_memfd_moves_too(tmp_path: Path) -> None:
+    """CRIU 4.x dumps a MAP_SHARED anonymous mapping as a memfd's: the VMA names a file of
+    files.img (its shmid is the file's id), whose memfd inode in memfd.img names the segment."""
+    images = _one_run(tmp_path, (0x10000000, 0x10000000 + SUM_CHUNK), os.urandom(SUM_CHUNK))
+    seg = vma(0x40000000, 0x40000000 + 400 * P, status=img.VMA_AREA_REGULAR | img.VMA_FILE_SHARED | img.VMA_AREA_MEMFD)
+    seg.shmid, seg.flags = 2, 0x01  # file id 2
+    img.write_raw(str(images / "files.img"), img.RawImage(b"\0" * 8, [
+        _field(1, 1) + _field(2, 1),  # a regular file
+        _field(1, img.FD_TYPE_MEMFD) + _field(2, 2) + _field(20, _field(1, 2) + _field(5, 1))]))
+    img.write_raw(str(images / "memfd.img"), img.RawImage(b"\0" * 8, [
+        _field(1, b"/dev/zero") + _field(4, 400 * P) + _field(5, 8204) + _field(7, 1)]))
+    assert img.memfd_segments(str(images)) == {2: 8204}
+    data = os.urandom(300 * P)
+    _with_segment(images, 8204, [seg], data, [(0, 300)])
+    moved = bulk.split(str(tmp_path))
+    assert moved.shared == (SharedBulkFile(8204, 1, shared_file(8204), 2, (BulkRange(0x40000000, 300 * P, 0),)),)
+    assert (tmp_path / shared_file(8204)).read_bytes()[:300 * P] == data
+
+
+def test_a_segment_mapped_read_only_everywhere_stays_with_criu(tmp_path: Path) -> None:
+    images = _one_run(tmp_path, (0x10000000, 0x10000000 + SUM_CHUNK), os.urandom(SUM_CHUNK))
+    seg = vma(0x40000000, 0x40000000 + 400 * P, status=SHARED, prot=0x1)
+    seg.shmid, seg.flags = 78, 0x01
+    huge = vma(0x50000000, 0x50000000 + 400 * P, status=SHARED)
+    huge.shmid, huge.flags = 78, 0x01 | img.MAP_HUGETLB
+    _with_segment(images, 78, [seg, huge], os.urandom(300 * P), [(0, 300)])
+    moved = bulk.split(str(tmp_path))
+    assert moved.shared == () and moved.stats.shared_bytes == 300 * P and moved.stats.shared_moved_bytes == 0
+    assert not (tmp_path / shared_file(78)).exists()
+
+
+def test_a_plan_without_shared_segments_reads_as_before() -> None:
+    """Listed only when there are some: a plan of before them parses, and one without them is
+    what a plugin of before them reads."""
+    p = plan((BulkRange(0x10000, P, 0),))
+    assert "shared" not in json.loads(p.to_json())
+    assert RestorePlan.from_json(p.to_json()).shared == ()
+    obj = json.loads(p.to_json())
+    obj["shared"] = [{"shmid": 5, "pid": 6, "path": shared_file(5), "pages_id": 2,
+                      "ranges": [{"vaddr": 0x20000, "length": P, "offset": 0}]},
+                     {"shmid": 5, "pid": 6, "path": shared_file(5), "pages_id": 3,
+                      "ranges": [{"vaddr": 0x30000, "length": P, "offset": 0}]}]
+    with pytest.raises(ValueError, match="two bulk files for one shared segment"):
+        RestorePlan.from_json(json.dumps(obj).encode())
+    obj["shared"][1]["path"] = "bulk/../pages-6.bulk"
+    with pytest.raises(ValueError, match="must be bulk/shmem-5.bulk"):
+        RestorePlan.from_json(json.dumps(obj).encode())
 
 
 def test_the_huge_page_fallback_looks_at_the_whole_run_not_its_zero_pieces(tmp_path: Path,
@@ -384,7 +495,7 @@ def test_the_huge_page_fallback_looks_at_the_whole_run_not_its_zero_pieces(tmp_p
     data = bytearray(os.urandom(8 * SUM_CHUNK))
     data[2 * SUM_CHUNK:6 * SUM_CHUNK] = bytes(4 * SUM_CHUNK)
     images = _one_run(tmp_path, (0x40000000, 0x40000000 + 8 * SUM_CHUNK), data)
-    files, _stats = bulk.split(str(tmp_path), huge={1: []})
+    files, _stats = _split(str(tmp_path), huge={1: []})
     assert len(files[0].ranges) == 3  # the pool apart: no piece reaches the fallback's minimum
     (v,) = img.read_mm(str(images), 1).entry.vmas
     assert v.madv & (1 << img.MADV_HUGEPAGE)
