@@ -17,15 +17,21 @@ from runtime.pages import uffd
 
 REPO = str(Path(__file__).resolve().parents[2])
 
-# The child: map the region (registered with a uffd it hands over, or plain), then on "read"
-# touch one byte a page in address order and answer the seconds it took.
+# The child: map the region (registered with a uffd it hands over, or plain; or shared, as CRIU
+# restores a shared anonymous segment: a memfd), then on "read" touch one byte a page in address
+# order and answer the seconds it took.
 CHILD = textwrap.dedent("""
     import ctypes, mmap, os, socket, sys, time
     sys.path.insert(0, sys.argv[1])
     from runtime.pages import uffd
     sk = socket.socket(fileno=int(sys.argv[2]))
-    length, register = int(sys.argv[3]), sys.argv[4] == "1"
-    m = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    length, register, shared = int(sys.argv[3]), sys.argv[4] == "1", sys.argv[5] == "1"
+    if shared:
+        seg = os.memfd_create("")
+        os.ftruncate(seg, length)
+        m = mmap.mmap(seg, length, flags=mmap.MAP_SHARED)
+    else:
+        m = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
     fds = []
     if register:
@@ -46,12 +52,13 @@ CHILD = textwrap.dedent("""
 
 class Child:
     """A child process holding a fresh private anonymous region of ``length`` bytes (registered
-    with a userfaultfd it hands over when ``register``): the target a fill or a serve writes into."""
+    with a userfaultfd it hands over when ``register``; a memfd's shared mapping when ``shared``):
+    the target a fill or a serve writes into."""
 
-    def __init__(self, length: int, register: bool) -> None:
+    def __init__(self, length: int, register: bool, shared: bool = False) -> None:
         ours, theirs = socket.socketpair()
         self.proc = subprocess.Popen([sys.executable, "-c", CHILD, REPO, str(theirs.fileno()), str(length),
-                                      "1" if register else "0"], pass_fds=(theirs.fileno(),))
+                                      "1" if register else "0", "1" if shared else "0"], pass_fds=(theirs.fileno(),))
         theirs.close()
         msg, fds, _, _ = socket.recv_fds(ours, 8, 1)
         self.addr, self.fd = int.from_bytes(msg, "little"), (fds[0] if fds else -1)

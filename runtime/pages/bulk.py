@@ -140,6 +140,10 @@ MAX_RANGES = layout.MAX_BULK_RANGES  # per artifact: the restore plan lists each
 # anonymous memory, which reads as the zero page, where a mapped cache file would allocate a
 # zeroed page for each one read (tmpfs has no zero page for a mapping).
 ZERO_APART = 64 << 20
+# A shared segment with fewer bytes than this stays with CRIU: its fill's fixed costs (the targets'
+# checks, a thread pool: 0.04 s for the LLM worker's seven CUDA segments of 2-8 MiB, 21 MB in all,
+# on the H100) exceed CRIU's one thread (~1.6 GB/s: 0.013 s for those).
+SHARED_MIN = 16 << 20
 
 
 _NOTHING = img.Written((), ())
@@ -590,7 +594,8 @@ def _writer(shmid: int, pagemap: img.Pagemap, procs: Sequence[img.PstreeEntry],
 
 
 def split(artifact_dir: str, huge: Mapping[int, Sequence[tuple[int, int]]] | None = None,
-          min_run: int = MIN_RUN, hashed: MutableMapping[str, Hashed] | None = None) -> Split:
+          min_run: int = MIN_RUN, hashed: MutableMapping[str, Hashed] | None = None,
+          min_shared: int = SHARED_MIN) -> Split:
     """Move the bulk page runs of the dump in ``artifact_dir/criu`` to ``artifact_dir/bulk``:
     each process's private runs to its bulk file, each shared anonymous segment's to its own.
 
@@ -599,7 +604,8 @@ def split(artifact_dir: str, huge: Mapping[int, Sequence[tuple[int, int]]] | Non
     none was seen, the process's largest bulk run, if at least 1 GiB). ``hashed``: what
     :mod:`runtime.pages.tailhash` hashed of the pages images, by path, while CRIU wrote them
     (used for the very file only); a pages image's entry is replaced by its bulk file's, made
-    after the punch (for the publish)."""
+    after the punch (for the publish). A segment moves when its writable mapping holds at least
+    ``min_shared`` bytes of it."""
     t0 = time.monotonic()
     hashed = {} if hashed is None else hashed
     images = os.path.join(artifact_dir, CRIU_DIR)
@@ -642,7 +648,7 @@ def split(artifact_dir: str, huge: Mapping[int, Sequence[tuple[int, int]]] | Non
             continue
         pid, vma = writer
         ranges, moved = _shared_runs(pagemap, vma, min_run, cap)
-        if not ranges:
+        if sum(r.length for r in ranges) < max(min_shared, 1):
             continue
         out = _move_out(artifact_dir, pagemap, layout.shared_file(shmid), layout.shared_pagemap(shmid),
                         moved, hashed)

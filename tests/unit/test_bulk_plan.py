@@ -7,6 +7,7 @@ import ctypes
 import errno
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -406,7 +407,10 @@ def test_a_shared_anonymous_segment_moves_to_its_own_bulk_file(tmp_path: Path) -
     seg.shmid, seg.pgoff, seg.flags = 77, 10 * P, 0x01
     data = os.urandom(305 * P)
     _with_segment(images, 77, [seg], data, [(20 * P, 300), (500 * P, 5)])  # the 5 pages lie past the mapping
-    moved = bulk.split(str(tmp_path))
+    small = tmp_path.parent / (tmp_path.name + "-small")
+    shutil.copytree(tmp_path, small)
+    assert bulk.split(str(small), min_shared=300 * P + 1).shared == ()  # too small: CRIU's
+    moved = bulk.split(str(tmp_path), min_shared=300 * P)
     assert moved.stats.shared_bytes == 305 * P and moved.stats.shared_moved_bytes == 300 * P
     assert moved.stats.moved_bytes == 4 * SUM_CHUNK + 300 * P
     assert moved.shared == (SharedBulkFile(77, 1, shared_file(77), 2, (BulkRange(0x40000000 + 20 * P, 300 * P, 0),)),)
@@ -451,7 +455,7 @@ def test_a_segment_crius_dump_maps_through_a_memfd_moves_too(tmp_path: Path) -> 
     assert img.memfd_segments(str(images)) == {2: 8204}
     data = os.urandom(300 * P)
     _with_segment(images, 8204, [seg], data, [(0, 300)])
-    moved = bulk.split(str(tmp_path))
+    moved = bulk.split(str(tmp_path), min_shared=0)
     assert moved.shared == (SharedBulkFile(8204, 1, shared_file(8204), 2, (BulkRange(0x40000000, 300 * P, 0),)),)
     assert (tmp_path / shared_file(8204)).read_bytes()[:300 * P] == data
 
@@ -463,7 +467,7 @@ def test_a_segment_mapped_read_only_everywhere_stays_with_criu(tmp_path: Path) -
     huge = vma(0x50000000, 0x50000000 + 400 * P, status=SHARED)
     huge.shmid, huge.flags = 78, 0x01 | img.MAP_HUGETLB
     _with_segment(images, 78, [seg, huge], os.urandom(300 * P), [(0, 300)])
-    moved = bulk.split(str(tmp_path))
+    moved = bulk.split(str(tmp_path), min_shared=0)
     assert moved.shared == () and moved.stats.shared_bytes == 300 * P and moved.stats.shared_moved_bytes == 0
     assert not (tmp_path / shared_file(78)).exists()
 
