@@ -728,17 +728,20 @@ def assert_untouched(pid: int, ranges: Iterable[BulkRange]) -> None:
             os.close(mem)
 
 
+def _maps(pid: int) -> list[list[str]]:
+    """The fields of each line of the restored process's ``/proc/<pid>/maps`` (at most six)."""
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return [line.split(maxsplit=5) for line in f.read().splitlines()]
+    except OSError as exc:
+        raise FillError(f"restored process {pid}: cannot read its maps: {exc}") from exc
+
+
 def _writable_spans(pid: int) -> list[tuple[int, int]]:
     """Spans of the restored process's plain private anonymous writable mappings, as the kernel
     lists them (adjacent ones merged): no file behind them, not its stack, no special mapping."""
     spans: list[tuple[int, int]] = []
-    try:
-        with open(f"/proc/{pid}/maps") as f:
-            lines = f.read().splitlines()
-    except OSError as exc:
-        raise FillError(f"restored process {pid}: cannot read its maps: {exc}") from exc
-    for line in lines:
-        fields = line.split(maxsplit=5)
+    for fields in _maps(pid):
         if len(fields) < 5:
             continue
         addrs, perms, _off, dev, inode = fields[:5]
@@ -775,13 +778,7 @@ def _shared_spans(pid: int) -> list[tuple[int, int, int]]:
     ones of one object merged."""
     spans: list[tuple[int, int, int]] = []
     dev = _shmem_dev()
-    try:
-        with open(f"/proc/{pid}/maps") as f:
-            lines = f.read().splitlines()
-    except OSError as exc:
-        raise FillError(f"restored process {pid}: cannot read its maps: {exc}") from exc
-    for line in lines:
-        fields = line.split(maxsplit=5)
+    for fields in _maps(pid):
         if len(fields) < 5 or fields[1][1] != "w" or fields[1][3] != "s":
             continue
         major, minor = (int(x, 16) for x in fields[3].split(":"))
