@@ -8,7 +8,11 @@ after its checkpoint and the restored pod's equal the source's first ones; the w
 is still page-locked after the restore (``is_pinned`` and the wake-up's copy rate, against the
 source's own wake-up in the same run).
 
-``REKINDLE_ENGINE_FRACTIONS`` (default ``0.4``) lists the fractions run, one case each;
+``REKINDLE_ENGINE_FRACTIONS`` (default ``0.4``) lists the fractions run and
+``REKINDLE_ENGINE_HOSTS`` (default ``pinned``; ``pageable``) where the sleep keeps the weights,
+one case each (``engine-release-[pageable-]<fraction>.json``); ``REKINDLE_ENGINE_STABLE`` (default
+1) is the worker's ``STABLE_ADDRESSES`` (0: the weights' addresses change at a wake-up, and the
+first decode records its graphs again);
 ``REKINDLE_ENGINE_RESTORES`` (default 1) restores its artifact that many times, one pod after
 another (the later ones on host memory the first touched: ``restores_again``).
 
@@ -52,6 +56,9 @@ FRACTIONS = [f for f in os.environ.get("REKINDLE_ENGINE_FRACTIONS", "0.4").split
 TRANSPARENT = [f for f in os.environ.get("REKINDLE_ENGINE_TRANSPARENT", "").split(",") if f]
 # Restores of the release-path artifact, one after another (the next on memory the last touched)
 RESTORES = int(os.environ.get("REKINDLE_ENGINE_RESTORES", "1"))
+# Where the release path's sleep keeps the weights (engine_worker's WEIGHTS_HOST), one case each
+HOSTS = [h for h in os.environ.get("REKINDLE_ENGINE_HOSTS", "pinned").split(",") if h]
+STABLE = os.environ.get("REKINDLE_ENGINE_STABLE", "1")  # engine_worker's STABLE_ADDRESSES
 AFTER = {"rekindle.dev/after-restore": f"http://127.0.0.1:{PORT}/wake_up"}
 ANNOTATIONS = {"rekindle.dev/before-checkpoint": f"http://127.0.0.1:{PORT}/sleep?level=1",
                "rekindle.dev/after-restore": f"http://127.0.0.1:{PORT}/wake_up"}
@@ -74,23 +81,25 @@ def _get(ip: str, path: str, method: str = "GET", timeout: float = 120) -> dict[
         return doc
 
 
-def _start(cri: Any, pod: Any, model: Path, fraction: str) -> str:
+def _start(cri: Any, pod: Any, model: Path, fraction: str, host: str = "pinned") -> str:
     mounts = [Mount("/workload", str(REPO / "bench" / "workloads"), readonly=True),
               Mount("/model", str(model), readonly=True)]
     mounts += [Mount(d, d, readonly=True) for d in ("/usr/include", "/usr/libexec") if os.path.isdir(d)]
-    env = {"MODEL_DIR": "/model", "GPU_FRACTION": fraction, "PORT": str(PORT)}
+    env = {"MODEL_DIR": "/model", "GPU_FRACTION": fraction, "PORT": str(PORT), "WEIGHTS_HOST": host,
+           "STABLE_ADDRESSES": STABLE}
     return gpu_pods.run_gpu_container(cri, pod, 0, [sys.executable, "/workload/engine_worker.py"], mounts,
                                       CONTAINER, env)
 
 
 def _checkpointed(cri: Any, plugin: Any, pods: list[Any], model: Path, fraction: str, name: str,
-                  annotations: dict[str, str], rec: dict[str, Any], timeout: float) -> tuple[Any, Path, Any]:
+                  annotations: dict[str, str], rec: dict[str, Any], timeout: float,
+                  host: str = "pinned") -> tuple[Any, Path, Any]:
     """A source pod started, warm, and published (its pod, control dir and reference tokens);
     its cold start and checkpoint written into ``rec``."""
     a = cri.run_pod_sandbox(f"{name}-src", annotations=annotations)
     pods.append(a)
     t0 = time.monotonic()
-    a_cid = _start(cri, a, model, fraction)
+    a_cid = _start(cri, a, model, fraction, host)
     a_dir = plugin.control_dir(a.uid, CONTAINER)
     try:
         rec["cold_start_s"] = round(gpu_pods.wait_file(a_dir / "worker-startup.json", 600,
@@ -100,6 +109,8 @@ def _checkpointed(cri: Any, plugin: Any, pods: list[Any], model: Path, fraction:
         raise
     startup = json.loads((a_dir / "worker-startup.json").read_text())
     rec["source_memory"] = startup.get("memory")
+    rec["source_startup"] = {k: startup.get(k) for k in ("phases_s", "decode_s", "stable_addresses",
+                                                          "arena_bytes", "arena_error", "weights_host")}
     rec["gpu_memory_mib_source"] = gpu_pods.gpu_memory()
     st = gpu_pods.wait_status(plugin, a, CONTAINER, {"published", "checkpoint-failed"}, timeout)
     rec["checkpoint_status_s"] = round(time.monotonic() - t0, 3)
@@ -109,13 +120,14 @@ def _checkpointed(cri: Any, plugin: Any, pods: list[Any], model: Path, fraction:
 
 
 def _restored(cri: Any, plugin: Any, pods: list[Any], model: Path, fraction: str, pod_name: str, name: str,
-              ref: Any, rec: dict[str, Any]) -> Any:
-    """A pod restored from ``name``, checked awake with its weights pinned and the source's
-    tokens; its phases and wake-up written into ``rec``."""
+              ref: Any, rec: dict[str, Any], host: str = "pinned") -> Any:
+    """A pod restored from ``name``, checked awake with its weights where the source kept them
+    (pinned memory still page-locked) and the source's tokens; its phases and wake-up written
+    into ``rec``."""
     b = cri.run_pod_sandbox(pod_name, annotations={"rekindle.dev/restore": name, **AFTER})
     pods.append(b)
     t1 = time.monotonic()
-    b_cid = _start(cri, b, model, fraction)
+    b_cid = _start(cri, b, model, fraction, host)
     st = gpu_pods.wait_status(plugin, b, CONTAINER, {"restored", "cold-start"}, 600)
     rec["restore_status_s"] = round(time.monotonic() - t1, 3)
     rec["restore"] = {"phase": st["phase"], "reason": st.get("reason"), "timings": st.get("timings")}
@@ -135,17 +147,19 @@ def _restored(cri: Any, plugin: Any, pods: list[Any], model: Path, fraction: str
     # the artifact was taken asleep, before any wake-up: the one wake the restored process
     # records is the plugin's after-restore call, made in it
     assert len(rec["restored_wakes"] or []) == 1, rec["restored_wakes"]
-    assert rec["restored_wakes"][0].get("host_pinned") is True, rec["restored_wakes"]
+    assert rec["restored_wakes"][0].get("host_pinned") is (host == "pinned"), rec["restored_wakes"]
     return b
 
 
+@pytest.mark.parametrize("host", HOSTS)
 @pytest.mark.parametrize("fraction", FRACTIONS)
-def test_engine_release_path_restores_awake_with_its_weights_pinned(cri, plugin, pods, model, fraction: str) -> None:
-    name = f"engine-{fraction.replace('.', '')}"
-    rec: dict[str, Any] = {"case": "release", "gpu_fraction": float(fraction)}
+def test_engine_release_path_restores_awake(cri, plugin, pods, model, fraction: str, host: str) -> None:
+    name = f"engine-{'' if host == 'pinned' else host + '-'}{fraction.replace('.', '')}"
+    rec: dict[str, Any] = {"case": "release", "gpu_fraction": float(fraction), "weights_host": host,
+                           "stable_addresses": STABLE != "0"}
     try:
         a, a_dir, ref = _checkpointed(cri, plugin, pods, model, fraction, name,
-                                      {"rekindle.dev/checkpoint": name, **ANNOTATIONS}, rec, 600)
+                                      {"rekindle.dev/checkpoint": name, **ANNOTATIONS}, rec, 600, host)
         artifact = plugin.store / "default" / name
         rec["artifact_bytes"] = sum(f.stat().st_size for f in artifact.rglob("*") if f.is_file())
         rec["checkpoint_pages"] = json.loads((a_dir / "timings.json").read_text()).get("pages")
@@ -166,14 +180,16 @@ def test_engine_release_path_restores_awake_with_its_weights_pinned(cri, plugin,
             again: dict[str, Any] = {}
             if i:  # the first restore's figures stay at the top level, as before
                 rec.setdefault("restores_again", []).append(again)
-            b = _restored(cri, plugin, pods, model, fraction, f"{name}-dst{i or ''}", name, ref, again if i else rec)
+            b = _restored(cri, plugin, pods, model, fraction, f"{name}-dst{i or ''}", name, ref,
+                          again if i else rec, host)
             if i + 1 < RESTORES:  # its GPU memory back before the next (on memory touched now)
                 cri.stop_pod(b.id)
                 cri.remove_pod(b.id)
                 pods.remove(b)
     finally:
         OUT.mkdir(parents=True, exist_ok=True)
-        (OUT / f"engine-release-{fraction}.json").write_text(json.dumps(rec, indent=1) + "\n")
+        tag = "" if host == "pinned" else f"{host}-"
+        (OUT / f"engine-release-{tag}{fraction}.json").write_text(json.dumps(rec, indent=1) + "\n")
         print(json.dumps(rec, indent=1))
     from runtime.store.volume import ArtifactStore  # noqa: PLC0415
     ArtifactStore(str(plugin.store)).delete("default", name)  # the store is in memory

@@ -114,3 +114,74 @@ def test_sleep_and_wake_up_with_vllms_meaning(served):
     ew.wake_up("127.0.0.1", port, timeout=5)
     assert ew.call("127.0.0.1", "/generate", port=port, timeout=5)["tokens"] == [1, 2, 3]
     assert engine.threads == {"gpu-main"}  # GPU work only on the one thread that runs the jobs
+
+
+class _Bytes:
+    """The little of a uint8 tensor staged_copy uses, over a bytearray."""
+
+    def __init__(self, buf: bytearray, at: int = 0, n: int | None = None, pinned: bool = False) -> None:
+        self.buf, self.at, self.n, self.pinned = buf, at, len(buf) - at if n is None else n, pinned
+
+    def numel(self) -> int:
+        return self.n
+
+    def __getitem__(self, s: slice) -> _Bytes:
+        start, stop, _ = s.indices(self.n)
+        return _Bytes(self.buf, self.at + start, stop - start, self.pinned)
+
+    def copy_(self, src: _Bytes, non_blocking: bool = False) -> None:
+        assert src.n == self.n
+        self.buf[self.at:self.at + self.n] = src.buf[src.at:src.at + src.n]
+
+    def bytes(self) -> bytes:
+        return bytes(self.buf[self.at:self.at + self.n])
+
+
+class _FakeTorch:
+    uint8 = "uint8"
+
+    def __init__(self) -> None:
+        self.staging: list[_Bytes] = []
+        outer = self
+
+        class Event:
+            def record(self) -> None:
+                pass
+
+            def synchronize(self) -> None:
+                pass
+
+        class Cuda:
+            def __init__(self) -> None:
+                self.Event = Event
+
+            def synchronize(self) -> None:
+                outer.synced = True
+
+        self.cuda = Cuda()
+        self.emptied = 0
+
+        class C:
+            @staticmethod
+            def _host_emptyCache() -> None:  # noqa: N802 - torch's name
+                outer.emptied += 1
+
+        self._C = C
+
+    def empty(self, n: int, dtype: str, pin_memory: bool = False) -> _Bytes:
+        t = _Bytes(bytearray(n), pinned=pin_memory)
+        self.staging.append(t)
+        return t
+
+
+def test_staged_copy_moves_every_byte_through_two_pinned_buffers():
+    torch = _FakeTorch()
+    src = _Bytes(bytearray(i % 251 for i in range(1000)))
+    dst = _Bytes(bytearray(1000))
+    ew.staged_copy(torch, dst, src, stage=96)  # ten whole pieces and a last short one
+    assert dst.bytes() == src.bytes()
+    assert len(torch.staging) == 2 and all(b.pinned and b.n == 96 for b in torch.staging)
+    assert torch.synced and torch.emptied == 1  # the staging buffers not kept in torch's pinned cache
+    small = _Bytes(bytearray(10))
+    ew.staged_copy(torch, small, _Bytes(bytearray(b"0123456789")), stage=96)
+    assert small.bytes() == b"0123456789" and torch.staging[-1].n == 10  # no buffer larger than the copy
