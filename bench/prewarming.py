@@ -55,7 +55,8 @@ Each restore is timed from its container's create to the plugin's ``restored`` a
 answer, which must be its source's. One run of each (``--pairs`` repeats step 2): a few percent
 is within the noise of one restore. Writes ``--json`` (default OUT_DIR/prewarm.json) after every
 step; prints tables and ratios, asserts no timing. ``--deadline-s`` skips a step that would not
-end in time (1.5x the longest so far). Exit 1 when a pod's answer differed or a step failed.
+end in time (1.5x the longest so far); the page-cache warm-up runs last, the targets' steps
+first. Exit 1 when a pod's answer differed or a step failed.
 """
 
 from __future__ import annotations
@@ -638,7 +639,7 @@ class Prewarm(RestoreRig):
         normal mapped path: an entry made by an earlier restore."""
         assert self.name is not None
         label, m = f"{NAMESPACE}/{self.marked}", self.doc["mapped"]
-        if entry_of(self.plugin, label) is None:  # the page-cache step's entry: skipped, failed or evicted
+        if entry_of(self.plugin, label) is None:  # the last pair's entry: no pair ran, or it failed
             self.rewarm(disk=False)
         for step in ("prewarmed-first", "prewarmed-second"):
             self.read_in(self.marked)
@@ -675,13 +676,14 @@ class Prewarm(RestoreRig):
         self.doc["cache_bytes"] = self.cache_bytes = int(CACHE_ENTRIES * size["artifact"])
 
     def measure(self) -> None:
+        """The steps, the targets' first: a deadline skips the page-cache warm-up first."""
         self.sources()
         self.step("fresh", self.fresh)
         self.step("disk", lambda: self.rewarm(disk=True))
         for i in range(self.args.pairs):
             self.step(f"pair-{i}", functools.partial(self.pair, i))
-        self.step("page-cache", lambda: self.rewarm(disk=False))
         self.step("mapped", self.mapped)
+        self.step("page-cache", lambda: self.rewarm(disk=False))
 
     def run(self) -> int:
         args, doc = self.args, self.doc
