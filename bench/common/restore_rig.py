@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -49,18 +50,23 @@ class RestoreRig:
         if pod in self.pods:
             self.pods.remove(pod)
 
-    def source(self, cri: Any, plugin: Any, wl: Workload) -> dict[str, Any]:
+    def source(self, cri: Any, plugin: Any, wl: Workload, name: str = "",
+               annotations: Mapping[str, str] | None = None) -> dict[str, Any]:
+        """The source pod cold-started (timed), checkpointed by annotation as ``name`` (default:
+        the case's name; ``annotations`` added) and stopped."""
         rec: dict[str, Any] = {}
         rec["drop_caches_s"] = drop_caches()
-        a = cri.run_pod_sandbox(f"speed-src-{self.args.case}", annotations={"rekindle.dev/checkpoint": self.args.case})
+        name = name or self.args.case
+        a = cri.run_pod_sandbox(f"speed-src-{name}", annotations={"rekindle.dev/checkpoint": name, **(annotations or {})})
         self.pods.append(a)
         cid = wl.start(cri, a)
         ctl = plugin.control_dir(a.uid, CONTAINER)
+        log_name = "worker-source.log" if name == self.args.case else f"worker-source-{name}.log"
         try:
             rec["cold_start_s"] = round(gpu_pods.wait_file(ctl / wl.ready_file(), self.args.cold_timeout,
                                                            gpu_pods.running(cri, cid)), 3)
         finally:
-            (self.args.out_dir / "worker-source.log").write_text(gpu_pods.container_logs(cri, cid)[-100_000:])
+            (self.args.out_dir / log_name).write_text(gpu_pods.container_logs(cri, cid)[-100_000:])
         rec["cold"] = wl.cold_record(ctl, cri, a)
         st = gpu_pods.wait_status(plugin, a, CONTAINER, {"published", "checkpoint-failed"}, 600)
         rec["checkpoint_phase"], rec["checkpoint"] = st["phase"], st["timings"]
