@@ -70,7 +70,6 @@ import os
 import re
 import secrets
 import shutil
-import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -78,7 +77,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.common import model, results
+from bench.common import bench_main, model, results
 from bench.common.disk import drop_caches, pick_image_root
 from bench.common.plugin import cache_dir, cache_entries, restart_plugin
 from bench.common.restore_rig import RestoreRig
@@ -754,14 +753,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.pairs < 0 or args.interval < 1:
         ap.error("--pairs must be 0 or more, --interval at least 1")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    args.json = args.json or args.out_dir / "prewarm.json"
-    if os.geteuid() != 0:
-        print("prewarming: run as root (containerd, CRIU)", file=sys.stderr)
+    if not bench_main.prepare(args, "prewarming", "prewarm.json"):
         return 2
-    # a timeout's SIGTERM: the pods, the plugin and the sandbox it started are still cleaned up
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     return Prewarm(args).run()
 
 

@@ -45,7 +45,6 @@ import contextlib
 import logging
 import os
 import shutil
-import signal
 import statistics
 import sys
 import threading
@@ -55,7 +54,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.common import model, results
+from bench.common import bench_main, model, results
 from bench.common.disk import pick_image_root
 from bench.common.plugin import cache_dir, cache_entries, read_timings, restart_plugin
 from bench.common.restore_rig import RestoreRig
@@ -513,15 +512,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.pods < 1:
         ap.error("--pods must be at least 1")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    args.json = args.json or args.out_dir / "scale-out.json"
-    if os.geteuid() != 0:
-        print("scale_out: run as root (containerd, CRIU)", file=sys.stderr)
+    if not bench_main.prepare(args, "scale_out", "scale-out.json"):
         return 2
-    # hack/gpu-speed.sh's timeout ends it with SIGTERM: the pods, the plugin and the sandbox
-    # it started are still cleaned up
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     return ScaleOut(args).run()
 
 
