@@ -45,6 +45,7 @@ from runtime.store import gc as store_gc
 from . import guards
 from .cache import CacheWriter, cache_bytes, cache_dir, map_mode, open_cache
 from .config import CheckpointThp, Settings
+from .disk_gate import DiskGate
 from .handlers import ImageRef, RekindlePlugin
 from .health import HEARTBEAT, Health
 from .imageids import ImageIds
@@ -54,7 +55,7 @@ from .outcomes import COLD_START, Reporter
 from .policy import AfterCheckpoint, ReadyProbe
 from .polling import ask_until
 from .prefetch import Prefetcher
-from .prewarm import DiskGate, start_prewarm
+from .prewarm import start_prewarm
 from .probes import ProbeSlots
 from .stub import Identity, Stub
 from .swap import SpecAccess
@@ -421,7 +422,8 @@ def run_plugin(settings: Settings, max_parallel: int = 2) -> int:
         engine.cache_writer = CacheWriter(cache, store, key) if cache.enabled else None
         mode = map_mode(settings)
         engine.prefetcher = (Prefetcher(store, key, staging_dir=os.path.join(settings.state_dir, "logs"),
-                                        cached=lambda manifest_id: cache.has(manifest_id, mode))
+                                        cached=lambda manifest_id: cache.has(manifest_id, mode),
+                                        reading=engine.disk.restore)
                              if settings.restore.prefetch else None)
         prewarmer = start_prewarm(settings, store, key, engine, metrics)
         plugin = RekindlePlugin(settings, store=store, key=key, status=status, jobs=jobs,

@@ -9,16 +9,20 @@ if it is of the very version it opened (name and manifest bytes), and so skips t
 ``cancel(pod_uid)`` (StopPodSandbox/RemovePodSandbox) stops a prefetch early and removes what
 was staged and not taken. Copies waiting to be taken are bounded per node and per namespace
 (count and bytes): past either, a pod's restore stages for itself. Errors are logged and forgotten: a prefetch is an optimisation.
+A prefetch is a restore's reads done early: while it reads it holds ``reading`` (the node's
+:class:`~nri_plugin.disk_gate.DiskGate`), so a pre-warm waits for it as for a restore.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import tempfile
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 from runtime import layout, names
@@ -82,8 +86,10 @@ class Prefetcher:
                  max_staged_bytes: int = MAX_STAGED_BYTES,
                  max_staged_per_namespace: int = MAX_STAGED_PER_NAMESPACE,
                  max_staged_bytes_per_namespace: int = MAX_STAGED_BYTES_PER_NAMESPACE,
-                 cached: Callable[[str], bool] | None = None) -> None:
+                 cached: Callable[[str], bool] | None = None,
+                 reading: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext) -> None:
         self.store, self.key, self.threads = store, key, threads
+        self.reading = reading  # held while a prefetch reads: a restore's reads, which a pre-warm yields to
         self.cached = cached  # manifest id -> whether the node cache holds that version whole
         self.staging_dir = staging_dir  # None: read ahead only, no staging
         self.max_running = max_running
@@ -206,11 +212,12 @@ class Prefetcher:
                 if self.cached is not None and self.cached(artifact.manifest_id):
                     log.info("%s/%s: in the node cache, nothing to prefetch", namespace, name)
                     return
-                try:
-                    self._stage(pod, artifact)
-                except (OSError, RekindleError) as exc:
-                    log.info("staging %s/%s ahead skipped: %s", namespace, name, exc)
-                readahead.warm(artifact, pod.cancel, self.threads)
+                with self.reading():
+                    try:
+                        self._stage(pod, artifact)
+                    except (OSError, RekindleError) as exc:
+                        log.info("staging %s/%s ahead skipped: %s", namespace, name, exc)
+                    readahead.warm(artifact, pod.cancel, self.threads)
         except RekindleError as exc:
             log.info("prefetch of %s/%s skipped: %s", namespace, name, exc)
         except Exception:  # noqa: BLE001 - an optimisation never takes the plugin down

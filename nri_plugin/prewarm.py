@@ -28,7 +28,7 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from runtime import layout, libc, names
@@ -42,6 +42,7 @@ from runtime.route import RestorePath
 from runtime.store import Artifact, ArtifactStore, readahead
 from runtime.testpause import pause_for_test
 
+from .disk_gate import DiskGate
 from .prewarm_state import State, Status, parse_names
 
 if TYPE_CHECKING:
@@ -68,34 +69,6 @@ class PrewarmEngine(Protocol):
 
     @property
     def disk(self) -> DiskGate: ...
-
-
-class DiskGate:
-    """Restores running on this node; a warm-up waits while there is one."""
-
-    def __init__(self) -> None:
-        self._running = 0
-        self._cond = threading.Condition()
-
-    @contextlib.contextmanager
-    def restore(self) -> Iterator[None]:
-        with self._cond:
-            self._running += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._running -= 1
-                self._cond.notify_all()
-
-    def busy(self) -> bool:
-        with self._cond:
-            return self._running > 0
-
-    def wait_idle(self, stop: threading.Event, poll: float = 0.5) -> None:
-        with self._cond:
-            while self._running > 0 and not stop.is_set():
-                self._cond.wait(poll)
 
 
 IOPRIO_WHO_PROCESS, IOPRIO_CLASS_IDLE, IOPRIO_CLASS_SHIFT = 1, 3, 13

@@ -266,3 +266,30 @@ def test_one_namespace_takes_no_more_than_its_share_of_the_staged_copies(tmp_pat
             assert by_bytes.take("a-1", art) is not None
     finally:
         by_bytes.shutdown()
+
+
+def test_a_prefetch_holds_the_disk_gate_while_it_reads(tmp_path: Path) -> None:
+    """A pre-warm yields to a prefetch as to a restore: the gate is busy while it stages and reads."""
+    from nri_plugin.disk_gate import DiskGate
+
+    store = ArtifactStore(str(tmp_path / "store"))
+    publish(store, files=FILES)
+    gate = DiskGate()
+    seen: list[bool] = []
+    real = readahead.warm
+
+    def reading_warm(*args: object, **kwargs: object) -> object:
+        seen.append(gate.busy())
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    p = Prefetcher(store, KEY, threads=1, staging_dir=str(tmp_path / "logs"), reading=gate.restore)
+    mp = pytest.MonkeyPatch()
+    mp.setattr(readahead, "warm", reading_warm)
+    try:
+        assert p.start("uid-1", "team-a", {"rekindle.dev/restore": "qwen-7b"})
+        wait_for(lambda: p.running() == 0, 10, "the prefetch to end")
+    finally:
+        mp.undo()
+        p.shutdown()
+    assert seen == [True]
+    assert not gate.busy()  # and let go after

@@ -10,7 +10,8 @@ from typing import Any, Callable
 import pytest
 
 from nri_plugin import prewarm
-from nri_plugin.prewarm import DiskGate, Pacer, Prewarmer
+from nri_plugin.disk_gate import DiskGate
+from nri_plugin.prewarm import Pacer, Prewarmer
 from nri_plugin.prewarm_state import State, Status, parse_names
 from runtime.manifest import Manifest
 from runtime.pages import nodecache
