@@ -178,6 +178,9 @@ class Prewarmer:
         self.state_path, self.threads, self.max_names, self.on_change = state_path, threads, max_names, on_change
         self.stop = threading.Event()
         self._seen: dict[tuple[str, str], str] = {}  # name -> the version last looked at
+        # Warm versions the cache let go: name -> (version, entry bytes), warmed again once they
+        # fit without evicting another (two marked artifacts that do not fit together never churn).
+        self._evicted: dict[tuple[str, str], tuple[str, int]] = {}
         self._status: dict[tuple[str, str], Status] = {(ns, n): Status(f"{ns}/{n}") for ns, n in self.named}
         self._lock = threading.Lock()
         self._file_lock = threading.Lock()  # the look and the writer both record
@@ -185,9 +188,13 @@ class Prewarmer:
     # --- looking ------------------------------------------------------------------------------
 
     def candidates(self) -> list[tuple[str, str]]:
-        """The names this look reads the link of: the listed ones, then (``discover``) the
+        """The names this look reads the link of: the listed ones, those it knows of (a name
+        deleted from the store is looked at once more, and forgotten), then (``discover``) the
         store's, :attr:`max_names` in all."""
         out = list(self.named[:self.max_names])
+        with self._lock:
+            known = sorted(set(self._status) | set(self._seen))
+        out += [k for k in known if k not in out][:max(0, self.max_names - len(out))]
         if not self.discover:
             return out
         try:
@@ -259,12 +266,16 @@ class Prewarmer:
                 self._set(ns, name, State.REFUSED, version=version, reason=str(exc))
             return
         if self.cache.has(manifest_id, self.mode):
-            self._set(ns, name, State.WARM, version=version)
+            self._set(ns, name, State.WARM, version=version, entry_bytes=self._entry_bytes(manifest_id))
             return
         status = self._set(ns, name, State.WARMING, version=version)
         log.info("pre-warm: %s/%s %s published, queued for this node's cache", ns, name, version)
         if not self.warm_on(manifest_id, lambda: self._write(ns, name, version, manifest_id, status)):
             log.info("pre-warm: %s/%s: its entry is queued already", ns, name)
+
+    def _entry_bytes(self, manifest_id: str) -> int:
+        key = nodecache.entry_key(manifest_id, self.mode)
+        return next((e.bytes for e in self.cache.entries() if e.key == key), 0)
 
     # --- writing (on the cache writer's thread) ------------------------------------------------
 
@@ -291,14 +302,14 @@ class Prewarmer:
                 rec = self.cache.write(artifact, files, spans, self.mode, threads=self.threads, pace=pacer)
                 if rec is None:
                     if self.cache.has(manifest_id, self.mode):
-                        self._set(ns, name, State.WARM, version=version)
+                        self._set(ns, name, State.WARM, version=version, entry_bytes=self._entry_bytes(manifest_id))
                         return
                     why = self.cache.refused.get(nodecache.entry_key(manifest_id, self.mode), "it does not fit")
                     raise RekindleError(why)
                 log.info("pre-warm: %s/%s %s warm on this node: %.1f MiB in %.2fs (%d pause(s) for restores)",
                          ns, name, version, rec.bytes / 2**20, time.monotonic() - t0, pacer.pauses)
                 self._set(ns, name, State.WARM, version=version, total=status.total, bytes=status.bytes,
-                          rate=status.rate)
+                          rate=status.rate, entry_bytes=rec.bytes)
         except (OSError, RekindleError) as exc:
             log.warning("pre-warm: %s/%s %s refused: %s", ns, name, version, exc)
             self._set(ns, name, State.REFUSED, version=version, reason=str(exc))
@@ -315,8 +326,8 @@ class Prewarmer:
         return new
 
     def _refresh(self) -> None:
-        """A warm one whose entry went (evicted, dropped) is absent again (and not written
-        again for the same version: the cache chose to let it go)."""
+        """A warm one whose entry went (evicted, dropped) is absent again, and written again
+        once its entry fits without evicting another (the cache let it go to make room)."""
         with self._lock:
             warm = [(k, s) for k, s in self._status.items() if s.state is State.WARM]
         for (ns, name), s in warm:
@@ -326,7 +337,15 @@ class Prewarmer:
             except RekindleError:
                 there = False
             if not there:
-                self._set(ns, name, State.ABSENT, version=s.version, reason="evicted from the cache")
+                self._evicted[(ns, name)] = (s.version, s.entry_bytes)
+                self._set(ns, name, State.ABSENT, version=s.version,
+                          reason="evicted from the cache; warmed again once it fits beside the others")
+        for key, (version, need) in list(self._evicted.items()):
+            if self._seen.get(key) != version:  # deleted, or a new version: the look handles it
+                del self._evicted[key]
+            elif self.cache.has_room(need):
+                del self._evicted[key]
+                del self._seen[key]  # the next look opens it again and queues it
 
     def states(self) -> list[Status]:
         with self._lock:

@@ -30,6 +30,7 @@ class Status:
     total: int = 0
     rate: float = 0.0  # bytes a second, time paused for restores not counted
     paused: bool = False  # waiting for a restore to end
+    entry_bytes: int = 0  # what its entry takes in the cache (warm)
     reason: str = ""
 
     def to_obj(self) -> dict[str, object]:

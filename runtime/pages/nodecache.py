@@ -454,6 +454,15 @@ class NodeCache:
     def used_bytes(self) -> int:
         return sum(e.bytes for e in self.entries())
 
+    def has_room(self, need: int) -> bool:
+        """Whether an entry of ``need`` bytes fits now without evicting another (a pre-warm's
+        second try at a version the cache let go)."""
+        entries = self.entries()
+        with self._lock:
+            writing = sum(self._writing.values())
+        return (sum(e.bytes for e in entries) + writing + need <= self.max_bytes
+                and len(entries) < self.max_entries and self._fits(need) is None)
+
     def _make_room(self, root: int, need: int, label: str = "") -> bool:
         entries = self.entries()
         total = sum(e.bytes for e in entries) + sum(self._writing.values())

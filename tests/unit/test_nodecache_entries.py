@@ -176,6 +176,25 @@ def test_entries_go_until_one_more_fits_the_byte_bound(node: _Node, tmp_path: Pa
     assert cache.used_bytes() <= 6 << 20
 
 
+def test_has_room_counts_the_entries_and_both_bounds_and_evicts_nothing(node: _Node, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = _cache(tmp_path, monkeypatch, max_bytes=6 << 20, max_entries=2)
+    assert cache.has_room(6 << 20) and not cache.has_room((6 << 20) + 1)
+    rec = _write(cache, node, "llm")
+    assert rec is not None and rec.bytes > 0
+    left = (6 << 20) - rec.bytes
+    assert cache.has_room(left) and not cache.has_room(left + 1)
+    node.publish("asr")
+    monkeypatch.setattr(cache, "max_bytes", 1 << 30)
+    assert _write(cache, node, "asr") is not None
+    assert not cache.has_room(0)  # two entries: the entry bound
+    assert _listing(cache) == sorted([_key(node, "llm"), _key(node, "asr")])  # nothing evicted by asking
+    monkeypatch.setattr(cache, "max_entries", 3)
+    assert cache.has_room(0)
+    monkeypatch.setattr(cache, "_fits", lambda need: "the disk guard")
+    assert not cache.has_room(0)
+
+
 def test_an_entry_in_use_is_not_evicted(node: _Node, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cache = _cache(tmp_path, monkeypatch, max_entries=2)
     for name in ("asr", "tts"):

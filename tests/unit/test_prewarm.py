@@ -24,9 +24,16 @@ class _Cache:
     def __init__(self) -> None:
         self.have: set[str] = set()
         self.max_bytes = 1 << 30
+        self.room = True
 
     def has(self, manifest_id: str, mode: MapMode) -> bool:
         return manifest_id in self.have
+
+    def entries(self) -> list[nodecache.EntryInfo]:
+        return []
+
+    def has_room(self, need: int) -> bool:
+        return self.room
 
 
 class _Writer:
@@ -113,9 +120,30 @@ def test_a_version_already_cached_is_warm_and_an_evicted_one_absent(tmp_path: Pa
     st = _state(p, "team-a/llm")
     assert st is not None and st.state is State.WARM and writer.jobs == []
     cache.have.clear()
+    cache.room = False  # the cache let it go for another: not written again while that would evict
     p.look()
     st = _state(p, "team-a/llm")
-    assert st is not None and st.state is State.ABSENT and st.reason == "evicted from the cache"
+    assert st is not None and st.state is State.ABSENT and st.reason.startswith("evicted from the cache")
+    p.look()
+    assert writer.jobs == []
+    cache.room = True  # room again (the other went): queued on the next look
+    p.look()
+    assert writer.jobs == []
+    p.look()
+    st = _state(p, "team-a/llm")
+    assert st is not None and st.state is State.WARMING and len(writer.jobs) == 1
+
+
+def test_a_discovered_name_deleted_from_the_store_is_forgotten(tmp_path: Path) -> None:
+    p, store, _cache, writer = _prewarmer(tmp_path)
+    publish(store, "team-a", "marked", prewarm=True)
+    p.look()
+    assert [s.artifact for s in p.states()] == ["team-a/marked"]
+    store.delete("team-a", "marked")
+    assert ("team-a", "marked") in p.candidates()  # no longer listed, still looked at once more
+    p.look()
+    assert p.states() == [] and prewarm.read_states(str(tmp_path))[0:] == []
+    assert ("team-a", "marked") not in p.candidates()
 
 
 def test_a_marked_version_whose_manifest_a_store_writer_changed_is_refused(tmp_path: Path) -> None:
