@@ -11,8 +11,8 @@ copy, the default's one mapped range). Once both artifacts are published, the ca
 2.5 of them (a restore's entry made while another warms must fit beside it, or the two restores
 of step 2 would take different routes). Two source pods are cold-started and checkpointed by
 annotation: ``<case>-other`` (not marked), then ``<case>-pw`` (``rekindle.dev/prewarm: "true"``).
-(The CLI's ``rekindle checkpoint`` would save the second cold start, but its manifest names no
-image: every pod refuses to restore it.)
+(The CLI's ``rekindle checkpoint`` of the first source would save the second cold start; the
+bench keeps the plugin's own path, the one users take.)
 
 The pre-warmer does not skip a version its own node published: a marked version it has not
 seen, whose entry the cache lacks, is written whoever published it (tests/e2e/test_prewarm.py

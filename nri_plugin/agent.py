@@ -28,6 +28,7 @@ from runtime import checkpoint as checkpoint_flow
 from runtime import control, hostfiles, housekeeping
 from runtime import restore as restore_flow
 from runtime.compat import NodeFacts
+from runtime.container.containers import resolve_container, spec_annotations
 from runtime.containerd.cri_lookup import CRIError
 from runtime.gpu import Checkpointer, node_cuda
 from runtime.overlay import pending as overlay_pending
@@ -46,7 +47,7 @@ from . import guards
 from .cache import CacheWriter, cache_bytes, cache_dir, map_mode, open_cache
 from .config import CheckpointThp, Settings
 from .disk_gate import DiskGate
-from .handlers import ImageRef, RekindlePlugin
+from .handlers import IMAGE_NAME_ANNOTATION, ImageRef, RekindlePlugin
 from .health import HEARTBEAT, Health
 from .imageids import ImageIds
 from .jobs import Jobs, Skipped, Work
@@ -502,7 +503,6 @@ def _housekeeping(settings: Settings, store: ArtifactStore, stop: threading.Even
 
 def _control_of(settings: Settings, container_id: str) -> control.ControlDir | None:
     """The control dir of a container, found through its bundle's mounts."""
-    from runtime.container.containers import resolve_container
     info = resolve_container(settings.containerd_state, container_id)
     for m in info.spec_mounts:
         if m.get("destination") == control.CONTAINER_PATH and m.get("source"):
@@ -510,11 +510,22 @@ def _control_of(settings: Settings, container_id: str) -> control.ControlDir | N
     return None
 
 
+CRI_POD_NAME = "io.kubernetes.cri.sandbox-name"
+CRI_POD_UID = "io.kubernetes.cri.sandbox-uid"
+CRI_CONTAINER_NAME = "io.kubernetes.cri.container-name"
+
+
 def checkpoint_once(settings: Settings, container_id: str, namespace: str, name: str,
                     exit_after: bool = False,
                     progress: Callable[[str, int, int], None] | None = None) -> dict[str, float]:
     node = _engine(settings)
-    req = checkpoint_request(settings, container_id, namespace, name, exit_after=exit_after)
+    # What the plugin takes from NRI, the CLI reads from the spec containerd's CRI wrote: the
+    # image (a restore checks it), the pod and the container. A container made without CRI has none.
+    notes = spec_annotations(settings.containerd_state, container_id)
+    image = notes.get(IMAGE_NAME_ANNOTATION, "")
+    req = checkpoint_request(settings, container_id, namespace, name, exit_after=exit_after, image=image,
+                             image_ref=node.engine._image_id(image), pod=notes.get(CRI_POD_NAME, ""),
+                             pod_uid=notes.get(CRI_POD_UID, ""), container=notes.get(CRI_CONTAINER_NAME, ""))
     return checkpoint_flow.checkpoint(req, node.store, node.key, control=_control_of(settings, container_id),
                                       cuda=node.engine.cuda, progress=progress, thp=node.engine.thp)
 

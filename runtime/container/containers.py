@@ -317,6 +317,18 @@ def bundle_path(state_dir: str, container_id: str, namespace: str = "k8s.io") ->
     return os.path.join(state_dir, "io.containerd.runtime.v2.task", namespace, container_id)
 
 
+def spec_annotations(state_dir: str, container_id: str, namespace: str = "k8s.io") -> dict[str, str]:
+    """The annotations of a containerd task's OCI spec (containerd's CRI writes the image and
+    the pod there), string values only; {} when there is no such bundle or spec."""
+    try:
+        with open(os.path.join(bundle_path(state_dir, container_id, namespace), "config.json")) as f:
+            spec = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    notes = spec.get("annotations") if isinstance(spec, dict) else None
+    return {str(k): v for k, v in notes.items() if isinstance(v, str)} if isinstance(notes, dict) else {}
+
+
 def resolve_container(state_dir: str, container_id: str, namespace: str = "k8s.io") -> ContainerInfo:
     """ContainerInfo of a containerd task, from its shim bundle under the containerd state dir."""
     bundle = bundle_path(state_dir, container_id, namespace)

@@ -419,6 +419,32 @@ def test_operator_cli_lists_inspects_verifies_and_deletes(sandbox, pod, plugin):
     assert gone.returncode == 1 and gone.stderr.startswith("rekindle: error:"), gone
 
 
+def test_a_cli_checkpoint_names_the_image_and_restores_into_a_pod(sandbox, pod, plugin):
+    """``rekindle checkpoint`` of a running source reads its image (and pod) from the spec CRI wrote,
+    as the plugin takes them from NRI: a restore checks the image, so without it the artifact
+    could never be restored."""
+    import subprocess
+    import sys
+    _a, a_cid, _ip = checkpoint_source(sandbox, pod, plugin, "cli-first")
+    paths = ["--store", str(plugin.store), "--state-dir", str(plugin.state_dir),
+             "--containerd-state", str(sandbox.state_dir), "--containerd-socket", sandbox.containerd_socket]
+    made = subprocess.run([sys.executable, "-m", "nri_plugin", "checkpoint", "--container-id", a_cid,
+                           "--namespace", "default", "--name", "cli-again", *paths],
+                          capture_output=True, text=True, timeout=120)
+    assert made.returncode == 0, made
+    key = (plugin.state_dir / "hmac.key").read_bytes()
+    from runtime.store.volume import ArtifactStore
+    store = ArtifactStore(str(plugin.store))
+    with store.open("default", "cli-first", key) as first, store.open("default", "cli-again", key) as again:
+        want, got = first.manifest.source, again.manifest.source
+    assert got.image and (got.image, got.image_ref, got.pod, got.container) == \
+        (want.image, want.image_ref, want.pod, want.container), (got, want)
+    b = pod("dst-cli-again", annotations={"rekindle.dev/restore": "cli-again"})
+    sandbox.run_container(b, "server", COUNTER, command=SERVER)
+    st = wait_status(plugin, "default", b.name, "server", {"restored", "cold-start"})
+    assert st["phase"] == "restored", st
+
+
 def test_http_ready_probe_in_the_pod_network_namespace(sandbox, pod, plugin):
     a, _, _ = checkpoint_source(sandbox, pod, plugin, "probed", probe="http://:8080/ready")
     log = plugin.log()
