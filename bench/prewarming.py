@@ -106,7 +106,8 @@ SHAPES = (("deep", 16, 8 << 20), ("shallow", readahead.THREADS, readahead.CHUNK)
 LINE = re.compile(r"^(?P<date>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(?P<ms>\d{3}) +\w+ +nri_plugin\.prewarm: "
                   r"pre-warm: (?P<msg>.*)$", re.M)
 WARM = re.compile(r"(?P<label>\S+) \S+ warm on this node: (?P<mib>[0-9.]+) MiB in (?P<s>[0-9.]+)s "
-                  r"\((?P<pauses>\d+) pause")
+                  r"\((?P<pauses>\d+) pause\(s\) for restores(?:, the first (?P<first>[0-9.]+)s in, "
+                  r"(?P<paused>[0-9.]+)s paused in all)?")
 REFUSED = re.compile(r"(?P<label>\S+) \S+ refused: (?P<why>.*)")
 
 
@@ -120,6 +121,8 @@ class WarmLog:
     write_s: float | None = None  # the writer's own seconds (restores' pauses included)
     mib: float | None = None
     pauses: int | None = None  # chunks that waited for a restore
+    first_pause_s: float | None = None  # into the write, when a restore (or its prefetch) first held the disk
+    paused_s: float | None = None
     refused: str = ""
 
     @property
@@ -143,6 +146,8 @@ def parse_warm_log(text: str, label: str) -> WarmLog:
             out.writing_at = t
         elif (w := WARM.match(msg)) and w["label"] == label:
             out.warm_at, out.write_s, out.mib, out.pauses = t, float(w["s"]), float(w["mib"]), int(w["pauses"])
+            if w["first"] is not None:
+                out.first_pause_s, out.paused_s = float(w["first"]), float(w["paused"])
             break
         elif (r := REFUSED.match(msg)) and r["label"] == label:
             out.refused = r["why"]
@@ -314,6 +319,9 @@ def pair_line(i: int, p: dict[str, Any]) -> str:
     pauses = p.get("warm_up_pauses")
     how = ("-" if pauses is None else f"it paused {pauses} time(s) for the restore" if pauses
            else "it was done before the restore took the disk")
+    if p.get("warm_up_yielded_after_s") is not None:
+        how += (f", first {p['warm_up_yielded_after_s']:.2f}s after the pod's create, "
+                f"{_num(p.get('warm_up_paused_s'))}s paused")
     cpu = [(p.get(k, {}).get("counters") or {}).get("plugin_cpu_ms") for k in ("alone", "during")]
     return (f"pair {i}: restore x{_num(p.get('ratio'), '{:.3f}')}, first answer x{_num(p.get('answer_ratio'), '{:.3f}')};"
             f" the warm-up: {how}, x{_num(p.get('warm_up_over_disk'), '{:.3f}')} the undisturbed one from disk;"
@@ -627,6 +635,10 @@ class Prewarm(RestoreRig):
         restored_at = during["started_at"] + during["restore_s"] if "restore_s" in during else None
         rec["overlap_s"] = overlap((during["started_at"], restored_at), (w.log.writing_at, w.complete_at))
         rec["warm_up_pauses"] = w.log.pauses  # 0: it was done before the restore took the disk
+        if w.log.first_pause_s is not None and w.log.writing_at is not None:
+            # from the restore's pod created to the warm-up's first wait (its prefetch or restore holds the disk)
+            rec["warm_up_yielded_after_s"] = round(w.log.writing_at + w.log.first_pause_s - during["started_at"], 3)
+            rec["warm_up_paused_s"] = w.log.paused_s
         rec["ratio"] = ratio(during.get("restore_s"), alone.get("restore_s"))
         rec["answer_ratio"] = ratio(during.get("first_answer_s"), alone.get("first_answer_s"))
         disk = next((d for d in self.doc["warm_ups"] if d["kind"] == "disk"), None)

@@ -93,10 +93,16 @@ class Pacer:
         self._lock = threading.Lock()
         self._t0 = clock()
         self._paused_for = 0.0
+        self.first_pause: float | None = None  # seconds into the warm-up a restore first held the disk
         self.pauses = 0  # chunks that waited for a restore (the writer's threads each wait)
         self._said = False
         self._hold = threading.Lock()  # a test's pause mid-warm-up holds every thread of it
         self._held = False
+
+    @property
+    def paused_for(self) -> float:
+        with self._lock:
+            return self._paused_for
 
     def __call__(self, n: int) -> None:
         _lower_io_priority()
@@ -112,6 +118,8 @@ class Pacer:
                 self.pauses += 1
             self.changed()
             t = self.clock()
+            if self.first_pause is None:
+                self.first_pause = t - self._t0
             self.gate.wait_idle(self.stop)
             with self._lock:
                 self._paused_for += self.clock() - t
@@ -306,8 +314,10 @@ class Prewarmer:
                         return
                     why = self.cache.refused.get(nodecache.entry_key(manifest_id, self.mode), "it does not fit")
                     raise RekindleError(why)
-                log.info("pre-warm: %s/%s %s warm on this node: %.1f MiB in %.2fs (%d pause(s) for restores)",
-                         ns, name, version, rec.bytes / 2**20, time.monotonic() - t0, pacer.pauses)
+                log.info("pre-warm: %s/%s %s warm on this node: %.1f MiB in %.2fs (%d pause(s) for restores%s)",
+                         ns, name, version, rec.bytes / 2**20, time.monotonic() - t0, pacer.pauses,
+                         "" if pacer.first_pause is None else
+                         f", the first {pacer.first_pause:.2f}s in, {pacer.paused_for:.2f}s paused in all")
                 self._set(ns, name, State.WARM, version=version, total=status.total, bytes=status.bytes,
                           rate=status.rate, entry_bytes=rec.bytes)
         except (OSError, RekindleError) as exc:

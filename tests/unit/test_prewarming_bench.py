@@ -48,6 +48,12 @@ def test_a_warm_up_is_read_from_its_lines_and_only_its_first() -> None:
     assert got.done
 
 
+def test_a_warm_up_that_paused_says_when_and_for_how_long() -> None:
+    text = LOG.replace("(4 pause(s) for restores)", "(4 pause(s) for restores, the first 0.45s in, 2.61s paused in all)")
+    got = prewarm.parse_warm_log(text, LABEL)
+    assert (got.pauses, got.first_pause_s, got.paused_s) == (4, 0.45, 2.61)
+
+
 def test_a_refused_warm_up_is_done_with_its_reason() -> None:
     text = _line("10:00:00,000", f"pre-warm: {LABEL} {V} published, queued for this node's cache") + _line(
         "10:00:01,000", f"pre-warm: {LABEL} {V} refused: its entry needs 1030.0 MiB, more than the cache's bound",
