@@ -77,7 +77,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.common import bench_main, model, results
+from bench.common import bench_main, results
 from bench.common.disk import drop_caches, pick_image_root
 from bench.common.plugin import cache_dir, cache_entries, restart_plugin
 from bench.common.restore_rig import RestoreRig
@@ -754,13 +754,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="step 2's restores: page cache dropped, or the restored artifact read in after")
     ap.add_argument("--interval", type=float, default=1.0, help="the plugin's --prewarm-interval (1..)")
     ap.add_argument("--restore-path", choices=("auto", "bulk", "stream"), default="auto")
-    ap.add_argument("--model-dir", type=Path, default=model.DEFAULT_DIR)
-    ap.add_argument("--compile-mode", default="reduce-overhead")
-    ap.add_argument("--work", type=Path, default=None, help="plugin state + store (default: disk if room)")
-    ap.add_argument("--out-dir", type=Path, default=Path("prewarm-out"))
-    ap.add_argument("--json", type=Path, default=None)
-    ap.add_argument("--cold-timeout", type=float, default=400.0)
-    ap.add_argument("--warm-timeout", type=float, default=300.0, help="wait for a warm-up or an entry")
+    bench_main.add_rig_arguments(ap, "prewarm-out", "wait for a warm-up or an entry")
     ap.add_argument("--deadline-s", type=float, default=1e9, help="no step begins that would end after this")
     args = ap.parse_args(argv)
     if args.pairs < 0 or args.interval < 1:

@@ -54,7 +54,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.common import bench_main, model, results
+from bench.common import bench_main, results
 from bench.common.disk import pick_image_root
 from bench.common.plugin import cache_dir, cache_entries, read_timings, restart_plugin
 from bench.common.restore_rig import RestoreRig
@@ -499,13 +499,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pods", type=int, default=4, help="pods restored at once (default %(default)s)")
     ap.add_argument("--rounds", type=_rounds_arg, default=parse_rounds("bulk:off,bulk:warm,stream:warm"),
                     help="PATH:CACHE,... (PATH bulk|stream, CACHE off|cold|warm)")
-    ap.add_argument("--model-dir", type=Path, default=model.DEFAULT_DIR)
-    ap.add_argument("--compile-mode", default="reduce-overhead")
-    ap.add_argument("--work", type=Path, default=None, help="plugin state + store (default: disk if room)")
-    ap.add_argument("--out-dir", type=Path, default=Path("scale-out"))
-    ap.add_argument("--json", type=Path, default=None)
-    ap.add_argument("--cold-timeout", type=float, default=400.0)
-    ap.add_argument("--warm-timeout", type=float, default=300.0, help="wait for a complete cache entry")
+    bench_main.add_rig_arguments(ap, "scale-out", "wait for a complete cache entry")
     ap.add_argument("--steady-s", type=float, default=5.0, help="sampling after the last answer")
     ap.add_argument("--map-ranges", choices=("", "driver", "all", "none"), default="",
                     help="what a restore from the node cache maps ($REKINDLE_MAP; default: the plugin's)")

@@ -7,6 +7,21 @@ import logging
 import os
 import signal
 import sys
+from pathlib import Path
+
+from bench.common import model
+
+
+def add_rig_arguments(ap: argparse.ArgumentParser, out_dir: str, warm_help: str) -> None:
+    """The restore rig's arguments (``bench.common.restore_rig``): the model, the plugin's work
+    dir, where the results go, and how long to wait for a cold start and a warm one."""
+    ap.add_argument("--model-dir", type=Path, default=model.DEFAULT_DIR)
+    ap.add_argument("--compile-mode", default="reduce-overhead")
+    ap.add_argument("--work", type=Path, default=None, help="plugin state + store (default: disk if room)")
+    ap.add_argument("--out-dir", type=Path, default=Path(out_dir))
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--cold-timeout", type=float, default=400.0)
+    ap.add_argument("--warm-timeout", type=float, default=300.0, help=warm_help)
 
 
 def prepare(args: argparse.Namespace, prog: str, json_name: str) -> bool:
