@@ -350,12 +350,17 @@ class Prewarmer:
                 self._evicted[(ns, name)] = (s.version, s.entry_bytes)
                 self._set(ns, name, State.ABSENT, version=s.version,
                           reason="evicted from the cache; warmed again once it fits beside the others")
+        # One at a time, and none while a warm-up is queued or under way: the room each saw
+        # would be the same room.
+        with self._lock:
+            busy = any(s.state is State.WARMING for s in self._status.values())
         for key, (version, need) in list(self._evicted.items()):
             if self._seen.get(key) != version:  # deleted, or a new version: the look handles it
                 del self._evicted[key]
-            elif self.cache.has_room(need):
+            elif not busy and self.cache.has_room(need):
                 del self._evicted[key]
                 del self._seen[key]  # the next look opens it again and queues it
+                busy = True
 
     def states(self) -> list[Status]:
         with self._lock:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -270,3 +271,56 @@ def test_a_restore_takes_the_disk_first_and_the_warm_up_waits_for_it(sandbox, po
           "(this 2-core CPU machine, shared; the second restore's stop after CRIU is the test's, in its total):")
     for k in t_alone:
         print(f"  {k:16s} {t_alone[k]:8.3f} | {t_during.get(k, float('nan')):8.3f}")
+
+
+def _looks(p: PluginProcess, n: int) -> None:
+    """Wait for ``n`` more looks (each records the state file anew)."""
+    def updated() -> float:
+        try:
+            return float(json.loads((p.state_dir / "prewarm.json").read_text())["updated"])
+        except (OSError, ValueError, KeyError):
+            return 0.0
+    seen = [updated()]
+
+    def one_more() -> bool:
+        now = updated()
+        if now > seen[-1]:
+            seen.append(now)
+        return len(seen) > n
+    wait_for(one_more, 60, f"{n} more looks")
+
+
+def test_an_evicted_warm_version_is_warmed_again_once_it_fits_beside_the_others(sandbox, pod, plugin, node):
+    """Two marked artifacts whose entries do not fit the cache together: one is warm, the other
+    evicted, and that one is not written again while it would evict (no churn, look after look).
+    Once room comes back (here the warm one's entry removed, as another eviction would), it is
+    written again; the removed one then stays absent, the room taken."""
+    names = ("pw-evict-a", "pw-evict-b")
+    for name in names:
+        _source(sandbox, pod, plugin, name)
+    ns_dir = os.path.join(plugin.store, "default")
+    for name in os.listdir(ns_dir):  # the other tests' marked artifacts would take the room too
+        if not name.startswith(".") and name not in names:
+            os.unlink(os.path.join(ns_dir, name))
+    b = node({**CACHE_ENV, "REKINDLE_CACHE_BYTES": "180Mi"}).outside()  # an entry is 96 MiB and more
+
+    def split() -> tuple[str, str] | None:
+        states = [_states(b).get(f"default/{n}", {}) for n in names]
+        kinds = [(s.get("state"), str(s.get("reason", "")).startswith("evicted")) for s in states]
+        if sorted(kinds) == [("absent", True), ("warm", False)]:
+            warm = names[kinds.index(("warm", False))]
+            return warm, names[1 - names.index(warm)]
+        return None
+    warm, evicted = wait_for(split, 240, "one warm and the other evicted")
+    _looks(b, 3)
+    assert split() == (warm, evicted)
+    assert b.log().count(f"writing default/{evicted} ") == 1, "written again while it would evict"
+    for path in _entries(b, warm):
+        shutil.rmtree(os.path.dirname(path))
+    st = wait_for(lambda: _state_is(b, f"default/{evicted}", {"warm", "refused"}), 120, "the second warm-up")
+    assert st["state"] == "warm", st
+    assert _entries(b, evicted)
+    _looks(b, 3)
+    st = _states(b)[f"default/{warm}"]
+    assert st["state"] == "absent" and st["reason"].startswith("evicted"), st
+    assert b.log().count(f"writing default/{warm} ") == 1, "written again where there is no room"

@@ -134,6 +134,35 @@ def test_a_version_already_cached_is_warm_and_an_evicted_one_absent(tmp_path: Pa
     assert st is not None and st.state is State.WARMING and len(writer.jobs) == 1
 
 
+def test_evicted_versions_are_warmed_again_one_at_a_time(tmp_path: Path) -> None:
+    """Two evicted, room for either: one is queued; the other waits while it warms, and once it
+    is warm (the room taken) stays absent."""
+    p, store, cache, writer = _prewarmer(tmp_path)
+    for name in ("a", "b"):
+        publish(store, "team-a", name, prewarm=True)
+        with store.open("team-a", name, KEY) as art:
+            cache.have.add(art.manifest_id)
+    p.look()
+    assert {s.state for s in p.states()} == {State.WARM} and writer.jobs == []
+    cache.have.clear()
+    p.look()  # both found evicted; room for one: one re-queued
+    assert all(s.state is State.ABSENT for s in p.states())
+    p.look()
+    assert len(writer.jobs) == 1
+    first = next(s for s in p.states() if s.state is State.WARMING)
+    p.look()  # the other waits while that one is queued
+    assert len(writer.jobs) == 1
+    with store.open(*first.artifact.split("/"), KEY) as art:
+        cache.have.add(art.manifest_id)
+    cache.room = False  # written: the room is taken
+    p._set(*first.artifact.split("/"), State.WARM)  # as its job's end records it
+    p.look()
+    p.look()
+    assert len(writer.jobs) == 1
+    other = next(s for s in p.states() if s.artifact != first.artifact)
+    assert other.state is State.ABSENT and other.reason.startswith("evicted")
+
+
 def test_a_discovered_name_deleted_from_the_store_is_forgotten(tmp_path: Path) -> None:
     p, store, _cache, writer = _prewarmer(tmp_path)
     publish(store, "team-a", "marked", prewarm=True)
