@@ -28,7 +28,7 @@ from runtime import checkpoint as checkpoint_flow
 from runtime import control, hostfiles, housekeeping
 from runtime import restore as restore_flow
 from runtime.compat import NodeFacts
-from runtime.container.containers import resolve_container, spec_annotations
+from runtime.container.containers import ContainerInfo, resolve_container
 from runtime.containerd.cri_lookup import CRIError
 from runtime.gpu import Checkpointer, node_cuda
 from runtime.overlay import pending as overlay_pending
@@ -501,9 +501,8 @@ def _housekeeping(settings: Settings, store: ArtifactStore, stop: threading.Even
         stop.wait(HOUSEKEEPING_EVERY)
 
 
-def _control_of(settings: Settings, container_id: str) -> control.ControlDir | None:
+def _control_of(info: ContainerInfo) -> control.ControlDir | None:
     """The control dir of a container, found through its bundle's mounts."""
-    info = resolve_container(settings.containerd_state, container_id)
     for m in info.spec_mounts:
         if m.get("destination") == control.CONTAINER_PATH and m.get("source"):
             return control.ControlDir(Path(m["source"]))
@@ -519,14 +518,15 @@ def checkpoint_once(settings: Settings, container_id: str, namespace: str, name:
                     exit_after: bool = False,
                     progress: Callable[[str, int, int], None] | None = None) -> dict[str, float]:
     node = _engine(settings)
+    info = resolve_container(settings.containerd_state, container_id)
     # What the plugin takes from NRI, the CLI reads from the spec containerd's CRI wrote: the
     # image (a restore checks it), the pod and the container. A container made without CRI has none.
-    notes = spec_annotations(settings.containerd_state, container_id)
+    notes = info.annotations
     image = notes.get(IMAGE_NAME_ANNOTATION, "")
     req = checkpoint_request(settings, container_id, namespace, name, exit_after=exit_after, image=image,
                              image_ref=node.engine._image_id(image), pod=notes.get(CRI_POD_NAME, ""),
                              pod_uid=notes.get(CRI_POD_UID, ""), container=notes.get(CRI_CONTAINER_NAME, ""))
-    return checkpoint_flow.checkpoint(req, node.store, node.key, control=_control_of(settings, container_id),
+    return checkpoint_flow.checkpoint(req, node.store, node.key, control=_control_of(info),
                                       cuda=node.engine.cuda, progress=progress, thp=node.engine.thp)
 
 
@@ -538,6 +538,7 @@ def restore_once(settings: Settings, container_id: str, namespace: str, name: st
     req = restore_request(settings, container_id, namespace, name, image=image,
                           image_ref=node.engine._image_id(image))
     cache = NodeCache(cache_dir(settings), cache_bytes(settings), settings.cache.entries)  # read only
-    return restore_flow.restore(req, node.store, node.key, node.facts, control=_control_of(settings, container_id),
+    ctl = _control_of(resolve_container(settings.containerd_state, container_id))
+    return restore_flow.restore(req, node.store, node.key, node.facts, control=ctl,
                                 cuda=node.engine.cuda, generations=node.engine.generations, progress=progress,
                                 cache=cache, map_mode=map_mode(settings))

@@ -97,5 +97,5 @@ def check(containerd_state: str, state_dir: str, container_id: str) -> Target:
         raise TargetRefused(container_id, f"its pid 1 ({info.init_pid} on the host) no longer runs the init")
     if children(info.init_pid):
         raise TargetRefused(container_id, "its init has started processes (the workload runs)")
-    image = str((info.spec.get("annotations") or {}).get(IMAGE_NAME_ANNOTATION, ""))
+    image = info.annotations.get(IMAGE_NAME_ANNOTATION, "")
     return Target(info, ctl, image)

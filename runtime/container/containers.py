@@ -85,6 +85,12 @@ class ContainerInfo:
     def spec_mounts(self) -> list[oci.Mount]:
         return list(self.spec.get("mounts") or [])
 
+    @property
+    def annotations(self) -> dict[str, str]:
+        """The spec's annotations (containerd's CRI writes the image and the pod there), string values only."""
+        notes = self.spec.get("annotations")
+        return {str(k): v for k, v in notes.items() if isinstance(v, str)} if isinstance(notes, dict) else {}
+
 
 def _unescape(s: str) -> str:
     """Undo mountinfo's octal escapes (\\040 for space, ...)."""
@@ -315,18 +321,6 @@ def inspect_bundle(bundle: str, container_id: str | None = None) -> ContainerInf
 
 def bundle_path(state_dir: str, container_id: str, namespace: str = "k8s.io") -> str:
     return os.path.join(state_dir, "io.containerd.runtime.v2.task", namespace, container_id)
-
-
-def spec_annotations(state_dir: str, container_id: str, namespace: str = "k8s.io") -> dict[str, str]:
-    """The annotations of a containerd task's OCI spec (containerd's CRI writes the image and
-    the pod there), string values only; {} when there is no such bundle or spec."""
-    try:
-        with open(os.path.join(bundle_path(state_dir, container_id, namespace), "config.json")) as f:
-            spec = json.load(f)
-    except (OSError, ValueError):
-        return {}
-    notes = spec.get("annotations") if isinstance(spec, dict) else None
-    return {str(k): v for k, v in notes.items() if isinstance(v, str)} if isinstance(notes, dict) else {}
 
 
 def resolve_container(state_dir: str, container_id: str, namespace: str = "k8s.io") -> ContainerInfo:
