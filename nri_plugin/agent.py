@@ -32,6 +32,7 @@ from runtime.container.containers import ContainerInfo, resolve_container
 from runtime.containerd.cri_lookup import CRIError
 from runtime.gpu import Checkpointer, node_cuda
 from runtime.overlay import pending as overlay_pending
+from runtime.pages.mapping import for_artifact
 from runtime.pages.nodecache import NodeCache
 from runtime.pod import hooks
 from runtime.pod.probe import probe as run_probe
@@ -183,7 +184,7 @@ class NodeEngine:
             container=work.container, image=work.image, image_ref=self._image_id(work.image),
             exit_after=work.intent.after_checkpoint is AfterCheckpoint.EXIT,
             max_layer_bytes=min(work.intent.max_layer_bytes, self.settings.max_layer_bytes),
-            prewarm=work.intent.prewarm,
+            prewarm=work.intent.prewarm, map_ranges=work.intent.map_ranges,
             cold_start=work.timings.get(COLD_START, 0.0))
         return checkpoint_flow.checkpoint(req, self.store, self.key, control=work.control, cuda=self.cuda,
                                           progress=work.progress, thp=self.thp)
@@ -301,7 +302,7 @@ class Node(NamedTuple):
 def checkpoint_request(settings: Settings, container_id: str, namespace: str, name: str, *, pod: str = "",
                        pod_uid: str = "", container: str = "", image: str = "", image_ref: str = "",
                        exit_after: bool = False, max_layer_bytes: int | None = None, prewarm: bool = False,
-                       cold_start: float = 0.0
+                       map_ranges: str = "", cold_start: float = 0.0
                        ) -> checkpoint_flow.CheckpointRequest:
     """The one place a checkpoint request is built from the settings (the plugin's and the CLI's)."""
     return checkpoint_flow.CheckpointRequest(
@@ -310,7 +311,7 @@ def checkpoint_request(settings: Settings, container_id: str, namespace: str, na
         log_dir=os.path.join(settings.state_dir, "logs"),
         max_layer_bytes=settings.max_layer_bytes if max_layer_bytes is None else max_layer_bytes,
         capture_timeout=settings.checkpoint.capture_timeout, bulk_min_run=settings.checkpoint.bulk_min_run,
-        prewarm=prewarm,
+        prewarm=prewarm, map_ranges=map_ranges,
         cold_start=cold_start)
 
 
@@ -423,7 +424,8 @@ def run_plugin(settings: Settings, max_parallel: int = 2) -> int:
         engine.cache_writer = CacheWriter(cache, store, key) if cache.enabled else None
         mode = map_mode(settings)
         engine.prefetcher = (Prefetcher(store, key, staging_dir=os.path.join(settings.state_dir, "logs"),
-                                        cached=lambda manifest_id: cache.has(manifest_id, mode),
+                                        cached=lambda art: cache.has(art.manifest_id, for_artifact(
+                                            art.manifest.map_ranges, mode)),
                                         reading=engine.disk.restore)
                              if settings.restore.prefetch else None)
         prewarmer = start_prewarm(settings, store, key, engine, metrics)

@@ -17,6 +17,10 @@ Keys (pod annotations, documented in the README):
   rekindle.dev/overwrite        true | false (default): checkpoint even when the artifact exists
   rekindle.dev/prewarm          true | false (default): every node writes its cache entry of each
                                 version as it is published (recorded in the signed manifest)
+  rekindle.dev/map-ranges       driver | all | none (default: the node's cache.mapRanges): what a
+                                restore from a node's cache maps of this source's memory
+                                (recorded in the signed manifest; all: its large private ranges
+                                read cached bytes back after MADV_DONTNEED, not zeros)
   rekindle.dev/on-restore-failure cold-start (default) | fail: what a failed restore does; fail:
                                 the container exits with the reason (the init's status 75) and
                                 its original command never runs; a restarted container tries the
@@ -63,13 +67,15 @@ OVERWRITE = PREFIX + "overwrite"
 MAX_LAYER_SIZE = PREFIX + "max-layer-size"
 ON_RESTORE_FAILURE = PREFIX + "on-restore-failure"
 PREWARM = PREFIX + "prewarm"
+MAP_RANGES = PREFIX + "map-ranges"
+MAP_RANGES_VALUES = ("driver", "all", "none")  # runtime.pages.mapping.MapMode's
 BEFORE_CHECKPOINT = PREFIX + "before-checkpoint"
 AFTER_RESTORE = PREFIX + "after-restore"
 HOOK_TIMEOUT = "-timeout"  # BEFORE_CHECKPOINT or AFTER_RESTORE + this: that call's deadline
 KNOWN_KEYS = {CHECKPOINT, RESTORE, CONTAINER, READY_PROBE, AFTER_CHECKPOINT, RESTORE_TIMEOUT, OVERWRITE,
-              MAX_LAYER_SIZE, ON_RESTORE_FAILURE, PREWARM, BEFORE_CHECKPOINT, BEFORE_CHECKPOINT + HOOK_TIMEOUT,
+              MAX_LAYER_SIZE, ON_RESTORE_FAILURE, PREWARM, MAP_RANGES, BEFORE_CHECKPOINT, BEFORE_CHECKPOINT + HOOK_TIMEOUT,
               AFTER_RESTORE, AFTER_RESTORE + HOOK_TIMEOUT}
-SOURCE_ONLY_KEYS = (READY_PROBE, AFTER_CHECKPOINT, OVERWRITE, MAX_LAYER_SIZE, PREWARM, BEFORE_CHECKPOINT,
+SOURCE_ONLY_KEYS = (READY_PROBE, AFTER_CHECKPOINT, OVERWRITE, MAX_LAYER_SIZE, PREWARM, MAP_RANGES, BEFORE_CHECKPOINT,
                     BEFORE_CHECKPOINT + HOOK_TIMEOUT)
 DEFAULT_LAYER_CAP = 8 << 30  # the node's cap on a writable layer in an artifact (--max-layer-bytes)
 _UNITS = {"": 1, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40}
@@ -128,6 +134,7 @@ class Intent:
     named: bool = False      # an annotation named this container (else: one of possibly many)
     on_failure: OnRestoreFailure = OnRestoreFailure.COLD_START  # rekindle.dev/on-restore-failure
     prewarm: bool = False  # nodes warm their cache with each published version (rekindle.dev/prewarm)
+    map_ranges: str = ""  # what restores from a node's cache map (rekindle.dev/map-ranges); "": the node's
     before_checkpoint: hooks.Call | None = None  # rekindle.dev/before-checkpoint (an engine's sleep)
     after_restore: hooks.Call | None = None      # rekindle.dev/after-restore (its wake-up)
 
@@ -277,6 +284,9 @@ def decide(annotations: dict[str, str], container_name: str,
     prewarm_raw = ours.get(PREWARM, "false")
     if prewarm_raw not in ("true", "false"):
         raise AnnotationError(PREWARM, f"must be true or false, got {prewarm_raw!r}")
+    map_ranges = ours.get(MAP_RANGES, "")
+    if MAP_RANGES in ours and map_ranges not in MAP_RANGES_VALUES:
+        raise AnnotationError(MAP_RANGES, f"must be one of {', '.join(MAP_RANGES_VALUES)}, got {map_ranges!r}")
     layer = layer_cap
     if MAX_LAYER_SIZE in ours:
         asked = parse_size(ours[MAX_LAYER_SIZE])
@@ -301,7 +311,7 @@ def decide(annotations: dict[str, str], container_name: str,
         raise AnnotationError(ON_RESTORE_FAILURE, "applies to restore pods only")
     return Intent(role, name, probe, after, timeout, overwrite=overwrite_raw == "true",
                   named=target_key is not None, max_layer_bytes=layer, on_failure=on_failure,
-                  prewarm=prewarm_raw == "true", before_checkpoint=before,
+                  prewarm=prewarm_raw == "true", map_ranges=map_ranges, before_checkpoint=before,
                   after_restore=after_restore)
 
 

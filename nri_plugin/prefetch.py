@@ -86,11 +86,11 @@ class Prefetcher:
                  max_staged_bytes: int = MAX_STAGED_BYTES,
                  max_staged_per_namespace: int = MAX_STAGED_PER_NAMESPACE,
                  max_staged_bytes_per_namespace: int = MAX_STAGED_BYTES_PER_NAMESPACE,
-                 cached: Callable[[str], bool] | None = None,
+                 cached: Callable[[Artifact], bool] | None = None,
                  reading: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext) -> None:
         self.store, self.key, self.threads = store, key, threads
         self.reading = reading  # held while a prefetch reads: a restore's reads, which a pre-warm yields to
-        self.cached = cached  # manifest id -> whether the node cache holds that version whole
+        self.cached = cached  # whether the node cache holds that version whole, as its restore maps it
         self.staging_dir = staging_dir  # None: read ahead only, no staging
         self.max_running = max_running
         self.max_staged, self.max_staged_bytes = max_staged, max_staged_bytes
@@ -209,7 +209,7 @@ class Prefetcher:
             if pod.cancel.is_set():
                 return
             with self.store.open(namespace, name, self.key) as artifact:
-                if self.cached is not None and self.cached(artifact.manifest_id):
+                if self.cached is not None and self.cached(artifact):
                     log.info("%s/%s: in the node cache, nothing to prefetch", namespace, name)
                     return
                 with self.reading():

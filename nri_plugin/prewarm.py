@@ -268,26 +268,31 @@ class Prewarmer:
                     with self._lock:
                         self._status.pop((ns, name), None)
                     return
-                manifest_id = artifact.manifest_id
+                manifest_id, mode = artifact.manifest_id, self._mode_of(artifact)
         except RekindleError as exc:  # a bad signature, a manifest not of this name, ...
             if listed or (ns, name) in self._status:
                 self._set(ns, name, State.REFUSED, version=version, reason=str(exc))
             return
-        if self.cache.has(manifest_id, self.mode):
-            self._set(ns, name, State.WARM, version=version, entry_bytes=self._entry_bytes(manifest_id))
+        if self.cache.has(manifest_id, mode):
+            self._set(ns, name, State.WARM, version=version, entry_bytes=self._entry_bytes(manifest_id, mode))
             return
         status = self._set(ns, name, State.WARMING, version=version)
         log.info("pre-warm: %s/%s %s published, queued for this node's cache", ns, name, version)
-        if not self.warm_on(manifest_id, lambda: self._write(ns, name, version, manifest_id, status)):
+        if not self.warm_on(manifest_id, lambda: self._write(ns, name, version, manifest_id, mode, status)):
             log.info("pre-warm: %s/%s: its entry is queued already", ns, name)
 
-    def _entry_bytes(self, manifest_id: str) -> int:
-        key = nodecache.entry_key(manifest_id, self.mode)
+    def _mode_of(self, artifact: Artifact) -> bulk_map.MapMode:
+        """What a restore of it maps, so what its entry holds: its source's choice, else the node's."""
+        return bulk_map.for_artifact(artifact.manifest.map_ranges, self.mode)
+
+    def _entry_bytes(self, manifest_id: str, mode: bulk_map.MapMode) -> int:
+        key = nodecache.entry_key(manifest_id, mode)
         return next((e.bytes for e in self.cache.entries() if e.key == key), 0)
 
     # --- writing (on the cache writer's thread) ------------------------------------------------
 
-    def _write(self, ns: str, name: str, version: str, manifest_id: str, status: Status) -> None:
+    def _write(self, ns: str, name: str, version: str, manifest_id: str, mode: bulk_map.MapMode,
+               status: Status) -> None:
         if self.stop.is_set():
             return
         try:
@@ -295,7 +300,7 @@ class Prewarmer:
                 if artifact.manifest_id != manifest_id:
                     raise RekindleError("the version changed since it was looked at")
                 artifact.yield_to_deletes()  # a cache is never why a delete is refused
-                files, spans = _plan_spans(artifact, self.mode, self.work_dir)
+                files, spans = _plan_spans(artifact, mode, self.work_dir)
                 if not files:
                     raise RekindleError("it holds no bulk pages: a restore of it does not use the node cache")
                 need = nodecache.entry_bytes(artifact, files, spans, nodecache.stored_sums(artifact, files))
@@ -307,12 +312,13 @@ class Prewarmer:
                 log.info("pre-warm: writing %s/%s %s into this node's cache (%.1f MiB)", ns, name, version,
                          need / 2**20)
                 t0 = time.monotonic()
-                rec = self.cache.write(artifact, files, spans, self.mode, threads=self.threads, pace=pacer)
+                rec = self.cache.write(artifact, files, spans, mode, threads=self.threads, pace=pacer)
                 if rec is None:
-                    if self.cache.has(manifest_id, self.mode):
-                        self._set(ns, name, State.WARM, version=version, entry_bytes=self._entry_bytes(manifest_id))
+                    if self.cache.has(manifest_id, mode):
+                        self._set(ns, name, State.WARM, version=version,
+                                  entry_bytes=self._entry_bytes(manifest_id, mode))
                         return
-                    why = self.cache.refused.get(nodecache.entry_key(manifest_id, self.mode), "it does not fit")
+                    why = self.cache.refused.get(nodecache.entry_key(manifest_id, mode), "it does not fit")
                     raise RekindleError(why)
                 log.info("pre-warm: %s/%s %s warm on this node: %.1f MiB in %.2fs (%d pause(s) for restores%s)",
                          ns, name, version, rec.bytes / 2**20, time.monotonic() - t0, pacer.pauses,
@@ -343,7 +349,7 @@ class Prewarmer:
         for (ns, name), s in warm:
             try:
                 with self.store.open(ns, name, self.key, version=s.version) as artifact:
-                    there = self.cache.has(artifact.manifest_id, self.mode)
+                    there = self.cache.has(artifact.manifest_id, self._mode_of(artifact))
             except RekindleError:
                 there = False
             if not there:

@@ -102,6 +102,7 @@ class CheckpointRequest:
     max_layer_bytes: int = overlay.DEFAULT_MAX_LAYER_BYTES  # cap on the captured layer (and /dev/shm)
     capture_timeout: float = 600.0  # seconds for the capture, while the tree is stopped
     prewarm: bool = False  # recorded in the manifest: nodes warm their cache with it (nri_plugin.prewarm)
+    map_ranges: str = ""  # recorded in the manifest: what restores from a node's cache map; "": the node's
     # Seconds from the source's start to ready, as its caller saw them (0: unknown): kept in the
     # manifest's timings as ``cold_start``, what a restore of it is compared with.
     cold_start: float = 0.0
@@ -269,7 +270,7 @@ def checkpoint(req: CheckpointRequest, store: ArtifactStore, key: bytes, *,
             files=(),
             host_files=host_files,
             timings={**t, **({"cold_start": round(req.cold_start, 3)} if req.cold_start > 0 else {})},
-            prewarm=req.prewarm,
+            prewarm=req.prewarm, map_ranges=req.map_ranges,
         )
         stored = _stored_bytes(staging.path)  # after the split's holes: what the store will hold
         with t.phase("publish"):

@@ -2,15 +2,16 @@
 
 Contract:
 
-- :class:`Manifest` (``format_version`` 4) mirrors docs/design.md "Artifact". Every record is a
+- :class:`Manifest` (``format_version`` 5) mirrors docs/design.md "Artifact". Every record is a
   frozen dataclass validated on construction. :meth:`Manifest.to_json` gives canonical bytes
   (sorted keys, compact separators, UTF-8); :meth:`Manifest.from_json` treats its input as
   untrusted: exact key sets, strict JSON types (a bool is not an int), no duplicate keys, no
   NaN, a size cap, and an unknown ``format_version`` is refused by name. Every parse problem
   raises :class:`ArtifactRejected`. Version 2 (before ``host_files``) is still read: its
   ``host_files`` is None, "not recorded" (``runtime.hostfiles`` says what a restore does then);
-  versions 2 and 3 (before ``prewarm``) are read with ``prewarm`` false, and their bytes (the
-  ones signed) are never rewritten.
+  versions 2 and 3 (before ``prewarm``) are read with ``prewarm`` false, versions before 5 (before
+  ``map_ranges``) with ``map_ranges`` empty, and their bytes (the ones signed) are never
+  rewritten.
 - :func:`sign` / :func:`verify`: ``"hmac-sha256:<hex>"`` over the exact manifest bytes.
 - The key itself (reading, creating) lives in ``runtime.store.keys``.
 - The security fingerprint and the privilege check live in ``runtime.security``; the
@@ -36,8 +37,9 @@ from runtime.security import SecurityProfile
 __all__ = ["CriuInfo", "CudaInfo", "FileEntry", "Gpu", "HostFile", "Manifest", "MountInfo", "NodeInfo", "ProcessInfo",
            "Source", "sign", "verify"]
 
-FORMAT_VERSION = 4
-READS_VERSIONS = (2, 3, 4)  # 2: written before host_files existed; 3: before prewarm
+FORMAT_VERSION = 5
+READS_VERSIONS = (2, 3, 4, 5)  # 2: written before host_files existed; 3: before prewarm; 4: before map_ranges
+MAP_RANGES = ("", "driver", "all", "none")  # runtime.pages.mapping.MapMode's values; "": the node's
 MAX_MANIFEST_BYTES = 16 * 1024 * 1024
 SIG_PREFIX = "hmac-sha256:"
 
@@ -168,6 +170,9 @@ class Manifest:
     # Nodes write their cache entry of each version as it is published (the source pod's
     # rekindle.dev/prewarm); false in a manifest before format_version 4.
     prewarm: bool = False
+    # What a restore from a node's cache maps (the source pod's rekindle.dev/map-ranges); "": the
+    # node's setting; "" in a manifest before format_version 5.
+    map_ranges: str = ""
     format_version: int = FORMAT_VERSION
 
     def __post_init__(self) -> None:
@@ -176,6 +181,8 @@ class Manifest:
                "host_files is null exactly in a format_version 2 manifest")
         _check(self.generation >= 0, "generation must not be negative")
         _check(self.format_version >= 4 or not self.prewarm, "prewarm needs format_version 4")
+        _check(self.map_ranges in MAP_RANGES, f"map_ranges must be one of {MAP_RANGES}")
+        _check(self.format_version >= 5 or not self.map_ranges, "map_ranges needs format_version 5")
         try:
             datetime.datetime.fromisoformat(self.created_at)
         except ValueError:
@@ -192,6 +199,8 @@ class Manifest:
         obj = strict_json.to_obj(self)
         if self.format_version < 4:  # the bytes an older version had: no prewarm key
             del obj["prewarm"]
+        if self.format_version < 5:  # nor map_ranges
+            del obj["map_ranges"]
         return strict_json.canonical_json(obj)
 
     @classmethod
@@ -216,6 +225,10 @@ class Manifest:
             if "prewarm" in obj:
                 raise ArtifactRejected(artifact, f"invalid manifest: prewarm in a format_version {version} manifest")
             obj["prewarm"] = False
+        if version < 5:
+            if "map_ranges" in obj:
+                raise ArtifactRejected(artifact, f"invalid manifest: map_ranges in a format_version {version} manifest")
+            obj["map_ranges"] = ""
         try:
             return typing.cast(Manifest, strict_json.from_obj(cls, obj, "manifest"))
         except (TypeError, ValueError) as exc:

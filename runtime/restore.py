@@ -341,7 +341,8 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
             after_restore: Callable[[], object] | None = None) -> dict[str, float]:
     """Restore ``req``; ``staged(artifact)`` may hand over a work dir with this version's
     verified copies, staged ahead (``nri_plugin.prefetch``). With a ``cache`` whose entry of
-    this version is complete, the chosen bulk ranges (``map_mode``) are mapped from it and the
+    this version is complete, the chosen bulk ranges (``map_mode``, unless the artifact's manifest
+    names its own: ``runtime.pages.mapping.for_artifact``) are mapped from it and the
     rest filled from it (``runtime.pages.mapping``); without one, ``on_cold`` is handed what the
     entry would be written from, once the restore succeeded (an entry this restore made as it
     streamed, ``CacheWork.premade``, is abandoned unless ``on_cold`` claimed it)."""
@@ -370,6 +371,7 @@ def restore(req: RestoreRequest, store: ArtifactStore, key: bytes, facts: NodeFa
             with t.phase("open"):
                 artifact = held.enter_context(store.open(req.namespace, req.name, key, version=req.version or None))
             manifest = artifact.manifest
+            map_mode = bulk_map.for_artifact(manifest.map_ranges, map_mode)  # its source's, else the node's
             if manifest.timings.get("cold_start", 0) > 0:  # not a phase: what this restore competes with
                 t["source_cold_start"] = float(manifest.timings["cold_start"])
             if generations is not None:

@@ -55,6 +55,13 @@ class MapMode(enum.Enum):
     ALL = "all"        # every large range of plain private anonymous memory
 
 
+def for_artifact(recorded: str, node: MapMode) -> MapMode:
+    """What a restore of an artifact maps: what its source pod asked for (``recorded`` in its
+    signed manifest, from ``rekindle.dev/map-ranges``: the owner of the process says its memory
+    may read cached bytes back after ``MADV_DONTNEED``), else the node's setting."""
+    return MapMode(recorded) if recorded else node
+
+
 @dataclass(frozen=True, slots=True)
 class Span:
     """One bulk range restored as a private mapping of its own cache file."""

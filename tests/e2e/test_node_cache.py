@@ -63,9 +63,9 @@ def _cache_use(plugin, pod) -> dict:
     return json.loads((plugin.control_dir(pod.uid, "app") / "timings.json").read_text())["cache"]
 
 
-def _source(sandbox, pod, plugin, name: str, script: str = HOLDER) -> None:
+def _source(sandbox, pod, plugin, name: str, script: str = HOLDER, annotations: dict[str, str] | None = None) -> None:
     from devtools.gpu import host_python_mounts
-    a = pod(f"src-{name}", annotations={"rekindle.dev/checkpoint": name})
+    a = pod(f"src-{name}", annotations={"rekindle.dev/checkpoint": name, **(annotations or {})})
     sandbox.run_container(a, "app", IMAGE, command=[sys.executable, "-c", script], mounts=host_python_mounts(), env=ENV)
     st = wait_status(plugin, "default", a.name, "app", {"published", "checkpoint-failed"}, timeout=120)
     assert st["phase"] == "published", st
@@ -130,6 +130,31 @@ def cached_plugin(plugin):
     _restart(plugin, {"REKINDLE_MAP": "all", "REKINDLE_CACHE_BYTES": "1Gi", "REKINDLE_RESTORE_PATH": "bulk"})
     yield plugin
     _restart(plugin, {})
+
+
+@pytest.mark.parametrize("asked, mapped", [("all", True), ("", False)])
+def test_a_source_that_asks_for_its_ranges_mapped_gets_them_mapped_on_a_driver_node(sandbox, pod, plugin,
+                                                                                     asked, mapped):
+    """The node maps only the CUDA driver's host copy (the default), which this CPU workload has
+    not; a source annotated ``rekindle.dev/map-ranges: all`` has its restores from the cache map
+    its large ranges all the same (recorded in its signed manifest), one without fills them."""
+    _restart(plugin, {"REKINDLE_CACHE_BYTES": "1Gi", "REKINDLE_RESTORE_PATH": "bulk"})
+    name = f"cache-asks-{asked or 'node'}"
+    try:
+        _source(sandbox, pod, plugin, name, annotations={"rekindle.dev/map-ranges": asked} if asked else None)
+        _restore(sandbox, pod, plugin, name, "1")
+        wait_for(lambda: _entries(plugin, name), 120, "the cache entry to be written")
+        b, cid = _restore(sandbox, pod, plugin, name, "2")
+        use = _cache_use(plugin, b)
+        assert use["state"] == "warm" and use["store_bytes_read"] == 0, use
+        if mapped:
+            assert use["mapped_bytes"] >= 96 << 20, use
+            (pid,) = _tree_in(sandbox, cid)
+            assert _mapped_vma(pid)[0] >= 90 << 10
+        else:
+            assert use["mapped_bytes"] == 0 and use["filled_bytes"] >= 96 << 20, use
+    finally:
+        _restart(plugin, {})
 
 
 def _paused_writer(plugin, where) -> dict[str, str]:

@@ -105,3 +105,10 @@ def test_an_all_zero_range_is_never_mapped_by_its_digests(tmp_path: Path) -> Non
     assert bulk_map.remainder([f], spans)[0].ranges == (BulkRange(0x40000000 + 16 * M, 32 * M, 16 * M),)
     # without the digests (or digests of data) every range is mapped, as before
     assert len(bulk_map.choose([f], images, MapMode.DRIVER, cuda_pids=[1])) == 3
+
+
+@pytest.mark.parametrize("recorded, node, want", [
+    ("", MapMode.DRIVER, MapMode.DRIVER), ("", MapMode.ALL, MapMode.ALL),
+    ("all", MapMode.DRIVER, MapMode.ALL), ("none", MapMode.ALL, MapMode.NONE), ("driver", MapMode.NONE, MapMode.DRIVER)])
+def test_an_artifacts_recorded_mode_wins_over_the_nodes(recorded: str, node: MapMode, want: MapMode) -> None:
+    assert bulk_map.for_artifact(recorded, node) is want

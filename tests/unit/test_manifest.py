@@ -71,22 +71,51 @@ def test_manifest_round_trips_through_canonical_json() -> None:
     assert Manifest.from_json(data) == m
     obj = json.loads(data)
     assert data == json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
-    assert obj["format_version"] == 4 and obj["prewarm"] is False and obj["cuda"]["gpus"][0]["name"] == "NVIDIA H200"
+    assert obj["format_version"] == 5 and obj["prewarm"] is False and obj["map_ranges"] == "" and obj["cuda"]["gpus"][0]["name"] == "NVIDIA H200"
     assert obj["host_files"][1] == {"mount": "/models", "path": "qwen/tokenizer.json", "size": 9, "digest": SHA}
 
 
 def _version_2() -> dict[str, Any]:
     obj = json.loads(make_manifest().to_json())
-    del obj["host_files"], obj["prewarm"]
+    del obj["host_files"], obj["prewarm"], obj["map_ranges"]
     obj["format_version"] = 2
     return obj
 
 
 def _version_3() -> bytes:
     obj = json.loads(make_manifest().to_json())
-    del obj["prewarm"]
+    del obj["prewarm"], obj["map_ranges"]
     obj["format_version"] = 3
     return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _version_4() -> bytes:
+    obj = json.loads(make_manifest(prewarm=True).to_json())
+    del obj["map_ranges"]
+    obj["format_version"] = 4
+    return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+
+
+def test_a_format_4_manifest_is_read_with_the_nodes_map_setting_and_keeps_its_signed_bytes() -> None:
+    data = _version_4()
+    verify(data, sign(data, KEY), KEY)
+    m = Manifest.from_json(data)
+    assert m.format_version == 4 and m.prewarm is True and m.map_ranges == ""
+    assert m.to_json() == data
+    with pytest.raises(ArtifactRejected, match="map_ranges in a format_version 4 manifest"):
+        Manifest.from_json(data.replace(b'"process"', b'"map_ranges":"all","process"'))
+
+
+def test_a_manifest_records_what_its_restores_map_in_its_signed_bytes() -> None:
+    m = make_manifest(map_ranges="all")
+    data = m.to_json()
+    assert json.loads(data)["map_ranges"] == "all" and Manifest.from_json(data).map_ranges == "all"
+    with pytest.raises(ArtifactRejected, match="bad signature"):
+        verify(data.replace(b'"map_ranges":"all"', b'"map_ranges":"none"'), sign(data, KEY), KEY)
+    with pytest.raises(ValueError, match="map_ranges must be one of"):
+        make_manifest(map_ranges="everything")
+    with pytest.raises(ValueError, match="map_ranges needs format_version 5"):
+        make_manifest(map_ranges="all", format_version=4)
 
 
 def test_a_format_3_manifest_is_read_unmarked_and_keeps_its_signed_bytes() -> None:
@@ -139,7 +168,9 @@ def _mutate(path: str, value: Any) -> bytes:
 
 
 @pytest.mark.parametrize("data, needle", [
-    (_mutate("format_version", 5), "unsupported manifest format_version 5 (this build reads 2, 3, 4)"),
+    (_mutate("format_version", 6), "unsupported manifest format_version 6 (this build reads 2, 3, 4, 5)"),
+    (_mutate("map_ranges", "most"), "map_ranges must be one of"),
+    (_mutate("map_ranges", None), "manifest.map_ranges: expected str"),
     (_mutate("prewarm", "true"), "manifest.prewarm: expected bool"),
     (_mutate("host_files", KeyError), "missing keys ['host_files']"),
     (_mutate("host_files", None), "host_files is null exactly in a format_version 2 manifest"),
@@ -167,7 +198,7 @@ def _mutate(path: str, value: Any) -> bytes:
     (b"[1]", "not a JSON object"),
     (b"\xff\xfe", "not valid JSON"),
     (b"x" * (16 * 1024 * 1024 + 1), "larger than"),
-], ids=["future-version", "prewarm-as-string", "host-files-missing", "host-files-null", "host-file-dotdot", "host-file-absolute",
+], ids=["future-version", "map-ranges-unknown", "map-ranges-null", "prewarm-as-string", "host-files-missing", "host-files-null", "host-file-dotdot", "host-file-absolute",
         "host-mount-relative", "host-file-bad-digest", "version-2-with-host-files", "version-as-string", "version-as-bool", "unknown-key", "missing-key",
         "uid-as-string", "bool-as-int", "int-as-bool", "string-for-list", "bad-digest",
         "negative-size", "unsorted-caps", "unknown-seccomp", "negative-timing", "bad-time",

@@ -195,3 +195,19 @@ def test_prewarm_marks_a_source_and_nothing_else() -> None:
         decide({"rekindle.dev/checkpoint": "llm", "rekindle.dev/prewarm": "yes"}, "app")
     with pytest.raises(AnnotationError, match="applies to checkpoint sources only"):
         decide({"rekindle.dev/restore": "llm", "rekindle.dev/prewarm": "true"}, "app")
+
+
+@pytest.mark.parametrize("value", ["driver", "all", "none"])
+def test_map_ranges_is_a_sources_choice_of_the_node_caches_modes(value: str) -> None:
+    intent = decide({"rekindle.dev/checkpoint": "llm", "rekindle.dev/map-ranges": value}, "app")
+    assert intent is not None and intent.map_ranges == value
+
+
+def test_map_ranges_defaults_to_the_node_and_is_parsed_strictly() -> None:
+    intent = decide({"rekindle.dev/checkpoint": "llm"}, "app")
+    assert intent is not None and intent.map_ranges == ""
+    for bad in ("", "ALL", "every", "all "):
+        with pytest.raises(AnnotationError, match="must be one of driver, all, none"):
+            decide({"rekindle.dev/checkpoint": "llm", "rekindle.dev/map-ranges": bad}, "app")
+    with pytest.raises(AnnotationError, match="applies to checkpoint sources only"):
+        decide({"rekindle.dev/restore": "llm", "rekindle.dev/map-ranges": "all"}, "app")
