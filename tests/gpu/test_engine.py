@@ -17,10 +17,12 @@ first decode records its graphs again);
 another (the later ones on host memory the first touched: ``restores_again``), each later one
 once the first one's node cache entry is sealed (up to 120 s; ``entry_wait_s``), so that it
 measures the node's warm path and not a second stream beside the cache's writer.
-Every restore records ``first_answer_s``: from its container's creation to the first completion
-a client of the pod got (asked again and again from the creation on: :class:`FirstAnswer`), and
-``restore_to_first_answer_s``: the same asked only once the plugin's status said ``restored``,
-which waits for the restore to settle (a second, less the CUDA restore).
+``REKINDLE_ENGINE_MAP`` (default: the plugin's) is the release-path source's
+``rekindle.dev/map-ranges``. Every restore records ``first_answer_s``: from its container's
+creation to the first completion a client of the pod got (asked again and again from the
+creation on: :class:`FirstAnswer`), and ``restore_to_first_answer_s``: the same asked only once
+the plugin's status said ``restored``, which waits for the restore to settle (a second, less the
+CUDA restore).
 
 The transparent path (no sleep, the whole reservation checkpointed) runs for the fractions in
 ``REKINDLE_ENGINE_TRANSPARENT`` (default none: its dump is as large as the reservation, and the
@@ -68,8 +70,12 @@ RESTORES = int(os.environ.get("REKINDLE_ENGINE_RESTORES", "1"))
 HOSTS = [h for h in os.environ.get("REKINDLE_ENGINE_HOSTS", "pinned").split(",") if h]
 STABLE = os.environ.get("REKINDLE_ENGINE_STABLE", "1")  # engine_worker's STABLE_ADDRESSES
 AFTER = {"rekindle.dev/after-restore": f"http://127.0.0.1:{PORT}/wake_up"}
+# What the release path's restores map from the node's cache (the source's rekindle.dev/map-ranges;
+# empty: the plugin's setting): all maps the pageable sleeping weights instead of filling them
+MAP = os.environ.get("REKINDLE_ENGINE_MAP", "")
 ANNOTATIONS = {"rekindle.dev/before-checkpoint": f"http://127.0.0.1:{PORT}/sleep?level=1",
-               "rekindle.dev/after-restore": f"http://127.0.0.1:{PORT}/wake_up"}
+               "rekindle.dev/after-restore": f"http://127.0.0.1:{PORT}/wake_up",
+               **({"rekindle.dev/map-ranges": MAP} if MAP else {})}
 
 
 @pytest.fixture(scope="module")
