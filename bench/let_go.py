@@ -15,7 +15,7 @@ address order), each way:
 - ``unregister`` (today's ``uffd.release``): ``UFFDIO_UNREGISTER`` and ``UFFDIO_WAKE`` per piece;
   each splits the registered VMA, under the file's mapping lock, which every process mapping the
   file shares;
-- ``continue``: ``UFFDIO_CONTINUE`` per piece (:func:`map_cached`): the file's pages mapped
+- ``continue``: ``UFFDIO_CONTINUE`` per piece (``uffd.map_cached``, the serve's ``MapCached``): the file's pages mapped
   read-only, 4 KiB at a time, the VMA left whole;
 
 and by who lets go:
@@ -33,8 +33,6 @@ process read its range, the summed thread-seconds in the let-go calls, and each 
 from __future__ import annotations
 
 import argparse
-import ctypes
-import errno
 import itertools
 import json
 import mmap
@@ -83,32 +81,6 @@ CHILD = textwrap.dedent("""
 """)
 
 
-class _Continue(ctypes.Structure):
-    _fields_ = [("start", ctypes.c_uint64), ("len", ctypes.c_uint64), ("mode", ctypes.c_uint64),
-                ("mapped", ctypes.c_int64)]
-
-
-UFFDIO_CONTINUE = (3 << 30) | (ctypes.sizeof(_Continue) << 16) | (0xAA << 8) | 0x07
-
-
-def map_cached(fd: int, start: int, length: int) -> int:
-    """``UFFDIO_CONTINUE`` over a range registered in minor mode: the page cache's pages mapped
-    (read-only in a private mapping, copied on write), the waiters woken, the range left
-    registered and its VMA whole. A page already present is skipped (EEXIST). The bytes mapped."""
-    mapped = 0
-    while length > 0:
-        arg = _Continue(start, length, 0, 0)
-        err = uffd._call(fd, UFFDIO_CONTINUE, arg)
-        done = arg.mapped if arg.mapped > 0 else 0
-        mapped += done
-        start, length = start + done, length - done
-        if err == errno.EEXIST:
-            start, length = start + uffd.PAGE, length - uffd.PAGE
-        elif err not in (0, errno.EAGAIN, errno.EINTR):
-            raise OSError(err, f"UFFDIO_CONTINUE {start:#x}+{length}: {errno.errorcode.get(err, err)}")
-    return mapped
-
-
 class Mapper:
     """A child mapping the file privately, registered; ``fd`` its uffd, ``addr`` the mapping."""
 
@@ -154,7 +126,7 @@ def make_file(directory: str, length: int) -> tuple[str, int]:
 def let_go_call(mode: str) -> Callable[[int, int, int], None]:
     if mode == "unregister":
         return uffd.release
-    return lambda fd, start, length: None if map_cached(fd, start, length) else None
+    return lambda fd, start, length: None if uffd.map_cached(fd, start, length) else None
 
 
 def run_case(path: str, length: int, crc: int, procs: int, threads: int, mode: str, shape: str,

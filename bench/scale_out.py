@@ -13,6 +13,8 @@ stopped. Then, for each round ``PATH:CACHE`` (PATH ``bulk`` or ``stream``: the p
 with ``REKINDLE_RESTORE_PATH``; CACHE ``off``: ``REKINDLE_CACHE_BYTES=0``, no cache; ``warm``: the cache on, and one untimed
 restore first, then a wait until a complete entry (``<state dir>/cache/v1/*/entry.json``) is
 there; ``cold``: the cache on, its entries removed while the plugin is stopped, before each run;
+an optional third field, ``unregister`` or ``continue``, sets ``REKINDLE_LET_GO``: how a streamed
+restore that makes the entry lets each mapped piece go (``runtime.pages.sink``);
 ``--map-ranges`` sets ``REKINDLE_MAP``: the plugin's default maps only the CUDA driver's host
 copy, which a CPU workload has not, so its pods are filled from the entry, not mapped), two runs: one pod alone, then ``--pods`` pods at once (their containers created together, one
 thread each). The artifact is read into the page cache before each run (restore_speed's
@@ -74,7 +76,8 @@ PATHS = ("bulk", "stream")
 CACHES = ("off", "cold", "warm")
 SAMPLE_S = 0.1
 # the plugin's measurement settings a run of this bench hands on to it from its own environment
-PASSED_ENV = ("REKINDLE_STREAM_THREADS", "REKINDLE_STREAM_WARM_REST")
+PASSED_ENV = ("REKINDLE_STREAM_THREADS", "REKINDLE_STREAM_WARM_REST", "REKINDLE_LET_GO")
+LET_GOS = ("unregister", "continue")  # $REKINDLE_LET_GO: how a streamed restore lets a mapped piece go
 WARM_POLL_S = 0.2
 
 
@@ -84,10 +87,11 @@ WARM_POLL_S = 0.2
 class Round:
     path: str
     cache: str
+    let_go: str = ""  # a third field: $REKINDLE_LET_GO for the round (else the plugin's, or passed on)
 
     @property
     def spec(self) -> str:
-        return f"{self.path}:{self.cache}"
+        return f"{self.path}:{self.cache}" + (f":{self.let_go}" if self.let_go else "")
 
     def env(self, map_ranges: str = "", pods: int = 1) -> dict[str, str]:
         """The plugin's environment for the round ('warm' and 'cold' keep the cache's default
@@ -96,17 +100,20 @@ class Round:
         passed = {k: os.environ[k] for k in PASSED_ENV if k in os.environ}  # measurement settings
         return {"REKINDLE_RESTORE_PATH": self.path, "REKINDLE_MAX_PARALLEL": str(max(2, pods)),
                 **({"REKINDLE_CACHE_BYTES": "0"} if self.cache == "off" else {"REKINDLE_CACHE_TMPFS": "1"}),
-                **({"REKINDLE_MAP": map_ranges} if map_ranges else {}), **passed}
+                **({"REKINDLE_MAP": map_ranges} if map_ranges else {}), **passed,
+                **({"REKINDLE_LET_GO": self.let_go} if self.let_go else {})}
 
 
 def parse_rounds(text: str) -> list[Round]:
-    """``bulk:off,stream:warm`` -> rounds; ValueError naming what is wrong."""
+    """``bulk:off,stream:warm,stream:cold:continue`` -> rounds; ValueError naming what is wrong."""
     rounds = []
     for part in (p.strip() for p in text.split(",")):
-        path, sep, cache = part.partition(":")
-        if not sep or path not in PATHS or cache not in CACHES:
-            raise ValueError(f"round {part!r}: want PATH:CACHE, PATH one of {PATHS}, CACHE one of {CACHES}")
-        rounds.append(Round(path, cache))
+        path, sep, rest = part.partition(":")
+        cache, _, let_go = rest.partition(":")
+        if not sep or path not in PATHS or cache not in CACHES or (let_go and let_go not in LET_GOS):
+            raise ValueError(f"round {part!r}: want PATH:CACHE[:LET_GO], PATH one of {PATHS}, CACHE one of {CACHES}, "
+                             f"LET_GO one of {LET_GOS}")
+        rounds.append(Round(path, cache, let_go))
     return rounds
 
 
@@ -498,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--case", choices=sorted(CASES), required=True)
     ap.add_argument("--pods", type=int, default=4, help="pods restored at once (default %(default)s)")
     ap.add_argument("--rounds", type=_rounds_arg, default=parse_rounds("bulk:off,bulk:warm,stream:warm"),
-                    help="PATH:CACHE,... (PATH bulk|stream, CACHE off|cold|warm)")
+                    help="PATH:CACHE[:LET_GO],... (PATH bulk|stream, CACHE off|cold|warm, LET_GO unregister|continue)")
     bench_main.add_rig_arguments(ap, "scale-out", "wait for a complete cache entry")
     ap.add_argument("--steady-s", type=float, default=5.0, help="sampling after the last answer")
     ap.add_argument("--map-ranges", choices=("", "driver", "all", "none"), default="",

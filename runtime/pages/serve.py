@@ -211,14 +211,16 @@ class Server:
                  threads: int = WORKERS, holder: Holding | None = None,
                  progress: Callable[[int], None] | None = None,
                  first: Sequence[tuple[int, int, int]] = (), mapped: Sequence[Mapped] = (),
-                 book: MappedBook | None = None, limits: Limits = Limits()) -> None:
+                 book: MappedBook | None = None, limits: Limits = Limits(), let_go: Sink | None = None) -> None:
         """``first``: (pid, start, end) address spans whose pieces are installed before the rest
         (the CUDA driver's host copy, which its restore reads while the pieces arrive).
         ``mapped``: ranges of ``files`` the tree maps from files the serve writes (each a whole
         range of its process's bulk file): let go, not copied; they go first of all. ``book``: the
         state of their files' pieces, when other restores write them too (else this serve's own).
-        ``limits``: what the serve may cost before it fails closed."""
+        ``limits``: what the serve may cost before it fails closed. ``let_go``: how a mapped
+        piece in its file is let go (:class:`~runtime.pages.sink.LetGo` unless given)."""
         self.label, self.kill, self.holder, self.progress = label, kill, holder, progress
+        self.let_go: Sink = let_go if let_go is not None else LetGo()
         self.limits = limits
         self.threads = max(0, threads)
         self.source = PieceSource(files, fds, sums)
@@ -498,7 +500,7 @@ class Server:
                 if self._stop.is_set():
                     return
                 try:
-                    released += LetGo().put(fd, dst, off - p.offset, n)
+                    released += self.let_go.put(fd, dst, off - p.offset, n)
                 except uffd.Gone:
                     pass  # unmapped since, or the process exited
             with self.table:

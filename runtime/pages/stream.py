@@ -48,6 +48,7 @@ from runtime.pages.book import MappedBook
 from runtime.pages.serve import Server, StreamStats
 from runtime.pages.serve import StreamError as StreamError  # the restore names these here
 from runtime.pages.sink import Mapped as Mapped
+from runtime.pages.sink import let_go_sink
 
 log = logging.getLogger(__name__)
 
@@ -232,7 +233,7 @@ class Session:
             # whatever the tree forked since is in its pid namespace: kill all of it, but the init
             server = Server(label, files, fds, sums, lambda: kill_namespace(pidns, init_pid, now_ticks()),
                             threads=threads, holder=holder, progress=progress, first=first, mapped=mapped,
-                            book=book)
+                            book=book, let_go=let_go_sink(os.environ))
         except BaseException:
             listener.close()
             holder.close()

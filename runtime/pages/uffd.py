@@ -72,12 +72,17 @@ class _Zeropage(ctypes.Structure):
     _fields_ = [("range", _Range), ("mode", ctypes.c_uint64), ("zeropage", ctypes.c_int64)]
 
 
+class _Continue(ctypes.Structure):
+    _fields_ = [("range", _Range), ("mode", ctypes.c_uint64), ("mapped", ctypes.c_int64)]
+
+
 _READ, _WRITE = 2, 1
 UFFDIO_REGISTER = _ioc(_READ | _WRITE, 0x00, ctypes.sizeof(_Register))
 UFFDIO_UNREGISTER = _ioc(_READ, 0x01, ctypes.sizeof(_Range))
 UFFDIO_WAKE = _ioc(_READ, 0x02, ctypes.sizeof(_Range))
 UFFDIO_COPY = _ioc(_READ | _WRITE, 0x03, ctypes.sizeof(_Copy))
 UFFDIO_ZEROPAGE = _ioc(_READ | _WRITE, 0x04, ctypes.sizeof(_Zeropage))
+UFFDIO_CONTINUE = _ioc(_READ | _WRITE, 0x07, ctypes.sizeof(_Continue))
 UFFDIO_API = _ioc(_READ | _WRITE, 0x3F, ctypes.sizeof(_Api))
 _API_VERSION = 0xAA
 MSG_SIZE = 32
@@ -159,6 +164,42 @@ def zeropage(fd: int, start: int, length: int) -> int:
         elif err != errno.EINTR:
             raise OSError(err, f"UFFDIO_ZEROPAGE {start:#x}+{length}: {os.strerror(err)}")
     return installed
+
+
+def map_cached(fd: int, start: int, length: int) -> int:
+    """Map the page cache's pages of a range registered in minor mode (``UFFDIO_CONTINUE``: a
+    private mapping gets them read-only, copied on write), waking the waiters; the range stays
+    registered and its VMA whole, where an unregister splits it, under the mm's lock taken for
+    writing. A page already present is left as it is (EEXIST); a hole in the file (EFAULT: no
+    page in the cache) gets the zero page. Returns the bytes mapped (holes not counted); Gone,
+    Exited, Changing or OSError as :func:`copy`."""
+    mapped = 0
+    while length > 0:
+        arg = _Continue(_Range(start, length), 0, 0)
+        err = _call(fd, UFFDIO_CONTINUE, arg)
+        done = arg.mapped if arg.mapped > 0 else 0
+        mapped += done
+        start, length = start + done, length - done
+        if err == 0:
+            continue
+        if err == errno.EEXIST:  # skip the present page, go on after it
+            start, length = start + PAGE, length - PAGE
+        elif err == errno.EFAULT:  # a hole: zeros, as the kernel's own fault would read it
+            zeropage(fd, start, PAGE)
+            start, length = start + PAGE, length - PAGE
+        elif err == errno.EAGAIN:
+            if done:
+                continue
+            raise Changing()
+        elif err == errno.ESRCH:
+            raise Exited()
+        elif err == errno.ENOENT:
+            raise Gone()
+        elif err == errno.EINTR:
+            continue
+        else:
+            raise OSError(err, f"UFFDIO_CONTINUE {start:#x}+{length}: {os.strerror(err)}")
+    return mapped
 
 
 def wake(fd: int, start: int, length: int) -> None:

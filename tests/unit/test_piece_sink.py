@@ -15,7 +15,7 @@ from runtime.layout import SUM_CHUNK, BulkFile, BulkRange, bulk_file
 from runtime.pages import chunks
 from runtime.pages.book import MappedBook
 from runtime.pages.mapping import Span
-from runtime.pages.sink import EntryFiles, LetGo, Mapped
+from runtime.pages.sink import EntryFiles, LetGo, LetGoMode, MapCached, Mapped, let_go_sink
 from runtime.pages.source import PIECE, Piece, PieceSource
 
 LEAD = 20 << 10  # the range's bytes start this far into the bulk file: no chunk edge
@@ -117,3 +117,45 @@ def test_letting_go_where_nothing_is_registered_says_gone() -> None:
             LetGo().put(fd, 0x7E0000000000, 0, uffd.PAGE)
     finally:
         os.close(fd)
+
+
+def test_mapping_the_cached_pages_maps_the_files_bytes_zero_for_holes_and_keeps_writes_private() -> None:
+    """MapCached (UFFDIO_CONTINUE) over a private mapping of a tmpfs file registered in missing
+    and minor mode, in this process: every page is present after it (nothing here faults on
+    the uffd), holes read zero, a second pass maps nothing, and a write stays the process's."""
+    import ctypes
+    import mmap
+
+    from runtime.pages import uffd
+    if uffd.probe() is not None:
+        pytest.skip(f"no userfaultfd: {uffd.probe()}")
+    page = uffd.PAGE
+    fd = os.open("/dev/shm", os.O_RDWR | os.O_TMPFILE, 0o600)
+    os.ftruncate(fd, 4 * page)
+    os.pwrite(fd, b"a" * page, 0)
+    os.pwrite(fd, b"c" * page, 2 * page)  # pages 1 and 3 are holes
+    m = mmap.mmap(fd, 4 * page, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    anchor = ctypes.c_char.from_buffer(m)
+    addr = ctypes.addressof(anchor)
+    u = uffd.open_uffd(uffd.NEEDED_FEATURES)
+    try:
+        uffd.register(u, addr, 4 * page, uffd.REGISTER_MODE_MISSING | uffd.REGISTER_MODE_MINOR)
+        assert MapCached().put(u, addr, 0, 4 * page) == 4 * page
+        assert uffd.map_cached(u, addr, 4 * page) == 0  # every page present: nothing mapped again
+        assert (m[0], m[page], m[2 * page], m[3 * page]) == (ord("a"), 0, ord("c"), 0)
+        m[1] = ord("z")
+        assert m[1] == ord("z") and os.pread(fd, 2, 0) == b"aa"  # copied on write: the file keeps its bytes
+        uffd.release(u, addr, 4 * page)
+    finally:
+        os.close(u)
+        del anchor
+        m.close()
+        os.close(fd)
+
+
+def test_the_let_go_is_unregister_unless_continue_is_asked_for(caplog) -> None:
+    assert isinstance(let_go_sink({}), LetGo)
+    assert isinstance(let_go_sink({"REKINDLE_LET_GO": LetGoMode.CONTINUE.value}), MapCached)
+    assert isinstance(let_go_sink({"REKINDLE_LET_GO": "unregister"}), LetGo)
+    assert isinstance(let_go_sink({"REKINDLE_LET_GO": "faster"}), LetGo)
+    assert "none of" in caplog.text

@@ -99,9 +99,13 @@ def test_rounds_parse_with_their_plugin_environment(monkeypatch) -> None:
     assert got[2].spec == "stream:cold"
     monkeypatch.setenv("REKINDLE_STREAM_WARM_REST", "1")  # a measurement setting is handed on
     assert got[1].env()["REKINDLE_STREAM_WARM_REST"] == "1"
+    cont = scale_out.parse_rounds("stream:cold:continue")[0]  # a round's own let-go wins over the passed one
+    monkeypatch.setenv("REKINDLE_LET_GO", "unregister")
+    assert cont == Round("stream", "cold", "continue") and cont.spec == "stream:cold:continue"
+    assert cont.env()["REKINDLE_LET_GO"] == "continue" and got[2].env()["REKINDLE_LET_GO"] == "unregister"
 
 
-@pytest.mark.parametrize("bad", ["bulk", "bulk:hot", "stock:off", "bulk:off,", ":warm"])
+@pytest.mark.parametrize("bad", ["bulk", "bulk:hot", "stock:off", "bulk:off,", ":warm", "stream:cold:faster"])
 def test_a_bad_round_is_refused(bad: str) -> None:
     with pytest.raises(ValueError, match="PATH:CACHE"):
         scale_out.parse_rounds(bad)

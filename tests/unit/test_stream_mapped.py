@@ -21,7 +21,7 @@ from runtime.layout import SUM_CHUNK, BulkFile, BulkRange, bulk_file
 from runtime.pages import serve, uffd
 from runtime.pages.book import MappedBook
 from runtime.pages.mapping import HUGE, Span
-from runtime.pages.sink import Mapped
+from runtime.pages.sink import LetGo, MapCached, Mapped
 from runtime.pages.source import PIECE
 
 pytestmark = pytest.mark.skipif(uffd.probe() is not None or os.geteuid() != 0,
@@ -115,8 +115,17 @@ def huge_tmpfs():
     os.rmdir(path)
 
 
+LET_GO = {"unregister": LetGo, "continue": MapCached}
+
+
+@pytest.fixture(params=sorted(LET_GO))
+def let_go(request):
+    """Each way a serve lets a mapped piece go ($REKINDLE_LET_GO)."""
+    return request.param
+
+
 @pytest.fixture
-def mapped(tmp_path, huge_tmpfs):
+def mapped(tmp_path, huge_tmpfs, let_go):
     made = []
 
     def make(length: int, threads: int, at: int = 12 << 10, lead: int = 20 << 10, corrupt: bool = False):
@@ -137,7 +146,7 @@ def mapped(tmp_path, huge_tmpfs):
         fd = os.open(src, os.O_RDONLY)
         killed: list[object] = []
         server = serve.Server("test", [f], [fd], [sums], lambda: killed.append(child.proc.kill()), threads=threads,
-                               mapped=[Mapped(Span(7, child.addr, length, lead), out)])
+                               mapped=[Mapped(Span(7, child.addr, length, lead), out)], let_go=LET_GO[let_go]())
         os.close(fd)
         server.add(7, child.fd)
         made.append((child, server, out, out_path))
@@ -151,7 +160,7 @@ def mapped(tmp_path, huge_tmpfs):
         os.unlink(out_path)
 
 
-def test_a_mapped_range_is_written_into_its_file_and_let_go(mapped) -> None:
+def test_a_mapped_range_is_written_into_its_file_and_let_go(mapped, let_go) -> None:
     length = 3 * PIECE + (64 << 10)
     child, server, data, out, _ = mapped(length, threads=2)
     server.register_mapped()
@@ -160,8 +169,9 @@ def test_a_mapped_range_is_written_into_its_file_and_let_go(mapped) -> None:
     assert stats.bytes_verified == length and stats.mapped_bytes == length and stats.bytes_installed == 0
     assert child.ask("hash") == blake3.blake3(data).hexdigest()
     assert os.pread(out, length, 12 << 10) == data  # the entry's bytes, nothing else
-    # Mapped from the file, 2 MiB at a time where a whole 2 MiB of it lies in the range.
-    assert int(child.ask("huge")) >= 2 * (PIECE >> 10)
+    # Unregistered, mapped from the file 2 MiB at a time where a whole 2 MiB of it lies in the
+    # range; mapped by the serve (continue), 4 KiB at a time.
+    assert int(child.ask("huge")) >= (2 * (PIECE >> 10) if let_go == "unregister" else 0)
     # A write stays the process's own: the file (the node cache's entry) never changes.
     assert child.ask(f"write {PIECE + 3}") == "ok" and child.ask(f"byte {PIECE + 3}") == "170"
     assert os.pread(out, length, 12 << 10) == data
@@ -222,7 +232,7 @@ def test_a_mapped_range_that_is_no_bulk_range_is_refused(tmp_path) -> None:
         os.close(fd)
 
 
-def test_two_restores_of_one_version_share_the_file_and_write_each_piece_once(tmp_path, huge_tmpfs) -> None:
+def test_two_restores_of_one_version_share_the_file_and_write_each_piece_once(tmp_path, huge_tmpfs, let_go) -> None:
     """Two processes map one entry's file at the same address (as two pods restored from one
     artifact do); their serves share one book: each piece is written once, by whichever serve
     comes first, and let go in both. One serve has no install thread: its process's touches are
@@ -246,7 +256,7 @@ def test_two_restores_of_one_version_share_the_file_and_write_each_piece_once(tm
         for child, threads in zip(children, (0, 2)):
             fd = os.open(src, os.O_RDONLY)
             server = serve.Server("test", [f], [fd], [sums], child.proc.kill, threads=threads,
-                                   mapped=[Mapped(span, out)], book=book)
+                                   mapped=[Mapped(span, out)], book=book, let_go=LET_GO[let_go]())
             os.close(fd)
             server.add(7, child.fd)
             server.register_mapped()
