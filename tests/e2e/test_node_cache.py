@@ -270,27 +270,38 @@ def streaming_cache(plugin):
     _restart(plugin, {})
 
 
+@pytest.fixture(params=["unregister", "continue"])
+def streaming_cache_let_go(request, plugin):
+    """``streaming_cache``, each way a serve lets a mapped piece go (``$REKINDLE_LET_GO``)."""
+    _restart(plugin, {"REKINDLE_MAP": "all", "REKINDLE_CACHE_BYTES": "1Gi", "REKINDLE_RESTORE_PATH": "stream",
+                      "REKINDLE_LET_GO": request.param})
+    yield plugin
+    _restart(plugin, {})
+
+
 def _timings(plugin, pod) -> dict:
     return json.loads((plugin.control_dir(pod.uid, "app") / "timings.json").read_text())
 
 
-def test_a_streamed_first_restore_makes_the_entry_as_it_runs_and_the_next_maps_it(sandbox, pod, streaming_cache):
+def test_a_streamed_first_restore_makes_the_entry_as_it_runs_and_the_next_maps_it(sandbox, pod,
+                                                                                   streaming_cache_let_go):
     """No entry yet, the cache a tmpfs, the streamed path: the restored process maps its range
     from the entry's file while the serve writes it (each piece verified, then let go), and the
     entry is finished from that file once the restore is done; the next restore maps it."""
-    plugin = streaming_cache
-    _source(sandbox, pod, plugin, "cache-stream")
-    first, c1 = _restore(sandbox, pod, plugin, "cache-stream", "1")
+    plugin = streaming_cache_let_go
+    name = f"cache-stream-{plugin.env['REKINDLE_LET_GO']}"
+    _source(sandbox, pod, plugin, name)
+    first, c1 = _restore(sandbox, pod, plugin, name, "1")
     use, served = _cache_use(plugin, first), _timings(plugin, first)["stream"]
     assert use["state"] == "building" and use["mapped_bytes"] >= 96 << 20, use
     assert served["mapped_bytes"] == use["mapped_bytes"] and served["mapped_whole"], served
     (p1,) = _tree_in(sandbox, c1)
     rss, _pss = _mapped_vma(p1)  # a mapping of the entry's file, read whole by the hash
     assert rss >= 90 << 10, rss
-    (entry,) = wait_for(lambda: _entries(plugin, "cache-stream"), 120, "the entry to be finished")
+    (entry,) = wait_for(lambda: _entries(plugin, name), 120, "the entry to be finished")
     assert "(written by its restore)" in plugin.log()
     assert not glob.glob(str(plugin.state_dir / "cache" / "v1" / ".tmp-*"))
-    second, _ = _restore(sandbox, pod, plugin, "cache-stream", "2")
+    second, _ = _restore(sandbox, pod, plugin, name, "2")
     use = _cache_use(plugin, second)
     assert use["state"] == "warm" and use["store_bytes_read"] == 0, use
     # Both read the pages of the one file: the first pod's memory is the cache's, not its own copy.
