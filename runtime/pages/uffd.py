@@ -21,7 +21,9 @@ import errno
 import mmap
 import os
 import platform
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from runtime import libc
 
@@ -108,50 +110,27 @@ class Changing(Exception):
     """The address space is changing (an event not read yet): retry after reading events."""
 
 
-def copy(fd: int, dst: int, src: int, length: int) -> int:
-    """Install ``length`` bytes at our address ``src`` into ``dst`` (page-aligned), waking the
-    waiters. A page already present is left as it is (EEXIST: served before, or written by the
-    process or the kernel since: never overwritten). Returns the bytes installed; Gone (Exited:
-    the process is gone), Changing or OSError otherwise (what was installed before stays)."""
+def _fill(fd: int, name: str, request: int, arg_of: Callable[[int, int], ctypes.Structure],
+          done_of: Callable[[Any], int], start: int, length: int,
+          on_hole: Callable[[int], object] | None = None) -> int:
+    """The loop the filling ioctls share over ``start``+``length``: each call goes as far as the
+    kernel lets it (``done_of(arg)`` bytes); a page already present is left as it is and skipped
+    (EEXIST: served before, or written by the process or the kernel since: never overwritten);
+    with ``on_hole``, a page the kernel has nothing for (EFAULT) is handed to it and skipped.
+    Returns the bytes done; Gone (Exited: the process is gone), Changing or OSError otherwise
+    (what was done before stays)."""
     installed = 0
     while length > 0:
-        arg = _Copy(dst, src, length, 0, 0)
-        err = _call(fd, UFFDIO_COPY, arg)
-        done = arg.copy if arg.copy > 0 else 0
-        installed += done
-        dst, src, length = dst + done, src + done, length - done
-        if err == 0:
-            continue
-        if err == errno.EEXIST:  # skip the present page, go on after it
-            dst, src, length = dst + PAGE, src + PAGE, length - PAGE
-        elif err == errno.EAGAIN:
-            if done:
-                continue
-            raise Changing()
-        elif err == errno.ESRCH:
-            raise Exited()
-        elif err in (errno.ENOENT, errno.EFAULT):
-            raise Gone()
-        elif err == errno.EINTR:
-            continue
-        else:
-            raise OSError(err, f"UFFDIO_COPY {dst:#x}+{length}: {os.strerror(err)}")
-    return installed
-
-
-def zeropage(fd: int, start: int, length: int) -> int:
-    """Map zero pages over what is missing in ``start``+``length`` (a hole: never written); the
-    bytes mapped (a present page is left as it is, as :func:`copy` leaves it)."""
-    installed = 0
-    while length > 0:
-        arg = _Zeropage(_Range(start, length), 0, 0)
-        err = _call(fd, UFFDIO_ZEROPAGE, arg)
-        done = arg.zeropage if arg.zeropage > 0 else 0
+        arg = arg_of(start, length)
+        err = _call(fd, request, arg)
+        done = max(0, done_of(arg))
         installed += done
         start, length = start + done, length - done
-        if err == 0:
+        if err in (0, errno.EINTR):
             continue
-        if err == errno.EEXIST:
+        if err == errno.EEXIST or (err == errno.EFAULT and on_hole is not None):
+            if err == errno.EFAULT and on_hole is not None:
+                on_hole(start)
             start, length = start + PAGE, length - PAGE
         elif err == errno.EAGAIN:
             if done:
@@ -161,45 +140,34 @@ def zeropage(fd: int, start: int, length: int) -> int:
             raise Exited()
         elif err in (errno.ENOENT, errno.EFAULT):
             raise Gone()
-        elif err != errno.EINTR:
-            raise OSError(err, f"UFFDIO_ZEROPAGE {start:#x}+{length}: {os.strerror(err)}")
+        else:
+            raise OSError(err, f"{name} {start:#x}+{length}: {os.strerror(err)}")
     return installed
+
+
+def copy(fd: int, dst: int, src: int, length: int) -> int:
+    """Install ``length`` bytes at our address ``src`` into ``dst`` (page-aligned), waking the
+    waiters; a present page is left as it is (:func:`_fill`). Returns the bytes installed."""
+    return _fill(fd, "UFFDIO_COPY", UFFDIO_COPY, lambda at, n: _Copy(at, src + (at - dst), n, 0, 0),
+                 lambda arg: int(arg.copy), dst, length)
+
+
+def zeropage(fd: int, start: int, length: int) -> int:
+    """Map zero pages over what is missing in ``start``+``length`` (a hole: never written); the
+    bytes mapped (a present page is left as it is, as :func:`copy` leaves it)."""
+    return _fill(fd, "UFFDIO_ZEROPAGE", UFFDIO_ZEROPAGE, lambda at, n: _Zeropage(_Range(at, n), 0, 0),
+                 lambda arg: int(arg.zeropage), start, length)
 
 
 def map_cached(fd: int, start: int, length: int) -> int:
     """Map the page cache's pages of a range registered in minor mode (``UFFDIO_CONTINUE``: a
     private mapping gets them read-only, copied on write), waking the waiters; the range stays
     registered and its VMA whole, where an unregister splits it, under the mm's lock taken for
-    writing. A page already present is left as it is (EEXIST); a hole in the file (EFAULT: no
-    page in the cache) gets the zero page. Returns the bytes mapped (holes not counted); Gone,
-    Exited, Changing or OSError as :func:`copy`."""
-    mapped = 0
-    while length > 0:
-        arg = _Continue(_Range(start, length), 0, 0)
-        err = _call(fd, UFFDIO_CONTINUE, arg)
-        done = arg.mapped if arg.mapped > 0 else 0
-        mapped += done
-        start, length = start + done, length - done
-        if err == 0:
-            continue
-        if err == errno.EEXIST:  # skip the present page, go on after it
-            start, length = start + PAGE, length - PAGE
-        elif err == errno.EFAULT:  # a hole: zeros, as the kernel's own fault would read it
-            zeropage(fd, start, PAGE)
-            start, length = start + PAGE, length - PAGE
-        elif err == errno.EAGAIN:
-            if done:
-                continue
-            raise Changing()
-        elif err == errno.ESRCH:
-            raise Exited()
-        elif err == errno.ENOENT:
-            raise Gone()
-        elif err == errno.EINTR:
-            continue
-        else:
-            raise OSError(err, f"UFFDIO_CONTINUE {start:#x}+{length}: {os.strerror(err)}")
-    return mapped
+    writing. A page already present is left as it is; a hole in the file (no page in the cache)
+    gets the zero page, as the kernel's own fault would read it. Returns the bytes mapped (holes
+    not counted)."""
+    return _fill(fd, "UFFDIO_CONTINUE", UFFDIO_CONTINUE, lambda at, n: _Continue(_Range(at, n), 0, 0),
+                 lambda arg: int(arg.mapped), start, length, on_hole=lambda at: zeropage(fd, at, PAGE))
 
 
 def wake(fd: int, start: int, length: int) -> None:
