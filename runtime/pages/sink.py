@@ -37,6 +37,8 @@ from runtime.pages.filemap import FileMap
 from runtime.pages.mapping import Span
 from runtime.pages.source import PIECE, Piece, PieceSource
 
+log = logging.getLogger(__name__)
+
 
 class Sink(Protocol):
     def put(self, fd: int, dst: int, rel: int, length: int) -> int:
@@ -63,9 +65,6 @@ class Zero:
 
     def put(self, fd: int, dst: int, rel: int, length: int) -> int:
         return uffd.zeropage(fd, dst, length)
-
-
-log = logging.getLogger(__name__)
 
 
 class LetGo:
