@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from enum import Enum
 from urllib.parse import urlsplit
 
-from runtime import names
+from runtime import manifest, names
 from runtime.errors import AnnotationError
 from runtime.pod import hooks
 
@@ -68,7 +68,7 @@ MAX_LAYER_SIZE = PREFIX + "max-layer-size"
 ON_RESTORE_FAILURE = PREFIX + "on-restore-failure"
 PREWARM = PREFIX + "prewarm"
 MAP_RANGES = PREFIX + "map-ranges"
-MAP_RANGES_VALUES = ("driver", "all", "none")  # runtime.pages.mapping.MapMode's
+MAP_RANGES_VALUES = tuple(v for v in manifest.MAP_RANGES if v)  # what the manifest records; "" is the default
 BEFORE_CHECKPOINT = PREFIX + "before-checkpoint"
 AFTER_RESTORE = PREFIX + "after-restore"
 HOOK_TIMEOUT = "-timeout"  # BEFORE_CHECKPOINT or AFTER_RESTORE + this: that call's deadline
